@@ -1,0 +1,28 @@
+"""jaxamp: automatic mixed precision for JAX and Flax.
+
+Per-module precision policies for unmodified Flax models (:func:`autocast`), float32 where the
+numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
+(:class:`DynamicLossScale`) and a jitted AMP train step (:func:`make_train_step`).
+"""
+
+from jaxamp.autocast import autocast
+from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp.losses import softmax_cross_entropy
+from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
+from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
+
+__all__ = [
+    "DEFAULT_OP_RULES",
+    "DTYPE_NAMES",
+    "DynamicLossScale",
+    "EMBED_MODULES",
+    "FP32_MODULES",
+    "ModuleRules",
+    "NoOpLossScale",
+    "OpRules",
+    "StaticLossScale",
+    "autocast",
+    "get_policy",
+    "policy_to_str",
+    "softmax_cross_entropy",
+]

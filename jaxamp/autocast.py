@@ -1,0 +1,594 @@
+"""``autocast``: run an unmodified JAX/Flax function under mixed-precision policies.
+
+How it works, in one paragraph: the function is traced once in its own (float32) dtypes to a
+jaxpr, with every Flax linen module call that matches a rule wrapped in a named scope
+``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated equation by equation, each primitive
+re-bound in the dtype its op rule and its region's policy ask for (see :mod:`jaxamp.rules`).
+Because the result is ordinary JAX code, ``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with
+it, and the backward pass follows the forward's dtypes (a float16 matmul has float16 gradient
+matmuls; the cast of a float32 parameter transposes into a float32 gradient).
+
+Value bookkeeping that keeps casts minimal:
+
+* *stored* values (the function's float inputs, e.g. params, and constants) are not cast up
+  front; they are cast where an arithmetic op first uses them, after any gather/slice/reshape,
+  so an embedding table is never cast whole and scanned stacked params are cast per layer;
+* every value is cast at most once per dtype (a cache on the value);
+* constants cast down saturate (an f32 ``finfo.min`` mask becomes -65504 in f16, not -inf);
+* leaving a matched module's region casts to its ``output_dtype``; entering one casts
+  activations to its ``compute_dtype``; the function's own float outputs get the default
+  policy's ``output_dtype`` (a linen ``apply(..., mutable=...)`` leaves the updated
+  collections in their stored dtype).
+
+Control flow keeps its structure: ``jit`` bodies are inlined, ``checkpoint``/``remat`` is
+re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the widest of the
+initial value and what the body returns, so float32 accumulators stay float32), ``cond``
+branches agree on the widest output dtype, ``custom_jvp`` functions keep their custom rule
+(re-evaluated in the new dtypes). ``custom_vjp`` functions and unknown higher-order primitives run
+exactly as traced (float32): correct, not accelerated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jmp
+import numpy as np
+from jax import lax
+
+from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+
+__all__ = ["autocast"]
+
+_F32 = np.dtype(np.float32)
+_MARKER = re.compile(r"jaxamp<(\d+)>")
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})
+
+
+def _is_float(dtype) -> bool:
+    dtype = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        return False
+
+
+def _dtype_of(x) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(x).dtype
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return dtype
+
+
+def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = np.dtype(jnp.promote_types(out, d))
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Val:
+    """A value under evaluation and what autocast knows about it."""
+
+    val: Any
+    stored: bool  # an input or constant not yet committed to a compute dtype
+    const: bool  # depends on no input (safe to compute at trace time; casts saturate)
+    region: tuple[int, ...]
+    casts: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def dtype(self):
+        return _dtype_of(self.val)
+
+    @property
+    def is_float(self) -> bool:
+        return _is_float(self.dtype)
+
+    def fresh(self, val=None) -> _Val:
+        """The same knowledge about a value seen from inside a new trace (no shared casts)."""
+        return _Val(self.val if val is None else val, self.stored, self.const, self.region)
+
+
+def _saturating(x, dtype: np.dtype):
+    info = jnp.finfo(dtype)
+    if isinstance(x, jax.core.Tracer):
+        return lax.convert_element_type(jnp.clip(x, info.min, info.max), dtype)
+    return np.asarray(np.clip(np.asarray(x, np.float32), float(info.min), float(info.max)),
+                      dtype)
+
+
+def _cast(v: _Val, dtype) -> Any:
+    """``v.val`` in ``dtype`` (cached: a value is cast to a given dtype at most once)."""
+    dtype = np.dtype(dtype)
+    if not v.is_float or v.dtype == dtype:
+        return v.val
+    if dtype not in v.casts:
+        narrower = jnp.finfo(dtype).max < jnp.finfo(v.dtype).max
+        if v.const and narrower:
+            v.casts[dtype] = _saturating(v.val, dtype)
+        else:
+            v.casts[dtype] = lax.convert_element_type(v.val, dtype)
+    return v.casts[dtype]
+
+
+def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) -> set:
+    """Vars whose every consumer computes in float32 (so they are best computed in float32)."""
+    consumers: dict[Any, list] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                consumers.setdefault(v, []).append(eqn)
+    wants: set = {v for v, w in zip(jaxpr.outvars, out_wants)
+                  if w and isinstance(v, jcore.Var)}
+    blocked = {v for v, w in zip(jaxpr.outvars, out_wants) if not w and isinstance(v, jcore.Var)}
+
+    def eqn_wants(eqn) -> bool:
+        kind = op_rules.classify(eqn.primitive.name)
+        if kind == "fp32":
+            return True
+        if kind in ("promote", "structural") or eqn.primitive.name in _INLINE:
+            outs = [o for o in eqn.outvars if _is_float(o.aval.dtype)]
+            return bool(outs) and all(o in wants for o in outs)
+        return False
+
+    for eqn in reversed(jaxpr.eqns):
+        for out in eqn.outvars:
+            if out in blocked or out in wants:
+                continue
+            uses = consumers.get(out, [])
+            if uses and all(eqn_wants(u) for u in uses):
+                wants.add(out)
+    return wants
+
+
+class _Regions:
+    """The region table filled while tracing: region id -> policy (id 0: the default)."""
+
+    def __init__(self, rules: ModuleRules):
+        self.rules = rules
+        self.policies: list[jmp.Policy] = [rules.default]
+        self.paths: list[str] = ["<root>"]
+        self.matched_patterns: set[str] = set()
+        self.stack: list[nn.Module] = []
+
+    def interceptor(self, next_fun, args, kwargs, context):
+        module = context.module
+        if self.stack and self.stack[-1] is module:
+            return next_fun(*args, **kwargs)  # a module calling its own methods: same region
+        policy, pattern = self.rules.match(module)
+        if pattern is not None:
+            self.matched_patterns.add(pattern)
+        self.stack.append(module)
+        try:
+            if policy is None:
+                return next_fun(*args, **kwargs)
+            self.policies.append(policy)
+            self.paths.append("/".join(str(p) for p in module.path))
+            with jax.named_scope(f"jaxamp<{len(self.policies) - 1}>"):
+                return next_fun(*args, **kwargs)
+        finally:
+            self.stack.pop()
+
+
+class _Evaluator:
+    """Re-evaluates a traced jaxpr with each equation in its autocast dtype."""
+
+    def __init__(self, policies: Sequence[jmp.Policy], op_rules: OpRules):
+        self.policies = policies
+        self.op_rules = op_rules
+
+    # ---- regions -------------------------------------------------------------------------
+    def compute_dtype(self, region: tuple[int, ...]) -> np.dtype:
+        return np.dtype(self.policies[region[-1] if region else 0].compute_dtype)
+
+    def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
+        ids = [int(m) for m in _MARKER.findall(str(eqn.source_info.name_stack))]
+        return base + tuple(i for i in ids if i not in base)
+
+    def operand(self, v: _Val, region: tuple[int, ...]) -> _Val:
+        """``v`` as an eqn in ``region`` sees it: cast on leaving/entering a matched module."""
+        if v.region == region or not v.is_float:
+            return v
+        cut = 0
+        while cut < min(len(v.region), len(region)) and v.region[cut] == region[cut]:
+            cut += 1
+        target = None
+        stored = v.stored
+        if len(v.region) > cut:  # leaving the module region v.region[cut]
+            target = np.dtype(self.policies[v.region[cut]].output_dtype)
+            stored = False
+        if len(region) > cut and not stored:  # entering a module region
+            target = self.compute_dtype(region)
+        if target is None or target == v.dtype:
+            return v if target is None else _Val(v.val, False, v.const, region, v.casts)
+        return _Val(_cast(v, target), False, False, region)
+
+    # ---- the interpreter ------------------------------------------------------------------
+    def eval(self, closed: jcore.ClosedJaxpr | jcore.Jaxpr, consts: Sequence[_Val] | None,
+             args: Sequence[_Val], base: tuple[int, ...],
+             out_wants: Sequence[bool] | None = None) -> list[_Val]:
+        if isinstance(closed, jcore.ClosedJaxpr):
+            jaxpr = closed.jaxpr
+            if consts is None:
+                consts = [_Val(c, True, not isinstance(c, jax.core.Tracer), base)
+                          for c in closed.consts]
+        else:
+            jaxpr, consts = closed, consts or []
+        out_wants = out_wants or [False] * len(jaxpr.outvars)
+        wants = _wants_f32(jaxpr, self.op_rules, out_wants)
+        env: dict[Any, _Val] = {}
+        for var, v in zip(jaxpr.constvars, consts):
+            env[var] = v
+        for var, v in zip(jaxpr.invars, args):
+            env[var] = v
+
+        def read(var) -> _Val:
+            if isinstance(var, jcore.Literal):
+                return _Val(var.val, True, True, base)
+            return env[var]
+
+        for eqn in jaxpr.eqns:
+            region = self.region_of(eqn, base)
+            ins = [self.operand(read(v), region) for v in eqn.invars]
+            want32 = [o in wants for o in eqn.outvars]
+            outs = self.eqn(eqn, ins, region, want32)
+            for var, out in zip(eqn.outvars, outs):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = out
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, ins: list[_Val], region, want32: list[bool]) -> list[_Val]:
+        name = eqn.primitive.name
+        if name in _INLINE:
+            return self.eval(eqn.params["jaxpr"], None, ins, region, want32)
+        if name in _REMAT:
+            return self.remat(eqn, ins, region)
+        if name == "scan":
+            return self.scan(eqn, ins, region)
+        if name == "while":
+            return self.while_loop(eqn, ins, region)
+        if name == "cond":
+            return self.cond(eqn, ins, region)
+        if name == "custom_jvp_call":
+            return self.custom_jvp(eqn, ins, region)
+        if name == "convert_element_type":
+            return self.convert(eqn, ins, region)
+        kind = self.op_rules.classify(name)
+        if any(jcore.jaxprs_in_params(eqn.params)):
+            kind = "opaque"
+        floats = [v for v in ins if v.is_float]
+        all_const = all(v.const for v in ins)
+        if kind == "structural":
+            if want32 and all(want32) and any(not v.stored for v in floats):
+                vals = [_cast(v, _F32) if v.is_float else v.val for v in ins]
+            else:
+                vals = [v.val for v in ins]
+            return self.bind(eqn, vals, region, stored=all(v.stored for v in floats),
+                             const=all_const)
+        if kind in ("promote", "matmul", "fp32") and all_const:
+            return self.opaque(eqn, ins, region)
+        if kind == "matmul":
+            dtype = self.compute_dtype(region)
+            vals = [_cast(v, dtype) for v in ins]
+            params = dict(eqn.params)
+            if params.get("preferred_element_type") is not None and floats:
+                params["preferred_element_type"] = dtype
+            return self.bind(eqn, vals, region, params=params)
+        if kind == "fp32":
+            return self.bind(eqn, [_cast(v, _F32) for v in ins], region)
+        if kind == "promote":
+            float_wants = [w for w, o in zip(want32, eqn.outvars) if _is_float(o.aval.dtype)]
+            if float_wants and all(float_wants):
+                dtype = _F32
+            else:
+                live = [v.dtype for v in floats if not v.stored]
+                dtype = _widest(live) if live else self.compute_dtype(region)
+            return self.bind(eqn, [self.promoted(v, dtype, eqn) for v in ins], region)
+        return self.opaque(eqn, ins, region)
+
+    def promoted(self, v: _Val, dtype, eqn):
+        """``v`` cast for an elementwise op; a stored operand that the op broadcasts (a bias)
+        is broadcast before the cast, so its gradient is summed in its stored dtype."""
+        out_shape = eqn.outvars[0].aval.shape
+        shape = np.shape(v.val)
+        if (v.stored and not v.const and v.is_float and v.dtype != np.dtype(dtype)
+                and len(shape) == len(out_shape) and shape != out_shape):
+            key = ("broadcast", out_shape, np.dtype(dtype))
+            if key not in v.casts:
+                wide = jnp.broadcast_to(v.val, out_shape)
+                v.casts[key] = lax.convert_element_type(wide, dtype)
+            return v.casts[key]
+        return _cast(v, dtype)
+
+    def bind(self, eqn, vals, region, *, params=None, stored=False, const=False) -> list[_Val]:
+        params = eqn.params if params is None else params
+        out = eqn.primitive.bind(*vals, **params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        return [_Val(o, stored, const, region) for o in outs]
+
+    def opaque(self, eqn, ins: list[_Val], region) -> list[_Val]:
+        """Runs an equation exactly as traced (its original input dtypes)."""
+        vals = [_cast(v, var.aval.dtype) if v.is_float and _is_float(var.aval.dtype) else v.val
+                for v, var in zip(ins, eqn.invars)]
+        params = eqn.primitive.get_bind_params(eqn.params)
+        if isinstance(params, tuple):  # older jax: (subfuns, params)
+            subfuns, params = params
+        else:
+            params = dict(params)
+            subfuns = params.pop("subfuns", ())
+        out = eqn.primitive.bind(*subfuns, *vals, **params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        floats = [v for v in ins if v.is_float]
+        return [_Val(o, all(v.stored for v in floats), all(v.const for v in ins), region)
+                for o in outs]
+
+    def convert(self, eqn, ins, region) -> list[_Val]:
+        (v,), new = ins, np.dtype(eqn.params["new_dtype"])
+        src = eqn.invars[0].aval.dtype
+        if v.is_float and _is_float(new):
+            if np.dtype(src) == new:  # a weak-type change in the trace: not a user cast
+                return [v]
+            return [_Val(_cast(v, new), False, v.const, region)]
+        out = lax.convert_element_type(v.val, new)
+        # An int/bool -> float conversion makes a stored value (cast where it is used).
+        return [_Val(out, v.stored or not v.is_float, v.const, region)]
+
+    # ---- control flow ---------------------------------------------------------------------
+    def run_body(self, closed, metas: Sequence[_Val], region, vals, out_wants=None):
+        """Evaluates a sub-jaxpr inside a new trace: fresh values, no shared cast caches."""
+        args = [m.fresh(x) for m, x in zip(metas, vals)]
+        return self.eval(closed, None, args, region, out_wants)
+
+    def out_dtypes(self, closed, metas, region, vals) -> list:
+        shapes = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in vals]
+        outs = jax.eval_shape(
+            lambda *xs: [o.val for o in self.run_body(closed, metas, region, xs)], *shapes)
+        return [o.dtype for o in outs]
+
+    def remat(self, eqn, ins, region) -> list[_Val]:
+        p = eqn.params
+        closed = jcore.ClosedJaxpr(p["jaxpr"], ())
+        metas: list[_Val] = []
+
+        def body(*xs):
+            outs = self.run_body(closed, ins, region, xs)
+            metas[:] = outs
+            return [o.val for o in outs]
+
+        outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
+                              policy=p.get("policy"))(*[v.val for v in ins])
+        return [m.fresh(o) for m, o in zip(metas, outs)]
+
+    def _carry_dtypes(self, init: list[_Val], body_dtypes: Callable[[list], list]) -> list:
+        dtypes = [v.dtype for v in init]
+        for _ in range(4):
+            new = [_widest([a, b]) if _is_float(a) and _is_float(b) else a
+                   for a, b in zip(dtypes, body_dtypes(dtypes))]
+            if new == dtypes:
+                return dtypes
+            dtypes = new
+        return dtypes
+
+    def scan(self, eqn, ins, region) -> list[_Val]:
+        p = eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        body = p["jaxpr"]
+        live = [dataclasses.replace(v, stored=False, const=False, casts={}) for v in init]
+
+        def x_slice(x):
+            return jax.ShapeDtypeStruct(np.shape(x)[1:], _dtype_of(x))
+
+        def body_dtypes(dtypes):
+            shapes = ([jax.ShapeDtypeStruct(np.shape(v.val), v.dtype) for v in consts]
+                      + [jax.ShapeDtypeStruct(np.shape(v.val), d) for v, d in zip(init, dtypes)]
+                      + [x_slice(v.val) for v in xs])
+            outs = jax.eval_shape(
+                lambda *a: [o.val for o in self.run_body(body, consts + live + xs, region, a)],
+                *shapes)
+            return [o.dtype for o in outs[:nk]]
+
+        dtypes = self._carry_dtypes(init, body_dtypes)
+        const_vals = [v.val for v in consts]
+
+        def f(carry, x):
+            outs = self.run_body(body, consts + live + xs, region, [*const_vals, *carry, *x])
+            new_carry = [_cast(o, d) for o, d in zip(outs[:nk], dtypes)]
+            return new_carry, [o.val for o in outs[nk:]]
+
+        carry, ys = lax.scan(f, [_cast(v, d) for v, d in zip(init, dtypes)],
+                             [v.val for v in xs], length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
+        return [_Val(o, False, False, region) for o in (*carry, *ys)]
+
+    def while_loop(self, eqn, ins, region) -> list[_Val]:
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        live = [dataclasses.replace(v, stored=False, const=False, casts={}) for v in init]
+        bvals = [v.val for v in bconsts]
+        cvals = [v.val for v in cconsts]
+
+        def body_dtypes(dtypes):
+            shapes = [jax.ShapeDtypeStruct(np.shape(v.val), d) for v, d in zip(init, dtypes)]
+            outs = jax.eval_shape(lambda *c: [o.val for o in self.run_body(
+                p["body_jaxpr"], bconsts + live, region, [*bvals, *c])], *shapes)
+            return [o.dtype for o in outs]
+
+        dtypes = self._carry_dtypes(init, body_dtypes)
+
+        def cond_fn(carry):
+            (out,) = self.run_body(p["cond_jaxpr"], cconsts + live, region, [*cvals, *carry])
+            return out.val
+
+        def body_fn(carry):
+            outs = self.run_body(p["body_jaxpr"], bconsts + live, region, [*bvals, *carry])
+            return [_cast(o, d) for o, d in zip(outs, dtypes)]
+
+        outs = lax.while_loop(cond_fn, body_fn, [_cast(v, d) for v, d in zip(init, dtypes)])
+        return [_Val(o, False, False, region) for o in outs]
+
+    def cond(self, eqn, ins, region) -> list[_Val]:
+        index, ops = ins[0], ins[1:]
+        branches = eqn.params["branches"]
+        vals = [v.val for v in ops]
+        per_branch = [self.out_dtypes(br, ops, region, vals) for br in branches]
+        dtypes = [_widest(list(ds)) if all(_is_float(d) for d in ds) else ds[0]
+                  for ds in zip(*per_branch)]
+
+        def make(br):
+            def fn(*xs):
+                outs = self.run_body(br, ops, region, xs)
+                return [_cast(o, d) for o, d in zip(outs, dtypes)]
+            return fn
+
+        outs = lax.switch(index.val, [make(br) for br in branches], *vals)
+        return [_Val(o, False, False, region) for o in outs]
+
+    def custom_jvp(self, eqn, ins, region) -> list[_Val]:
+        p = eqn.params
+        if p["num_consts"]:
+            return self.opaque(eqn, ins, region)
+        call, jvp_fun = p["call_jaxpr"], p["jvp_jaxpr_fun"]
+
+        def primal(*xs):
+            return [o.val for o in self.run_body(call, ins, region, xs)]
+
+        fn = jax.custom_jvp(primal)
+
+        def rule(primals, tangents):
+            out_dtypes = [o.dtype for o in jax.eval_shape(primal, *primals)]
+            zeros = [_dtype_of(t) == jax.dtypes.float0 for t in tangents]
+            jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+            nz = [t for t, z in zip(tangents, zeros) if not z]
+            metas = list(ins) + [dataclasses.replace(v, stored=False, const=False, casts={})
+                                 for v, z in zip(ins, zeros) if not z]
+            outs = self.run_body(jcore.ClosedJaxpr(jaxpr, consts), metas, region,
+                                 [*primals, *nz])
+            n = len(out_zeros)
+            p_out = [_cast(o, d) for o, d in zip(outs[:n], out_dtypes)]
+            nz_t = iter(outs[n:])
+            t_out = [jnp.zeros(np.shape(po), d) if z else _cast(next(nz_t), d)
+                     for po, z, d in zip(p_out, out_zeros, out_dtypes)]
+            return p_out, t_out
+
+        fn.defjvp(rule)
+        outs = fn(*[v.val for v in ins])
+        return [_Val(o, False, all(v.const for v in ins), region) for o in outs]
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def _linen_apply_module(fn) -> nn.Module | None:
+    module = getattr(fn, "__self__", None)
+    if isinstance(module, nn.Module) and getattr(fn, "__name__", "") == "apply":
+        return module
+    return None
+
+
+_trace_lock = threading.RLock()
+
+
+def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=float16,"
+             "output=float32", *, overrides: Mapping[Any, str | jmp.Policy] | None = None,
+             op_rules: OpRules = DEFAULT_OP_RULES) -> Callable:
+    """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
+
+    ``fn`` is any JAX function, typically a Flax linen ``model.apply`` (then module rules
+    apply per module) or a loss. Its author writes no dtype code: matmuls/convolutions run in
+    the compute dtype; exp/log/softmax/logsumexp, sums and normalisation statistics in float32;
+    float inputs (params) stay stored in their dtype and are cast where they are used, so
+    gradients with respect to them come back in their dtype; integer inputs are never cast.
+    The float outputs are cast to the policy's ``output_dtype``.
+
+    Args:
+      fn: the function to run.
+      policy: the default policy, a string such as ``"params=float32,compute=bfloat16,
+        output=float32"`` or a :class:`jmp.Policy`.
+      overrides: per-module rules ``{module class or path pattern: policy}``; see
+        :mod:`jaxamp.rules` for matching and precedence. Normalisation layers compute in
+        float32 unless a rule says otherwise.
+      op_rules: which primitives run in which dtype (:data:`jaxamp.DEFAULT_OP_RULES`).
+
+    Returns:
+      A function with ``fn``'s signature; it traces ``fn`` on each call (``jax.jit`` it).
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, jaxamp
+      >>> model = nn.Dense(4)
+      >>> params = model.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> fwd = jaxamp.autocast(model.apply, "params=float32,compute=float16,output=float32")
+      >>> fwd(params, jnp.ones((2, 3))).dtype          # computed in f16, returned in f32
+      dtype('float32')
+    """
+    if not callable(fn):
+        raise TypeError(f"autocast: fn must be callable, got {type(fn).__name__}.")
+    if not isinstance(op_rules, OpRules):
+        raise TypeError(f"autocast: op_rules must be a jaxamp.OpRules, got "
+                        f"{type(op_rules).__name__}. Use jaxamp.DEFAULT_OP_RULES.extend(...).")
+    rules = ModuleRules.create(policy, overrides)
+    apply_module = _linen_apply_module(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+        regions = _Regions(rules)
+
+        def flat_fn(*dyn_vals):
+            full = list(leaves)
+            for i, x in zip(dyn, dyn_vals):
+                full[i] = x
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            with nn.intercept_methods(regions.interceptor):
+                return fn(*a, **k)
+
+        with _trace_lock:
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+                *[leaves[i] for i in dyn])
+        _warn_unmatched(rules, regions)
+        evaluator = _Evaluator(regions.policies, op_rules)
+        dyn_vals = [leaves[i] for i in dyn]
+        consts = [_Val(c, True, not isinstance(c, jax.core.Tracer), (0,)) for c in closed.consts]
+        ins = [_Val(x, True, False, ()) for x in dyn_vals]
+        outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+        cast_mask = [True] * len(out_leaves)
+        if apply_module is not None and kwargs.get("mutable"):
+            n_first = len(jax.tree_util.tree_leaves(out_shape[0]))
+            cast_mask = [i < n_first for i in range(len(out_leaves))]
+        result = []
+        for v, do_cast in zip(outs, cast_mask):
+            if not do_cast or not v.is_float:
+                result.append(v.val)
+                continue
+            result.append(_cast(v, rules.default.output_dtype))
+        return jax.tree_util.tree_unflatten(out_tree, result)
+
+    return wrapped
+
+
+def _warn_unmatched(rules: ModuleRules, regions: _Regions) -> None:
+    for pattern, _, _ in rules.path_rules:
+        if pattern not in regions.matched_patterns:
+            warnings.warn(
+                f"jaxamp.autocast: path rule {pattern!r} matched no module in this call. Module "
+                "paths look like 'Decoder_0/layers_1/attn' ('*' matches within one segment, "
+                "'**' across segments); check the pattern.", stacklevel=3)

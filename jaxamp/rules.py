@@ -1,0 +1,229 @@
+"""Precision rules: which primitives run in which dtype, and which policy each module gets.
+
+Two kinds of rules decide the dtype of every operation that :func:`jaxamp.autocast` rewrites.
+
+**Op rules** (:class:`OpRules`) classify JAX primitives, the way torch autocast's op lists classify
+ATen ops:
+
+================  ==========================================================  ====================
+class             JAX primitives (defaults)                                   torch autocast analog
+================  ==========================================================  ====================
+``matmul``        ``dot_general``, ``conv_general_dilated``                   "lower_precision_fp"
+                  -> run in the region's compute dtype, output in it too      (mm, conv, bmm, ...)
+``fp32``          ``exp``, ``log``, ``log1p``, ``expm1``, ``pow``, ``rsqrt``, "fp32" list (exp, log,
+                  ``reduce_sum``, ``reduce_prod``, ``cumsum``, ``tan``, ...   sum, softmax, norms)
+                  -> inputs cast to float32
+``structural``    ``reshape``, ``transpose``, ``gather``, ``slice``,          (no analog: views)
+                  ``reduce_max``, ... -> keep the operand's dtype; a stored
+                  value (a param) stays un-cast, so an embedding gathers
+                  rows *then* casts them
+``promote``       elementwise arithmetic, ``select_n``, ``concatenate``, ...  "promote" list
+                  -> the widest activation dtype (params and constants
+                  follow it; with only params/constants, the compute dtype)
+================  ==========================================================  ====================
+
+Any primitive in none of the lists runs exactly as traced (float32 inputs), which is always safe:
+that covers typed sub-computations such as ``scatter-add``, ``sort`` and ``reduce``.
+
+Softmax, log-softmax and logsumexp need no entry of their own: they are built from ``exp``,
+``log`` and ``reduce_sum``, and a value whose every consumer wants float32 is computed in
+float32 too (so ``x - max(x)`` before the ``exp`` is float32, not only the ``exp``). The same
+propagation keeps the statistics of a hand-written RMSNorm/LayerNorm in float32.
+
+**Module rules** give a Flax linen module (and, by inheritance, its children) a
+:class:`jmp.Policy`: the default policy, then per class (``{nn.Dense: "compute=float32"}``) or
+per path pattern (``{"decoder/layers_*/attn": "float32"}``). Precedence, most specific first:
+
+1. a path rule matching the module's path (among several, the pattern with the most literal
+   characters wins; a tie goes to the rule given last);
+2. a class rule for the module's class or its nearest base class in the MRO (user rules before
+   the built-in ones for the same class);
+3. the policy of the nearest ancestor module that matched a rule (Haiku's scoping);
+4. the default policy.
+
+Built-in class rules (:data:`FP32_MODULES`, :data:`EMBED_MODULES`): normalisation layers compute
+in float32 and return the default compute dtype ("FP16 input -> FP32 compute -> FP16 output");
+embeddings gather float32 rows and return them in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import jmp
+
+from jaxamp.policy import get_policy
+
+__all__ = [
+    "DEFAULT_OP_RULES",
+    "EMBED_MODULES",
+    "FP32_MODULES",
+    "ModuleRules",
+    "OpRules",
+]
+
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+FP32_PRIMITIVES = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "tan", "acos", "asin", "acosh",
+    "asinh", "atanh", "cosh", "sinh", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "logistic_cross_entropy",
+})
+
+STRUCTURAL_PRIMITIVES = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+    "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_max", "reduce_min", "argmax",
+    "argmin", "stop_gradient", "sharding_constraint", "split", "real", "imag",
+})
+
+PROMOTE_PRIMITIVES = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor",
+    "ceil", "round", "nextafter", "atan2", "sqrt", "cbrt", "square", "integer_pow", "tanh",
+    "logistic", "sin", "cos", "atan", "erf", "erfc", "is_finite", "exp_p", "select_n", "clamp",
+    "concatenate", "pad", "dynamic_update_slice", "eq", "ne", "lt", "le", "gt", "ge",
+    "optimization_barrier", "reduce_precision",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRules:
+    """Primitive-name lists that decide each operation's dtype inside an autocast region.
+
+    Attributes:
+      matmul: run in the region's compute dtype (inputs cast to it, output in it).
+      fp32: run in float32 (inputs cast up); the output stays float32.
+      structural: keep the operand's dtype and do not commit a stored value to a dtype.
+      promote: run in the widest activation dtype among the inputs.
+
+    Example:
+      >>> rules = DEFAULT_OP_RULES.extend(fp32={"tanh"})   # run tanh in float32 too
+      >>> "tanh" in rules.fp32
+      True
+    """
+
+    matmul: frozenset[str] = MATMUL_PRIMITIVES
+    fp32: frozenset[str] = FP32_PRIMITIVES
+    structural: frozenset[str] = STRUCTURAL_PRIMITIVES
+    promote: frozenset[str] = PROMOTE_PRIMITIVES
+
+    def extend(self, **lists: Iterable[str]) -> OpRules:
+        """Returns rules with primitives moved into the named lists (and out of the others)."""
+        fields = {f.name: set(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for key, names in lists.items():
+            if key not in fields:
+                raise ValueError(
+                    f"OpRules.extend: unknown list {key!r}. Allowed: {sorted(fields)}. "
+                    "Example: DEFAULT_OP_RULES.extend(fp32={'tanh'}).")
+            if isinstance(names, str):
+                raise TypeError(
+                    f"OpRules.extend: {key}= must be a collection of primitive names, got the "
+                    f"string {names!r}. Write {key}={{{names!r}}}.")
+            for name in names:
+                for other in fields.values():
+                    other.discard(name)
+                fields[key].add(name)
+        return OpRules(**{k: frozenset(v) for k, v in fields.items()})
+
+    def classify(self, name: str) -> str:
+        """Returns 'matmul', 'fp32', 'structural', 'promote' or 'opaque' for a primitive name."""
+        for kind in ("matmul", "fp32", "structural", "promote"):
+            if name in getattr(self, kind):
+                return kind
+        return "opaque"
+
+
+DEFAULT_OP_RULES = OpRules()
+
+#: Module classes that compute in float32 and return the default compute dtype.
+FP32_MODULES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm)
+
+#: Module classes whose (gathered) output is returned in the default compute dtype.
+EMBED_MODULES: tuple[type[nn.Module], ...] = (nn.Embed,)
+
+
+def _path_regex(pattern: str) -> re.Pattern[str]:
+    """'a/layers_*/attn' -> regex; '*' stays inside one path segment, '**' crosses segments."""
+    out = []
+    for part in re.split(r"(\*\*|\*|\?)", pattern):
+        out.append({"**": ".*", "*": "[^/]*", "?": "[^/]"}.get(part, re.escape(part)))
+    return re.compile("".join(out) + r"\Z")
+
+
+def _literal_len(pattern: str) -> int:
+    return len(pattern.replace("*", "").replace("?", ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRules:
+    """A default policy plus validated per-class and per-path overrides.
+
+    Build it with :meth:`create`; :func:`jaxamp.autocast` does that for you.
+    """
+
+    default: jmp.Policy
+    class_rules: tuple[tuple[type, jmp.Policy], ...]
+    path_rules: tuple[tuple[str, re.Pattern[str], jmp.Policy], ...]
+
+    @classmethod
+    def create(cls, policy: str | jmp.Policy,
+               overrides: Mapping[Any, str | jmp.Policy] | None = None) -> ModuleRules:
+        """Validates a policy and its overrides (eagerly, before any tracing)."""
+        default = get_policy(policy)
+        if overrides is None:
+            overrides = {}
+        if not isinstance(overrides, Mapping):
+            raise TypeError(
+                f"overrides must be a dict mapping a flax.linen.Module subclass or a path pattern "
+                f"to a policy, got {type(overrides).__name__}. Example: "
+                "{nn.Dense: 'compute=float32', 'decoder/layers_*/attn': 'float32'}.")
+        class_rules: list[tuple[type, jmp.Policy]] = []
+        path_rules: list[tuple[str, re.Pattern[str], jmp.Policy]] = []
+        for key, value in overrides.items():
+            pol = get_policy(value)
+            if isinstance(key, str):
+                pattern = key.strip().strip("/")
+                if not pattern:
+                    raise ValueError(
+                        f"override key {key!r} is an empty path pattern. Use a module path such as "
+                        "'decoder/layers_*/attn' ('*' matches within one path segment, '**' "
+                        "across segments).")
+                path_rules.append((pattern, _path_regex(pattern), pol))
+            elif isinstance(key, type) and issubclass(key, nn.Module):
+                class_rules.append((key, pol))
+            else:
+                hint = ""
+                if isinstance(key, nn.Module):
+                    hint = f" Use its class, {type(key).__name__}, or its path."
+                elif isinstance(key, type):
+                    hint = " Flax NNX modules are not supported yet; use flax.linen."
+                raise TypeError(
+                    f"override key {key!r} is not a flax.linen.Module subclass or a path pattern "
+                    f"string.{hint} Example: {{nn.Dense: 'compute=float32'}}.")
+        builtin_fp32 = jmp.Policy(default.param_dtype, jnp.float32, default.compute_dtype)
+        builtin_embed = jmp.Policy(default.param_dtype, default.compute_dtype,
+                                   default.compute_dtype)
+        class_rules += [(c, builtin_fp32) for c in FP32_MODULES]
+        class_rules += [(c, builtin_embed) for c in EMBED_MODULES]
+        return cls(default, tuple(class_rules), tuple(path_rules))
+
+    def match(self, module: nn.Module) -> tuple[jmp.Policy | None, str | None]:
+        """Returns (policy, matched path pattern or None), or (None, None) to inherit."""
+        path = "/".join(str(p) for p in module.path)
+        best = None
+        for pattern, regex, pol in self.path_rules:
+            if regex.match(path):
+                if best is None or _literal_len(pattern) >= _literal_len(best[0]):
+                    best = (pattern, pol)
+        if best is not None:
+            return best[1], best[0]
+        for base in type(module).__mro__:
+            for klass, pol in self.class_rules:
+                if klass is base:
+                    return pol, None
+        return None, None

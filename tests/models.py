@@ -1,0 +1,69 @@
+"""Unmodified test models (no dtype code anywhere), shared by the tests."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class HandAttention(nn.Module):
+    """Causal self-attention written by hand with jax.nn.softmax."""
+
+    heads: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        qkv = nn.Dense(3 * d, name="qkv")(x)
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        q = q.reshape(b, t, self.heads, d // self.heads)
+        k = k.reshape(b, t, self.heads, d // self.heads)
+        v = v.reshape(b, t, self.heads, d // self.heads)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads)
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        return nn.Dense(d, name="proj")(out)
+
+
+class Block(nn.Module):
+    """A transformer block: Flax attention, hand attention, LayerNorm, MLP."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        d = x.shape[-1]
+        h = nn.LayerNorm(name="ln1")(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, name="mha")(h, h)
+        x = x + HandAttention(name="attn")(nn.LayerNorm(name="ln2")(x))
+        h = nn.Dense(2 * d, name="fc1")(nn.LayerNorm(name="ln3")(x))
+        x = x + nn.Dense(d, name="fc2")(nn.gelu(h))
+        return x, None
+
+
+class TestNet(nn.Module):
+    """Embed -> Conv -> BatchNorm -> scanned+remat'd blocks -> LayerNorm -> logits."""
+
+    vocab: int = 32
+    dim: int = 16
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, ids, train: bool = True):
+        x = nn.Embed(self.vocab, self.dim, name="embed")(ids)
+        x = nn.Conv(self.dim, (3,), name="conv")(x)
+        x = nn.BatchNorm(use_running_average=not train, name="bn")(x)
+        x = nn.relu(x)
+        blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                         split_rngs={"params": True}, length=self.layers)
+        x, _ = blocks(name="blocks")(x, None)
+        x = nn.LayerNorm(name="ln_f")(x)
+        return nn.Dense(self.vocab, name="head")(x)
+
+
+def init_testnet(seed: int = 0, batch: int = 2, seq: int = 8, **kw):
+    model = TestNet(**kw)
+    ids = jax.random.randint(jax.random.key(seed + 1), (batch, seq), 0, model.vocab)
+    variables = model.init(jax.random.key(seed), ids, train=False)
+    return model, variables, ids

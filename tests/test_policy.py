@@ -1,0 +1,240 @@
+"""Tests for jaxamp.policy: parsing, jmp compatibility, round trips and error messages."""
+
+import re
+
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+
+from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
+
+F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
+HALF = jmp.half_dtype()
+
+ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o.")
+ALLOWED_DTYPES = re.escape("Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half.")
+EXAMPLE = re.escape("Example: 'params=float32,compute=float16,output=float32'.")
+
+VALID = [
+    # Full forms and aliases.
+    ("params=float32,compute=float16,output=float32", (F32, F16, F32)),
+    ("p=f32,c=f16,o=f32", (F32, F16, F32)),
+    ("p=full,c=bf16,o=full", (F32, BF16, F32)),
+    ("params=f32,c=bfloat16,output=f32", (F32, BF16, F32)),
+    ("o=f32,c=f16,p=f32", (F32, F16, F32)),
+    ("p=f16,c=f16,o=f16", (F16, F16, F16)),
+    # Defaults: params -> f32, compute follows params, output follows compute.
+    ("c=f16", (F32, F16, F16)),
+    ("compute=bf16", (F32, BF16, BF16)),
+    ("p=f16", (F16, F16, F16)),
+    ("p=bf16,c=f32", (BF16, F32, F32)),
+    ("p=f32,c=bf16", (F32, BF16, BF16)),
+    ("o=f16", (F32, F32, F16)),
+    ("c=f16,o=f32", (F32, F16, F32)),
+    # Bare dtype names set all three.
+    ("f32", (F32, F32, F32)),
+    ("full", (F32, F32, F32)),
+    ("float32", (F32, F32, F32)),
+    ("f16", (F16, F16, F16)),
+    ("float16", (F16, F16, F16)),
+    ("bf16", (BF16, BF16, BF16)),
+    ("bfloat16", (BF16, BF16, BF16)),
+    ("half", (HALF, HALF, HALF)),
+    ("c=half", (F32, HALF, HALF)),
+    ("p=f32,c=half,o=f32", (F32, HALF, F32)),
+]
+
+# Accepted by jaxamp only: whitespace and upper case.
+VALID_EXTENDED = [
+    (" params = f32 , compute=f16 ", (F32, F16, F16)),
+    ("  bf16  ", (BF16, BF16, BF16)),
+    ("p = f32,\tc = bf16,\no = f32", (F32, BF16, F32)),
+    ("P=F32,C=BF16,O=F32", (F32, BF16, F32)),
+    ("Compute=Half", (F32, HALF, HALF)),
+    ("FULL", (F32, F32, F32)),
+]
+
+
+def _dtypes(policy):
+    return (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
+@pytest.mark.parametrize(("spec", "expected"), VALID + VALID_EXTENDED)
+def test_parse(spec, expected):
+    policy = get_policy(spec)
+    assert isinstance(policy, jmp.Policy)
+    assert _dtypes(policy) == expected
+    # Same objects jmp uses, not merely equal dtypes.
+    for got, want in zip(_dtypes(policy), expected, strict=True):
+        assert got is want
+
+
+@pytest.mark.parametrize("spec", [spec for spec, _ in VALID])
+def test_matches_jmp(spec):
+    assert get_policy(spec) == jmp.get_policy(spec)
+
+
+def test_matches_jmp_docs_example():
+    assert get_policy("p=f32,c=f16,o=f32") == jmp.get_policy("p=f32,c=f16,o=f32")
+
+
+def test_policy_passes_through():
+    policy = jmp.Policy(param_dtype=F32, compute_dtype=BF16, output_dtype=F32)
+    assert get_policy(policy) is policy
+
+
+def test_half_follows_jmp():
+    assert get_policy("half").compute_dtype is jmp.half_dtype()
+
+
+def test_dtype_names():
+    assert DTYPE_NAMES["float32"] is F32
+    assert DTYPE_NAMES["f32"] is F32
+    assert DTYPE_NAMES["full"] is F32
+    assert DTYPE_NAMES["float16"] is F16
+    assert DTYPE_NAMES["f16"] is F16
+    assert DTYPE_NAMES["bfloat16"] is BF16
+    assert DTYPE_NAMES["bf16"] is BF16
+    assert "half" not in DTYPE_NAMES  # backend-dependent, resolved at parse time
+    for name, dtype in DTYPE_NAMES.items():
+        assert get_policy(name) == jmp.Policy(dtype, dtype, dtype)
+    with pytest.raises(TypeError):
+        DTYPE_NAMES["f64"] = jnp.float64  # read-only
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("p=f32,c=f16,o=f32", "params=float32,compute=float16,output=float32"),
+        ("c=bf16", "params=float32,compute=bfloat16,output=bfloat16"),
+        ("f16", "params=float16,compute=float16,output=float16"),
+        ("full", "params=float32,compute=float32,output=float32"),
+    ],
+)
+def test_policy_to_str(spec, expected):
+    assert policy_to_str(get_policy(spec)) == expected
+
+
+@pytest.mark.parametrize("spec", [spec for spec, _ in VALID + VALID_EXTENDED])
+def test_round_trip(spec):
+    policy = get_policy(spec)
+    text = policy_to_str(policy)
+    assert get_policy(text) == policy
+    assert policy_to_str(get_policy(text)) == text
+
+
+def test_policy_to_str_accepts_np_dtypes():
+    policy = jmp.Policy(np.dtype("float32"), jnp.dtype(jnp.bfloat16), np.dtype("float32"))
+    assert policy_to_str(policy) == "params=float32,compute=bfloat16,output=float32"
+
+
+def test_policy_to_str_rejects_float64():
+    policy = jmp.Policy(F32, jnp.float64, F32)
+    with pytest.raises(ValueError, match=r"compute dtype .* has no policy-string name"):
+        policy_to_str(policy)
+
+
+def test_policy_to_str_rejects_non_policy():
+    with pytest.raises(TypeError, match="Expected a jmp.Policy, got str"):
+        policy_to_str("p=f32")
+
+
+MALFORMED = [
+    # Unknown key.
+    (
+        "compute_dtype=f16",
+        r"Unknown policy key 'compute_dtype' in 'compute_dtype=f16'\. " + ALLOWED_KEYS,
+    ),
+    ("p=f32,x=f16", r"Unknown policy key 'x' in 'x=f16'\. " + ALLOWED_KEYS),
+    ("param=f32", r"Unknown policy key 'param' in 'param=f32'\. " + ALLOWED_KEYS),
+    # Unknown dtype name.
+    ("c=f15", r"Unknown dtype 'f15' in 'c=f15'\. " + ALLOWED_DTYPES),
+    ("fp16", r"Unknown dtype 'fp16' in 'fp16'\. " + ALLOWED_DTYPES),
+    ("compute", r"Unknown dtype 'compute' in 'compute'\. " + ALLOWED_DTYPES),
+    ("c=f16 o", r"Unknown dtype 'f16 o' in 'c=f16 o'\. " + ALLOWED_DTYPES),
+    # Non-floating dtypes.
+    ("c=int8", r"Dtype 'int8' in 'c=int8' is not a floating type.*" + ALLOWED_DTYPES),
+    ("int32", r"Dtype 'int32' in 'int32' is not a floating type.*" + ALLOWED_DTYPES),
+    ("p=bool", r"Dtype 'bool' in 'p=bool' is not a floating type.*" + ALLOWED_DTYPES),
+    ("o=uint8", r"Dtype 'uint8' in 'o=uint8' is not a floating type.*" + ALLOWED_DTYPES),
+    # float64.
+    (
+        "p=float64",
+        r"Unsupported dtype 'float64' in 'p=float64': .*jax_enable_x64.*" + ALLOWED_DTYPES,
+    ),
+    ("f64", r"Unsupported dtype 'f64' in 'f64': .*jax_enable_x64.*" + ALLOWED_DTYPES),
+    # Duplicate keys, including aliases.
+    (
+        "p=f32,p=f16",
+        r"Duplicate policy key 'p' in 'p=f32,p=f16': params is already set by "
+        r"'p=f32'\. Each of params/p, compute/c, output/o may appear once\.",
+    ),
+    (
+        "p=f32,params=f16",
+        r"Duplicate policy key 'params' in 'p=f32,params=f16': params is "
+        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o may appear once\.",
+    ),
+    (
+        "c=f16,compute=bf16",
+        r"Duplicate policy key 'compute' in .*compute is already set by "
+        r"'c=f16'\. Each of params/p, compute/c, output/o",
+    ),
+    # Empty string.
+    ("", r"Empty policy string ''\..*" + ALLOWED_KEYS + " " + ALLOWED_DTYPES),
+    ("   ", r"Empty policy string '   '\..*" + ALLOWED_KEYS + " " + ALLOWED_DTYPES),
+    # Empty parts.
+    (
+        "p=f32,,c=f16",
+        r"Empty part #2 in 'p=f32,,c=f16' \(stray or trailing comma\?\)\. "
+        r"Each part must be key=dtype\. " + ALLOWED_KEYS,
+    ),
+    ("p=f32,", r"Empty part #2 in 'p=f32,' \(stray or trailing comma\?\).*" + ALLOWED_KEYS),
+    (",c=f16", r"Empty part #1 in ',c=f16'.*" + ALLOWED_KEYS),
+    ("p=f32, ,c=f16", r"Empty part #2 in 'p=f32, ,c=f16'.*" + ALLOWED_KEYS),
+    # Missing '=' in a multi-part string.
+    (
+        "p=f32,c",
+        r"Part 'c' in 'p=f32,c' is missing '='; each part must be key=dtype\. "
+        + ALLOWED_KEYS
+        + " "
+        + ALLOWED_DTYPES,
+    ),
+    ("f32,f16", r"Part 'f32' in 'f32,f16' is missing '='.*" + ALLOWED_KEYS),
+    # More than one '='.
+    ("p=f32=f16", r"Part 'p=f32=f16' in 'p=f32=f16' has more than one '='.*" + ALLOWED_KEYS),
+    (
+        "p=f32 c=f16",
+        r"Part 'p=f32 c=f16' in 'p=f32 c=f16' has more than one '=' "
+        r"\(missing comma\?\).*" + ALLOWED_KEYS,
+    ),
+    ("c==f16", r"Part 'c==f16' in 'c==f16' has more than one '='.*" + ALLOWED_KEYS),
+    # Empty key or value.
+    ("=f16", r"Empty key in '=f16' of '=f16'\. " + ALLOWED_KEYS),
+    ("p=f32, = f16", r"Empty key in '= f16' of 'p=f32, = f16'\. " + ALLOWED_KEYS),
+    ("c=", r"Empty dtype in 'c=' of 'c='\. " + ALLOWED_DTYPES),
+    ("p=f32,c= ", r"Empty dtype in 'c=' of 'p=f32,c= '\. " + ALLOWED_DTYPES),
+    ("=", r"Empty key in '=' of '='\. " + ALLOWED_KEYS),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), MALFORMED, ids=[repr(s) for s, _ in MALFORMED])
+def test_malformed(spec, message):
+    with pytest.raises(ValueError, match=message + r".*" + EXAMPLE):
+        get_policy(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "type_name"),
+    [
+        (None, "NoneType"),
+        (16, "int"),
+        (jnp.float16, "_ScalarMeta"),
+        (np.dtype("float16"), r"\w+: dtype\('float16'\)"),
+        (b"p=f32", "bytes"),
+        (["p=f32"], "list"),
+    ],
+)
+def test_wrong_type(spec, type_name):
+    with pytest.raises(TypeError, match=r"Policy must be a str or jmp\.Policy, got " + type_name):
+        get_policy(spec)
