@@ -10,6 +10,7 @@ from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.losses import softmax_cross_entropy
 from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
+from jaxamp.train import TrainState, default_loss_scale, make_eval_step, make_train_step
 
 __all__ = [
     "DEFAULT_OP_RULES",
@@ -21,8 +22,12 @@ __all__ = [
     "NoOpLossScale",
     "OpRules",
     "StaticLossScale",
+    "TrainState",
     "autocast",
+    "default_loss_scale",
     "get_policy",
+    "make_eval_step",
+    "make_train_step",
     "policy_to_str",
     "softmax_cross_entropy",
 ]
