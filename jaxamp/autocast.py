@@ -15,6 +15,8 @@ Value bookkeeping that keeps casts minimal:
   so an embedding table is never cast whole and scanned stacked params are cast per layer;
 * every value is cast at most once per dtype (a cache on the value);
 * constants cast down saturate (an f32 ``finfo.min`` mask becomes -65504 in f16, not -inf);
+* float -> float casts written in the traced function are hints: upcasts are honoured,
+  downcasts (autocast's own decision to make) are dropped;
 * leaving a matched module's region casts to its ``output_dtype``; entering one casts
   activations to its ``compute_dtype``; the function's own float outputs get the default
   policy's ``output_dtype`` (a linen ``apply(..., mutable=...)`` leaves the updated
@@ -38,6 +40,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.extend.core as jcore
@@ -47,6 +51,11 @@ import numpy as np
 from jax import lax
 
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+
+try:  # keeps module paths in the rewritten jaxpr (for audits and profiles); optional
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover
+    _siu = None
 
 __all__ = ["autocast"]
 
@@ -90,6 +99,7 @@ class _Val:
     const: bool  # depends on no input (safe to compute at trace time; casts saturate)
     region: tuple[int, ...]
     casts: dict = dataclasses.field(default_factory=dict)
+    splat: float | None = None  # a constant filled with one known value (zeros, finfo.min)
 
     @property
     def dtype(self):
@@ -119,7 +129,11 @@ def _cast(v: _Val, dtype) -> Any:
         return v.val
     if dtype not in v.casts:
         narrower = jnp.finfo(dtype).max < jnp.finfo(v.dtype).max
-        if v.const and narrower:
+        if v.const and narrower and v.splat is not None:
+            info = jnp.finfo(dtype)
+            value = float(np.clip(v.splat, float(info.min), float(info.max)))
+            v.casts[dtype] = lax.full(np.shape(v.val), value, dtype)
+        elif v.const and narrower:
             v.casts[dtype] = _saturating(v.val, dtype)
         else:
             v.casts[dtype] = lax.convert_element_type(v.val, dtype)
@@ -154,6 +168,16 @@ def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool])
             if uses and all(eqn_wants(u) for u in uses):
                 wants.add(out)
     return wants
+
+
+def _source_context(eqn):
+    if _siu is None:
+        return contextlib.nullcontext()
+    try:
+        stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        return _siu.user_context(eqn.source_info.traceback, name_stack=stack)
+    except Exception:  # pragma: no cover - internal API moved
+        return contextlib.nullcontext()
 
 
 class _Regions:
@@ -246,7 +270,8 @@ class _Evaluator:
             region = self.region_of(eqn, base)
             ins = [self.operand(read(v), region) for v in eqn.invars]
             want32 = [o in wants for o in eqn.outvars]
-            outs = self.eqn(eqn, ins, region, want32)
+            with _source_context(eqn):
+                outs = self.eqn(eqn, ins, region, want32)
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = out
@@ -278,8 +303,12 @@ class _Evaluator:
                 vals = [_cast(v, _F32) if v.is_float else v.val for v in ins]
             else:
                 vals = [v.val for v in ins]
-            return self.bind(eqn, vals, region, stored=all(v.stored for v in floats),
+            outs = self.bind(eqn, vals, region, stored=all(v.stored for v in floats),
                              const=all_const)
+            if all_const and name == "broadcast_in_dim" and np.ndim(ins[0].val) == 0 \
+                    and not isinstance(ins[0].val, jax.core.Tracer) and ins[0].is_float:
+                outs[0].splat = float(ins[0].val)
+            return outs
         if kind in ("promote", "matmul", "fp32") and all_const:
             return self.opaque(eqn, ins, region)
         if kind == "matmul":
@@ -328,10 +357,9 @@ class _Evaluator:
         params = eqn.primitive.get_bind_params(eqn.params)
         if isinstance(params, tuple):  # older jax: (subfuns, params)
             subfuns, params = params
+            out = eqn.primitive.bind(*subfuns, *vals, **params)
         else:
-            params = dict(params)
-            subfuns = params.pop("subfuns", ())
-        out = eqn.primitive.bind(*subfuns, *vals, **params)
+            out = eqn.primitive.bind(*vals, **params)
         outs = out if eqn.primitive.multiple_results else [out]
         floats = [v for v in ins if v.is_float]
         return [_Val(o, all(v.stored for v in floats), all(v.const for v in ins), region)
@@ -341,7 +369,10 @@ class _Evaluator:
         (v,), new = ins, np.dtype(eqn.params["new_dtype"])
         src = eqn.invars[0].aval.dtype
         if v.is_float and _is_float(new):
-            if np.dtype(src) == new:  # a weak-type change in the trace: not a user cast
+            # Float -> float casts in the trace: a weak-type change or a downcast (often
+            # jnp's own, e.g. after summing low-precision values in f32) is autocast's to
+            # decide, so it passes the value through; an explicit upcast is honoured.
+            if np.dtype(src) == new or jnp.finfo(new).bits <= jnp.finfo(v.dtype).bits:
                 return [v]
             return [_Val(_cast(v, new), False, v.const, region)]
         out = lax.convert_element_type(v.val, new)

@@ -1,0 +1,100 @@
+"""The benchmark GPT with its mixed-precision casts placed by hand, as a careful user would.
+
+Same architecture and parameter tree as :mod:`bench.gpt` (so the same float32 params work for
+both), but:
+
+* ``nn.Dense`` and ``nn.Embed`` compute in ``dtype`` (float16 by default) from float32 params;
+* the positional embedding is sliced, then cast to ``dtype``;
+* ``nn.LayerNorm`` computes in float32 (``dtype=jnp.float32``);
+* the attention scores are cast to float32 before the mask and ``jax.nn.softmax``; the weights
+  go back to ``dtype`` for the ``weights @ V`` matmul;
+* the logits are cast to float32 for the loss.
+
+The residual stream is in ``dtype``. This is the reference that ``jaxamp.autocast``'s cast
+count is compared against (``convert_count_hand``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from gpt import INIT, GPTConfig, lm_loss
+
+__all__ = ["HandCastGPT", "handcast_loss"]
+
+F32 = jnp.float32
+
+
+class CausalSelfAttention(nn.Module):
+    heads: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        qkv = nn.Dense(3 * d, kernel_init=INIT, dtype=self.dtype, name="qkv")(x)
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        q = q.reshape(b, t, self.heads, hd)
+        k = k.reshape(b, t, self.heads, hd)
+        v = v.reshape(b, t, self.heads, hd)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(hd), self.dtype)
+        scores = scores.astype(F32)
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(mask, scores, jnp.finfo(F32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        return nn.Dense(d, kernel_init=INIT, dtype=self.dtype, name="proj")(out)
+
+
+class MLP(nn.Module):
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        h = nn.gelu(nn.Dense(4 * d, kernel_init=INIT, dtype=self.dtype, name="fc")(x))
+        return nn.Dense(d, kernel_init=INIT, dtype=self.dtype, name="proj")(h)
+
+
+class Block(nn.Module):
+    heads: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(dtype=F32, name="ln1")(x)
+        x = x + CausalSelfAttention(self.heads, self.dtype, name="attn")(h)
+        h = nn.LayerNorm(dtype=F32, name="ln2")(x)
+        return x + MLP(self.dtype, name="mlp")(h)
+
+
+class HandCastGPT(nn.Module):
+    """``int32[B, T]`` -> float32 ``[B, T, vocab]`` logits, computed in ``dtype``."""
+
+    config: GPTConfig
+    dtype: Any = jnp.float16
+
+    @nn.compact
+    def __call__(self, ids):
+        cfg = self.config
+        t = ids.shape[-1]
+        x = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=INIT, dtype=self.dtype,
+                     name="embed")(ids)
+        pos = self.param("pos_embed", INIT, (cfg.seq, cfg.d_model))
+        x = x + pos[:t].astype(self.dtype)
+        for i in range(cfg.layers):
+            x = Block(cfg.heads, self.dtype, name=f"block_{i}")(x)
+        x = nn.LayerNorm(dtype=F32, name="ln_f")(x)
+        logits = nn.Dense(cfg.vocab, use_bias=False, kernel_init=INIT, dtype=self.dtype,
+                          name="head")(x)
+        return logits.astype(F32)
+
+
+def handcast_loss(model: HandCastGPT):
+    """``loss(params, batch)`` of the hand-cast model (the same float32 cross-entropy)."""
+    return lambda params, batch: lm_loss(model.apply, params, batch)

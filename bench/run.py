@@ -1,0 +1,800 @@
+#!/usr/bin/env python
+"""jaxamp benchmarks: one entry point, every figure a ratio measured side by side.
+
+Usage::
+
+    python bench/run.py --quick --json bench/results-cpu-quick.json   # a few minutes, 2 CPUs
+    python bench/run.py --smoke --json /tmp/smoke.json                # < 1 minute, for a test
+    python bench/run.py --full --json bench/results-gpu.json          # gpt2-small shape, GPU
+
+Every comparison runs in ONE process: the variants alternate in interleaved repeats (the order
+flips every repeat) and the reported figure is the ratio of the medians, so machine noise hits
+both sides alike. Compile times are the median of fresh ``lower().compile()`` runs with
+``jax.clear_caches()`` before each one (tracing is included: it is part of what a user waits
+for).
+
+Measured (the JSON keys):
+
+1. ``amp_step_runtime_ratio`` / ``amp_step_compile_ratio``: ``jaxamp.make_train_step``
+   (float16 compute, ``DynamicLossScale``, ``clip_norm=1.0``) over a plain step with the same
+   autocast forward (``value_and_grad`` + optax update; no loss scale, finite check or clip).
+2. Precision fidelity of forward + backward: ``convert_count_amp`` / ``convert_count_hand``
+   (``stablehlo.convert`` ops, autocast vs the hand-cast twin in ``gpt_handcast.py``),
+   ``lossy_round_trips_amp``, ``matmul_flops_fraction_compute_dtype`` and
+   ``trace_compile_ratio_amp_vs_plain``.
+3. ``memory_bytes``: ``memory_analysis()`` of the compiled AMP step per compute dtype.
+4. ``scaling``: the step ratios at several depths (not in ``--smoke``).
+
+On CPU, XLA computes float16/bfloat16 dots in float32, so CPU numbers show jaxamp's *overhead*,
+never a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jmp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from gpt import GPT, GPTConfig, flops_per_token, init, lm_loss, make_batch, param_count  # noqa: E402
+from gpt_handcast import HandCastGPT, handcast_loss  # noqa: E402
+
+import jaxamp  # noqa: E402
+from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips  # noqa: E402
+
+F16_POLICY = "params=float32,compute=float16,output=float32"
+POLICIES = {
+    "float32": "float32",
+    "bfloat16": "params=float32,compute=bfloat16,output=float32",
+    "float16": F16_POLICY,
+}
+TARGETS = {
+    "amp_step_runtime_ratio": 1.03,
+    "amp_step_compile_ratio": 1.3,
+    "trace_compile_ratio_amp_vs_plain": 1.3,
+}
+# Dense bf16/f16 tensor-core peak FLOP/s per device (no sparsity), matched on device_kind.
+PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12),
+              ("A10", 125e12), ("V100", 125e12))
+
+MODES = {
+    "smoke": dict(config=GPTConfig(layers=1, d_model=32, heads=2, seq=16), batch=4,
+                  repeats=2, steps=2, warmup=2, compiles=1, depths=(), depth_repeats=0,
+                  depth_compiles=0),
+    "quick": dict(config=GPTConfig(layers=4, d_model=128, heads=4, seq=128), batch=8,
+                  repeats=15, steps=3, warmup=3, compiles=3, depths=(2, 4, 8),
+                  depth_repeats=9, depth_compiles=3),
+    "standard": dict(config=GPTConfig(layers=4, d_model=256, heads=8, seq=256), batch=8,
+                     repeats=21, steps=3, warmup=3, compiles=3, depths=(2, 4, 8, 12),
+                     depth_repeats=11, depth_compiles=3),
+    "full": dict(config=GPTConfig(layers=12, d_model=768, heads=12, seq=1024), batch=8,
+                 repeats=31, steps=5, warmup=5, compiles=3, depths=(2, 4, 8, 12),
+                 depth_repeats=15, depth_compiles=3),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tx() -> optax.GradientTransformation:
+    return optax.adamw(1e-3)
+
+
+def amp_loss_of(model, policy: str) -> Callable:
+    return jaxamp.autocast(lambda params, batch: lm_loss(model.apply, params, batch), policy)
+
+
+def make_baseline_step(model, tx, policy: str):
+    """Same autocast forward/backward as the AMP step; no loss scale, finite check or clip."""
+    loss_fn = amp_loss_of(model, policy)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_amp_step(model, tx, policy: str, *, clip_norm: float | None = 1.0):
+    return jaxamp.make_train_step(model, lm_loss, tx, policy=policy, clip_norm=clip_norm)
+
+
+def copy_tree(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+class AmpRunner:
+    """Threads a (donated) ``TrainState`` through ``steps`` calls of a ``make_train_step``."""
+
+    def __init__(self, model, params, tx, batch, policy, loss_scale, clip_norm=1.0):
+        self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm)
+        self.state = jaxamp.TrainState.create(model, copy_tree(params), tx,
+                                              loss_scale=loss_scale)
+        self.batch = batch
+
+    def __call__(self, steps: int) -> None:
+        state = self.state
+        for _ in range(steps):
+            state, _ = self.step(state, self.batch)
+        jax.block_until_ready(state)
+        self.state = state
+
+    def skipped(self) -> int:
+        return int(self.state.skipped_steps)
+
+    def lower(self):
+        return self.step.lower(self.state, self.batch)
+
+
+class BaselineRunner:
+    def __init__(self, model, params, tx, batch, policy):
+        self.step = make_baseline_step(model, tx, policy)
+        self.params = copy_tree(params)
+        self.opt_state = tx.init(self.params)
+        self.batch = batch
+
+    def __call__(self, steps: int) -> None:
+        params, opt_state = self.params, self.opt_state
+        for _ in range(steps):
+            params, opt_state, _ = self.step(params, opt_state, self.batch)
+        jax.block_until_ready((params, opt_state))
+        self.params, self.opt_state = params, opt_state
+
+    def lower(self):
+        return self.step.lower(self.params, self.opt_state, self.batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def interleaved_runtime(runners: dict[str, Callable[[int], None]], *, repeats: int,
+                        steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per step of each runner, per repeat; runners alternate, order flips each repeat."""
+    for run in runners.values():
+        run(warmup)
+    names = list(runners)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            gc.collect()
+            t0 = time.perf_counter()
+            runners[name](steps)
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def interleaved_compile(builders: dict[str, Callable[[], object]], *, repeats: int,
+                        on_first: Callable[[str, object, object], None] | None = None
+                        ) -> dict[str, dict[str, list[float]]]:
+    """Fresh ``lower`` + ``compile`` wall times; ``builders[k]()`` returns a Lowered object
+    built from a fresh ``jax.jit`` (tracing happens inside it). ``on_first(name, lowered,
+    compiled)`` runs after the first repeat's compile of each variant, outside the timing."""
+    names = list(builders)
+    out = {k: {"lower_s": [], "compile_s": [], "total_s": []} for k in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            jax.clear_caches()
+            gc.collect()
+            t0 = time.perf_counter()
+            lowered = builders[name]()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            out[name]["lower_s"].append(t1 - t0)
+            out[name]["compile_s"].append(t2 - t1)
+            out[name]["total_s"].append(t2 - t0)
+            if r == 0 and on_first is not None:
+                on_first(name, lowered, compiled)
+    return out
+
+
+def med(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    return med([a / b for a, b in zip(num, den, strict=True)])
+
+
+# ---------------------------------------------------------------------------------------------
+# HLO / jaxpr readers
+# ---------------------------------------------------------------------------------------------
+
+_STABLEHLO_OP = re.compile(r"\b(stablehlo\.[a-z_]+|func\.call|chlo\.[a-z_]+)\b")
+_CONVERT = re.compile(r"stablehlo\.convert\b[^\n]*?:\s*\(?tensor<(?:[\dx]*x)?(\w+)>\)?\s*->"
+                      r"\s*tensor<(?:[\dx]*x)?(\w+)>")
+
+
+def stablehlo_ops(text: str) -> Counter:
+    return Counter(m.group(1) for m in _STABLEHLO_OP.finditer(text)
+                   if not m.group(1).startswith("stablehlo.return"))
+
+
+def convert_stats(text: str) -> dict:
+    count = len(re.findall(r"stablehlo\.convert\b", text))
+    kinds = Counter(f"{a}->{b}" for a, b in _CONVERT.findall(text))
+    return {"count": count, "by_direction": dict(sorted(kinds.items()))}
+
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (?:\([^=]*?\)|\S+) ([a-z][\w\-]*)\(")
+
+
+def compiled_hlo_ops(text: str) -> dict:
+    """Opcode histogram of the compiled (optimized) HLO, outside fusion bodies."""
+    ops: Counter = Counter()
+    fused_ops = 0
+    in_fused = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith("{") and ("->" in stripped or stripped.startswith("ENTRY")):
+            name = stripped.split()[1 if stripped.startswith("ENTRY") else 0].lstrip("%")
+            in_fused = "fused" in name or name.startswith("fusion")
+            continue
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        if in_fused:
+            fused_ops += 1
+        else:
+            ops[m.group(1)] += 1
+    return {"unfused_instructions": int(sum(ops.values())), "instructions_in_fusions": fused_ops,
+            "fusion": ops["fusion"], "copy": ops["copy"], "conditional": ops["conditional"],
+            "dot": ops["dot"], "by_op": dict(ops.most_common())}
+
+
+def dot_flops(eqn) -> int:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    rhs_free = [d for i, d in enumerate(rhs) if i not in rc and i not in rb]
+    return 2 * int(np.prod(lhs, dtype=np.int64)) * int(np.prod(rhs_free, dtype=np.int64))
+
+
+def matmul_fraction(jaxpr, dtype) -> tuple[float, int, dict]:
+    total, low = 0, 0
+    by_dtype: Counter = Counter()
+    for eqn in iter_eqns(jaxpr):
+        if eqn.primitive.name != "dot_general":
+            continue
+        flops = dot_flops(eqn)
+        total += flops
+        dts = "x".join(str(v.aval.dtype) for v in eqn.invars)
+        by_dtype[dts] += flops
+        if all(np.dtype(v.aval.dtype) == np.dtype(dtype) for v in eqn.invars):
+            low += flops
+    return (low / total if total else 0.0), total, dict(by_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------
+
+
+_SETUP: dict = {}
+
+
+def setup(cfg: GPTConfig, batch_size: int):
+    """(model, float32 params, batch) for a config, built once per process."""
+    key = (cfg, batch_size)
+    if key not in _SETUP:
+        model = GPT(cfg)
+        _SETUP[key] = (model, init(model, cfg), make_batch(cfg, batch_size))
+    return _SETUP[key]
+
+
+def compile_summary(comp: dict) -> dict:
+    return {k: {"lower": med(v["lower_s"]), "xla_compile": med(v["compile_s"]),
+                "total": med(v["total_s"])} for k, v in comp.items()}
+
+
+def measure_step(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: int, warmup: int,
+                 compiles: int, ablation: bool, hlo: bool, aot: bool = False) -> dict:
+    """AMP step vs baseline step (float16 compute): compile, runtime, optional HLO counts.
+
+    ``aot``: time the executables of the compile measurement instead of the jitted steps
+    (saves two compiles; used by ``--smoke``, where the timings only check the plumbing).
+    """
+    model, params, batch = setup(cfg, batch_size)
+    tx = make_tx()
+    runners = {
+        "amp": AmpRunner(model, params, tx, batch, F16_POLICY, jaxamp.DynamicLossScale()),
+        "baseline": BaselineRunner(model, params, tx, batch, F16_POLICY),
+    }
+    if ablation:  # make_train_step with no loss scale and no clip: the skip machinery alone
+        runners["amp_noscale_noclip"] = AmpRunner(model, params, tx, batch, F16_POLICY,
+                                                  jaxamp.NoOpLossScale(), clip_norm=None)
+
+    builders = {"amp": lambda: make_amp_step(model, tx, F16_POLICY).lower(
+                    runners["amp"].state, batch),
+                "baseline": lambda: make_baseline_step(model, tx, F16_POLICY).lower(
+                    runners["baseline"].params, runners["baseline"].opt_state, batch)}
+    if ablation:
+        builders["amp_noscale_noclip"] = lambda: make_amp_step(
+            model, tx, F16_POLICY, clip_norm=None).lower(runners["amp_noscale_noclip"].state,
+                                                         batch)
+    first: dict = {}
+    comp = interleaved_compile(builders, repeats=compiles,
+                               on_first=lambda k, lo, co: first.__setitem__(k, (lo, co)))
+    out: dict = {"config": {**cfg.__dict__, "batch": batch_size},
+                 "params": param_count(params)}
+    ma = first["amp"][1].memory_analysis()
+    out["memory_float16"] = memory_dict(ma) if ma else None
+    if hlo:
+        out["hlo_ops"] = hlo_diff(first["amp"], first["baseline"])
+    out["amp_compile_s"] = med(comp["amp"]["total_s"])
+    out["baseline_compile_s"] = med(comp["baseline"]["total_s"])
+    out["amp_step_compile_ratio"] = out["amp_compile_s"] / out["baseline_compile_s"]
+    out["compile_breakdown_s"] = compile_summary(comp)
+    if ablation:
+        out["amp_noscale_noclip_compile_ratio"] = (med(comp["amp_noscale_noclip"]["total_s"])
+                                                   / out["baseline_compile_s"])
+    if aot:
+        for name, runner in runners.items():
+            runner.step = first[name][1]
+    first.clear()
+
+    times = interleaved_runtime(runners, repeats=repeats, steps=steps, warmup=warmup)
+    out.update({
+        "timing": "aot-executables" if aot else "jitted-steps",
+        "amp_step_ms": med(times["amp"]) * 1e3,
+        "baseline_step_ms": med(times["baseline"]) * 1e3,
+        "amp_step_runtime_ratio": med(times["amp"]) / med(times["baseline"]),
+        "amp_step_runtime_ratio_paired": paired_ratio(times["amp"], times["baseline"]),
+        "amp_skipped_steps": runners["amp"].skipped(),
+        "runtime_samples_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+    })
+    if ablation:
+        out["amp_noscale_noclip_step_ms"] = med(times["amp_noscale_noclip"]) * 1e3
+        out["amp_noscale_noclip_runtime_ratio"] = (med(times["amp_noscale_noclip"])
+                                                   / med(times["baseline"]))
+    if not aot:
+        # Python-side cost per call of make_train_step's argument check (_Step._validate).
+        r = runners["amp"]
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r.step._validate(r.state, r.batch)
+        out["amp_step_call_check_us"] = (time.perf_counter() - t0) / n * 1e6
+    return out
+
+
+def memory_dict(ma) -> dict:
+    return {k: int(getattr(ma, k)) for k in
+            ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+             "alias_size_in_bytes", "generated_code_size_in_bytes")}
+
+
+def hlo_diff(amp, base) -> dict:
+    """Op counts of the AMP step vs the baseline, StableHLO and compiled HLO."""
+    amp_ops, base_ops = stablehlo_ops(amp[0].as_text()), stablehlo_ops(base[0].as_text())
+    extra = {k: amp_ops[k] - base_ops[k] for k in set(amp_ops) | set(base_ops)
+             if amp_ops[k] != base_ops[k]}
+    amp_c, base_c = compiled_hlo_ops(amp[1].as_text()), compiled_hlo_ops(base[1].as_text())
+    return {
+        "stablehlo_ops_amp": int(sum(amp_ops.values())),
+        "stablehlo_ops_baseline": int(sum(base_ops.values())),
+        "stablehlo_extra_ops_amp_by_op": dict(sorted(extra.items(), key=lambda kv: -kv[1])),
+        "compiled_amp": {k: v for k, v in amp_c.items() if k != "by_op"},
+        "compiled_baseline": {k: v for k, v in base_c.items() if k != "by_op"},
+        "compiled_extra_unfused_by_op": {
+            k: amp_c["by_op"].get(k, 0) - base_c["by_op"].get(k, 0)
+            for k in sorted(set(amp_c["by_op"]) | set(base_c["by_op"]))
+            if amp_c["by_op"].get(k, 0) != base_c["by_op"].get(k, 0)},
+    }
+
+
+def measure_fidelity(cfg: GPTConfig, batch_size: int, *, compiles: int,
+                     hand_compile: bool = True) -> dict:
+    """Forward + backward of the model: autocast vs hand-cast casts, dtypes, compile time.
+
+    ``hand_compile``: also time the hand-cast model's compile (else only lower it).
+    """
+    model, params, batch = setup(cfg, batch_size)
+    amp_loss = amp_loss_of(model, F16_POLICY)
+    fwd = jax.make_jaxpr(amp_loss)(params, batch)
+    fwd_bwd = jax.make_jaxpr(jax.value_and_grad(amp_loss))(params, batch)
+    fraction, total_flops, by_dtype = matmul_fraction(fwd_bwd, jnp.float16)
+    convs: dict = {}
+    losses: dict = {}
+
+    def on_first(name, lowered, compiled):
+        convs[name] = convert_stats(lowered.as_text())
+        # The three losses agree: the hand-cast twin is the same model.
+        losses[name] = float(compiled(params, batch)[0])
+
+    def hand():
+        return jax.jit(jax.value_and_grad(handcast_loss(HandCastGPT(cfg)))).lower(params, batch)
+
+    builders = {
+        "amp": lambda: jax.jit(jax.value_and_grad(amp_loss_of(model, F16_POLICY))).lower(
+            params, batch),
+        "plain": lambda: jax.jit(jax.value_and_grad(
+            lambda p, b: lm_loss(model.apply, p, b))).lower(params, batch),
+    }
+    if hand_compile:
+        builders["hand"] = hand
+        # autocast under a float32 policy: autocast's own tracing cost, no dtype changes.
+        builders["autocast_f32"] = lambda: jax.jit(jax.value_and_grad(
+            amp_loss_of(model, "float32"))).lower(params, batch)
+    else:
+        convs["hand"] = convert_stats(hand().as_text())
+    comp = interleaved_compile(builders, repeats=compiles, on_first=on_first)
+    amp_conv, hand_conv, plain_conv = convs["amp"], convs["hand"], convs["plain"]
+    amp_t, plain_t = med(comp["amp"]["total_s"]), med(comp["plain"]["total_s"])
+    hand_t = med(comp["hand"]["total_s"]) if "hand" in comp else None
+    return {
+        "convert_count_amp": amp_conv["count"],
+        "convert_count_hand": hand_conv["count"],
+        "convert_count_plain_f32": plain_conv["count"],
+        "convert_directions": {"amp": amp_conv["by_direction"],
+                               "hand": hand_conv["by_direction"]},
+        "lossy_round_trips_amp": len(lossy_round_trips(fwd)),
+        "duplicate_casts_amp": len(duplicate_casts(fwd)),
+        "matmul_flops_fraction_compute_dtype": fraction,
+        "matmul_flops_fwd_bwd": total_flops,
+        "matmul_flops_by_operand_dtypes": by_dtype,
+        "losses_at_init": losses,
+        "trace_compile_ratio_amp_vs_plain": amp_t / plain_t,
+        "trace_compile_ratio_hand_vs_plain": hand_t / plain_t if hand_t else None,
+        "trace_compile_ratio_autocast_f32_vs_plain": (
+            med(comp["autocast_f32"]["total_s"]) / plain_t if "autocast_f32" in comp else None),
+        "trace_compile_s": compile_summary(comp),
+    }
+
+
+def measure_memory(cfg: GPTConfig, batch_size: int, known: dict) -> dict:
+    """``memory_analysis()`` of the compiled AMP step per policy (``known``: already done)."""
+    model, params, batch = setup(cfg, batch_size)
+    tx = make_tx()
+    out: dict = {}
+    for name, policy in POLICIES.items():
+        loss_scale = jaxamp.default_loss_scale(policy)
+        if name in known:
+            out[name] = known[name]
+        else:
+            state = jaxamp.TrainState.create(model, params, tx, loss_scale=loss_scale)
+            ma = make_amp_step(model, tx, policy).lower(state, batch).compile().memory_analysis()
+            out[name] = memory_dict(ma) if ma else None
+        if out[name] is not None:
+            out[name]["loss_scale"] = type(loss_scale).__name__
+    return out
+
+
+def memory_ratios(mem: dict) -> dict:
+    base = (mem.get("float32") or {}).get("temp_size_in_bytes")
+    return {k: (v["temp_size_in_bytes"] / base if base else None)
+            for k, v in mem.items() if k != "float32" and v}
+
+
+def measure_throughput(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: int,
+                       warmup: int) -> dict:
+    """tokens/s of the AMP step per compute dtype, and MFU where the device peak is known."""
+    model, params, batch = setup(cfg, batch_size)
+    tx = make_tx()
+    runners = {name: AmpRunner(model, params, tx, batch, policy,
+                               jaxamp.default_loss_scale(policy))
+               for name, policy in POLICIES.items()}
+    times = interleaved_runtime(runners, repeats=repeats, steps=steps, warmup=warmup)
+    tokens = batch_size * cfg.seq
+    fpt = flops_per_token(cfg, params)
+    dev = jax.devices()[0]
+    peak = None
+    if dev.platform == "gpu":
+        peak = next((p for key, p in PEAK_FLOPS if key.lower() in dev.device_kind.lower()),
+                    None)
+    out: dict = {"flops_per_token": fpt, "peak_flops": peak, "device_kind": dev.device_kind}
+    for name in POLICIES:
+        tps = tokens / med(times[name])
+        out[name] = {"step_ms": med(times[name]) * 1e3, "tokens_per_s": tps,
+                     "mfu": (fpt * tps / peak) if peak else None,
+                     "skipped_steps": runners[name].skipped()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def metadata(mode: str, started: float) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]),
+        "mode": mode,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                    "backend": jax.default_backend(), "device_kind": dev.device_kind,
+                    "device_count": jax.device_count()},
+        "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
+                     else None, "flax": flax.__version__, "optax": optax.__version__,
+                     "jmp": getattr(jmp, "__version__", None),
+                     "jaxamp": getattr(jaxamp, "__version__", None)},
+    }
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def verdict(key: str, value: float) -> str:
+    if key in TARGETS:
+        return "met" if value <= TARGETS[key] else "MISSED"
+    return ""
+
+
+def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) for stdout and markdown alike."""
+    out = []
+    cfg = res["config"]
+    rows = [
+        ["amp_step_runtime_ratio", f"{res['amp_step_runtime_ratio']:.3f}", "<= 1.03",
+         verdict("amp_step_runtime_ratio", res["amp_step_runtime_ratio"]),
+         f"AMP {res['amp_step_ms']:.1f} ms vs baseline {res['baseline_step_ms']:.1f} ms/step "
+         f"(paired median ratio {res['amp_step_runtime_ratio_paired']:.3f})"],
+        ["amp_step_compile_ratio", f"{res['amp_step_compile_ratio']:.3f}", "<= 1.3",
+         verdict("amp_step_compile_ratio", res["amp_step_compile_ratio"]),
+         f"AMP {res['amp_compile_s']:.2f} s vs baseline {res['baseline_compile_s']:.2f} s "
+         "(trace + lower + compile)"],
+    ]
+    if "amp_noscale_noclip_runtime_ratio" in res:
+        rows.append(["(ablation) make_train_step, no scale/clip",
+                     f"{res['amp_noscale_noclip_runtime_ratio']:.3f}", "", "",
+                     f"runtime ratio; compile ratio "
+                     f"{res['amp_noscale_noclip_compile_ratio']:.3f}"])
+    rows += [
+        ["convert_count_amp / _hand", f"{res['convert_count_amp']} / {res['convert_count_hand']}",
+         "amp <= hand", "met" if res["convert_count_amp"] <= res["convert_count_hand"]
+         else "MISSED", "stablehlo.convert ops in value_and_grad StableHLO"],
+        ["lossy_round_trips_amp", str(res["lossy_round_trips_amp"]), "0",
+         "met" if res["lossy_round_trips_amp"] == 0 else "MISSED", "f32->f16->f32 in forward"],
+        ["matmul_flops_fraction_compute_dtype",
+         f"{res['matmul_flops_fraction_compute_dtype']:.4f}", "1.0",
+         "met" if res["matmul_flops_fraction_compute_dtype"] == 1.0 else "MISSED",
+         f"{res['matmul_flops_fwd_bwd'] / 1e9:.2f} GFLOP of dot_general, fwd+bwd"],
+        ["trace_compile_ratio_amp_vs_plain", f"{res['trace_compile_ratio_amp_vs_plain']:.3f}",
+         "<= 1.3", verdict("trace_compile_ratio_amp_vs_plain",
+                           res["trace_compile_ratio_amp_vs_plain"]),
+         "value_and_grad(autocast loss) vs f32 loss; hand-cast: "
+         + (f"{res['trace_compile_ratio_hand_vs_plain']:.3f}"
+            if res["trace_compile_ratio_hand_vs_plain"] else "not timed")],
+    ]
+    out.append((f"AMP overhead and precision fidelity (GPT {cfg['layers']}x{cfg['d_model']}, "
+                f"{cfg['heads']} heads, seq {cfg['seq']}, batch {cfg['batch']}, "
+                f"{res['params'] / 1e6:.2f}M params, float16 compute)",
+                ["metric", "value", "target", "", "detail"], rows))
+    mem, ratios = res["memory_bytes"], res["memory_temp_ratio_vs_f32"]
+    mrows = []
+    for name, m in mem.items():
+        if m is None:
+            mrows.append([name, "n/a", "n/a", "n/a", ""])
+            continue
+        mrows.append([name, fmt_bytes(m["temp_size_in_bytes"]),
+                      fmt_bytes(m["argument_size_in_bytes"]), fmt_bytes(m["output_size_in_bytes"]),
+                      "1.000" if name == "float32" else f"{ratios.get(name, float('nan')):.3f}"])
+    out.append(("Memory of the compiled AMP step (memory_analysis)",
+                ["compute dtype", "temp", "arguments", "outputs", "temp vs f32"], mrows))
+    if res.get("scaling"):
+        srows = [[str(s["layers"]), f"{s['params'] / 1e6:.2f}M", f"{s['baseline_step_ms']:.1f}",
+                  f"{s['amp_step_ms']:.1f}", f"{s['amp_step_runtime_ratio']:.3f}",
+                  f"{s['baseline_compile_s']:.2f}", f"{s['amp_compile_s']:.2f}",
+                  f"{s['amp_step_compile_ratio']:.3f}"] for s in res["scaling"]]
+        out.append(("Scaling with depth (fixed width)",
+                    ["layers", "params", "base ms", "AMP ms", "runtime ratio", "base compile s",
+                     "AMP compile s", "compile ratio"], srows))
+    if res.get("throughput"):
+        tp = res["throughput"]
+        trows = [[name, f"{tp[name]['step_ms']:.1f}", f"{tp[name]['tokens_per_s']:.0f}",
+                  f"{tp[name]['mfu']:.3f}" if tp[name]["mfu"] is not None else "n/a"]
+                 for name in POLICIES]
+        out.append((f"Throughput of the AMP step ({tp['device_kind']}, peak "
+                    f"{tp['peak_flops'] or 'unknown'} FLOP/s)",
+                    ["compute dtype", "ms/step", "tokens/s", "MFU"], trows))
+    return out
+
+
+def print_tables(res: dict) -> None:
+    for title, header, rows in tables(res):
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+        print(f"\n{title}")
+        print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+        print("  ".join("-" * w for w in widths))
+        for row in rows:
+            print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def markdown_section(res: dict) -> str:
+    meta = res["metadata"]
+    m, v = meta["machine"], meta["versions"]
+    lines = [f"Measured {meta['date']} with `{meta['command']}` ({meta['wall_s']:.0f} s) on "
+             f"{m['backend']} ({m['device_kind']}), {m['cpu_count']} CPUs, {m['platform']}; "
+             f"python {v['python']}, jax {v['jax']}, flax {v['flax']}, optax {v['optax']}.", ""]
+    for title, header, rows in tables(res):
+        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
+                  for row in rows]
+        lines.append("")
+    hlo = res.get("hlo_ops")
+    if hlo:
+        ca, cb = hlo["compiled_amp"], hlo["compiled_baseline"]
+        extra = ", ".join(f"{k} {v:+d}" for k, v in list(
+            hlo["stablehlo_extra_ops_amp_by_op"].items())[:8])
+        lines += [
+            f"Where the AMP step's extra work goes: StableHLO {hlo['stablehlo_ops_amp']} ops vs "
+            f"{hlo['stablehlo_ops_baseline']} for the baseline (largest differences: {extra}); "
+            f"compiled HLO {ca['fusion']} vs {cb['fusion']} fusions, {ca['copy']} vs "
+            f"{cb['copy']} copies, {ca['conditional']} vs {cb['conditional']} conditionals, "
+            f"{ca['dot']} vs {cb['dot']} dots.", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+INTRO = """# Benchmarks
+
+`bench/run.py` measures what jaxamp costs and what it buys, on a small GPT written with no dtype
+code (`bench/gpt.py`) and its hand-cast twin (`bench/gpt_handcast.py`).
+
+```bash
+. .venv/bin/activate
+python bench/run.py --quick --json bench/results-cpu-quick.json   # a few minutes on 2 CPU cores
+python bench/run.py --smoke --json /tmp/smoke.json                # < 1 minute (used by a test)
+```
+
+Every figure is a ratio of two variants measured side by side in one process: the variants
+alternate in interleaved repeats and the medians are compared, so machine noise hits both sides
+alike. Compile times are medians of fresh `lower().compile()` runs (tracing included) after
+`jax.clear_caches()`.
+
+**CPU numbers show overhead, not speed-up.** XLA on CPU computes float16/bfloat16 matmuls in
+float32, so a float16 step is no faster than a float32 one there. The CPU runs compare the full
+AMP step (`jaxamp.make_train_step`: loss scaling, finite check and skip, clipping) with a plain
+step that uses the *same* autocast forward and backward, and so isolate what the AMP machinery
+adds. Memory figures come from XLA's `memory_analysis()` of the compiled step.
+
+The JSON written by `--json` holds every figure below plus the raw samples and metadata (date,
+machine, versions, command line).
+
+## CPU, `--quick`
+
+<!-- bench:cpu-quick:start -->
+_Not yet run._
+<!-- bench:cpu-quick:end -->
+
+## GPU figures
+
+Pending a GPU run (tokens/s and MFU for float32/bfloat16/float16 AMP steps on the gpt2-small
+shape, 12 layers x 768, sequence 1024, batch 8). Produce them on a GPU machine with:
+
+```bash
+python bench/run.py --full --json bench/results-gpu.json
+```
+
+<!-- bench:gpu-full:start -->
+_Pending a GPU run._
+<!-- bench:gpu-full:end -->
+"""
+
+
+def write_markdown(path: Path, key: str, body: str) -> None:
+    start, end = f"<!-- bench:{key}:start -->", f"<!-- bench:{key}:end -->"
+    text = path.read_text() if path.exists() else INTRO
+    block = f"{start}\n{body}{end}"
+    if start in text and end in text:
+        i, j = text.index(start), text.index(end) + len(end)
+        text = text[:i] + block + text[j:]
+    else:
+        text = text.rstrip() + f"\n\n## {key}\n\n{block}\n"
+    path.write_text(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small model, a few minutes on CPU")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny model, 2 timing repeats (< 60 s); no markdown")
+    size.add_argument("--full", action="store_true",
+                      help="gpt2-small shape (12x768, seq 1024, batch 8) + tokens/s and MFU")
+    ap.add_argument("--json", metavar="PATH", help="write all results and metadata here")
+    ap.add_argument("--markdown", metavar="PATH", default=None,
+                    help="rewrite this file's bench section (default: BENCHMARKS.md, except "
+                         "with --smoke)")
+    ap.add_argument("--no-markdown", action="store_true", help="do not touch any markdown")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    mode = ("smoke" if args.smoke else "quick" if args.quick else "full" if args.full
+            else "standard")
+    spec = MODES[mode]
+    cfg, batch = spec["config"], spec["batch"]
+    small = mode == "smoke"
+    log(f"[bench] mode={mode} backend={jax.default_backend()} config={cfg} batch={batch}")
+
+    log("[bench] 1/4 AMP step vs baseline step (runtime, compile, HLO)")
+    res: dict = measure_step(cfg, batch, repeats=spec["repeats"], steps=spec["steps"],
+                             warmup=spec["warmup"], compiles=spec["compiles"],
+                             ablation=not small, hlo=True, aot=small)
+    log("[bench] 2/4 precision fidelity (forward + backward)")
+    res.update(measure_fidelity(cfg, batch, compiles=spec["compiles"], hand_compile=not small))
+    log("[bench] 3/4 memory")
+    res["memory_bytes"] = measure_memory(cfg, batch, {"float16": res.pop("memory_float16")})
+    res["memory_temp_ratio_vs_f32"] = memory_ratios(res["memory_bytes"])
+    res["scaling"] = []
+    for depth in spec["depths"]:
+        log(f"[bench] 4/4 scaling: {depth} layers")
+        if depth == cfg.layers and spec["depth_repeats"] <= spec["repeats"]:
+            s = {k: res[k] for k in ("params", "amp_step_ms", "baseline_step_ms",
+                                      "amp_step_runtime_ratio", "amp_compile_s",
+                                      "baseline_compile_s", "amp_step_compile_ratio")}
+        else:
+            r = measure_step(cfg.replace(layers=depth), batch, repeats=spec["depth_repeats"],
+                             steps=spec["steps"], warmup=spec["warmup"],
+                             compiles=spec["depth_compiles"], ablation=False, hlo=False)
+            s = {k: r[k] for k in ("params", "amp_step_ms", "baseline_step_ms",
+                                    "amp_step_runtime_ratio", "amp_step_runtime_ratio_paired",
+                                    "amp_compile_s", "baseline_compile_s",
+                                    "amp_step_compile_ratio", "amp_skipped_steps")}
+        res["scaling"].append({"layers": depth, **s})
+    if mode == "full":
+        log("[bench] throughput float32 / bfloat16 / float16")
+        res["throughput"] = measure_throughput(cfg, batch, repeats=spec["depth_repeats"],
+                                               steps=spec["steps"], warmup=spec["warmup"])
+    res["targets"] = {k: {"target": f"<= {t}", "met": res[k] <= t} for k, t in TARGETS.items()}
+    res["metadata"] = metadata(mode, started)
+
+    print_tables(res)
+    print(f"\n[bench] {mode} finished in {res['metadata']['wall_s']:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2, default=float) + "\n")
+        print(f"[bench] wrote {args.json}")
+    md = args.markdown or (None if small else str(HERE.parent / "BENCHMARKS.md"))
+    if md and not args.no_markdown:
+        key = f"{jax.default_backend()}-{mode}"
+        write_markdown(Path(md), key, markdown_section(res))
+        print(f"[bench] rewrote the bench:{key} section of {md}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
