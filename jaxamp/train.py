@@ -63,7 +63,7 @@ def _apply_fn_of(model: Any) -> Callable:
 
 def _check_float_params(params: Any, where: str) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+        dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
                 f"{where}: params must be floating point, got {dtype} at "
@@ -105,6 +105,8 @@ class TrainState(train_state.TrainState):
         _check_float_params(params, "TrainState.create")
         if policy is not None:
             params = get_policy(policy).cast_to_param(params)
+        # The step donates the state's buffers: copy so the caller's params stay usable.
+        params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         if loss_scale is None:
             loss_scale = default_loss_scale(policy) if policy is not None else NoOpLossScale()
         if not isinstance(loss_scale, _LOSS_SCALES):
@@ -232,34 +234,36 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
     amp_loss = autocast(lambda params, batch: loss_fn(apply_fn, params, batch),
                         policy.with_output_dtype(jnp.float32), overrides=overrides)
 
-    def scaled_loss(params, batch, loss_scale):
+    def scaled_loss(params, batch, loss_scale, weight):
         loss = amp_loss(params, batch).astype(jnp.float32)
-        return loss_scale.scale(loss), loss
+        return loss_scale.scale(loss * weight), loss
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
-    def local_grads(params, batch, loss_scale):
-        """Mean loss and float32 *scaled* gradients over the batch (micro-batched)."""
+    def local_grads(params, batch, loss_scale, weight=1.0):
+        """Mean loss and float32 *scaled* gradients of ``weight * loss`` (micro-batched)."""
         if micro_batches == 1:
-            grads, loss = grad_fn(params, batch, loss_scale)
+            grads, loss = grad_fn(params, batch, loss_scale, weight)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         micro = jax.tree.map(
             lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
 
         def body(acc, mb):
-            grads, loss = grad_fn(params, mb, loss_scale)
+            grads, loss = grad_fn(params, mb, loss_scale, weight / micro_batches)
             acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[0], grads)
             return (acc_grads, acc[1] + loss), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         (grads, loss), _ = lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-        return loss / micro_batches, jax.tree.map(lambda g: g / micro_batches, grads)
+        return loss / micro_batches, grads
 
     if mesh is not None:
         def sharded(params, batch, loss_scale):
-            loss, grads = local_grads(params, batch, loss_scale)
+            # Each device differentiates its share of the global mean loss, so the float16
+            # backward sees the same magnitudes as one device on the whole batch would.
+            loss, grads = local_grads(params, batch, loss_scale, 1.0 / n_shards)
             # float32 all-reduce: every device then sees the same grads and the same skip.
-            return lax.pmean(loss, data_axis), lax.pmean(grads, data_axis)
+            return lax.pmean(loss, data_axis), lax.psum(grads, data_axis)
 
         spec = PartitionSpec(data_axis)
         compute_grads = jax.shard_map(sharded, mesh=mesh, in_specs=(PartitionSpec(), spec,

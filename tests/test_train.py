@@ -1,0 +1,336 @@
+"""The jitted AMP train step: unscale-then-clip, skipping, loss-scale trajectories, parallelism."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+F16 = "params=float32,compute=float16,output=float32"
+F32 = "params=float32,compute=float32,output=float32"
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(32)(x))
+        x = nn.LayerNorm()(x)
+        return nn.Dense(4)(x)
+
+
+def ce_loss(apply_fn, params, batch):
+    return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, batch["x"]), batch["y"])
+
+
+def _setup(n=16, seed=0):
+    model = MLP()
+    x = jax.random.normal(jax.random.key(seed), (n, 8))
+    y = jnp.arange(n) % 4
+    params = model.init(jax.random.key(1), x)["params"]
+    return model, params, {"x": x, "y": y}
+
+
+def _copy(tree):
+    return jax.tree.map(lambda a: np.array(a), tree)
+
+
+def _bits_equal(a, b):
+    return all(np.asarray(x).dtype == np.asarray(y).dtype
+               and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _poison(batch, value=jnp.inf, row=0):
+    return {**batch, "x": batch["x"].at[row, 0].set(value)}
+
+
+def test_unscale_then_clip_applies_clip_of_true_grads():
+    model, params, batch = _setup()
+    tx = optax.sgd(1.0)
+    state = jaxamp.TrainState.create(model, params, tx,
+                                     loss_scale=jaxamp.StaticLossScale(2.0**15))
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=F32, clip_norm=1.0, donate=False)
+    new_state, metrics = step(state, batch)
+    true_grads = jax.grad(lambda p: ce_loss(model.apply, p, batch))(params)
+    norm = optax.global_norm(true_grads)
+    assert float(norm) > 1.0  # clipping is active
+    np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=1e-6)
+    expected = jax.tree.map(lambda p, g: p - g / norm, params, true_grads)
+    for got, want in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    # the update is clip(g), not clip(2^15 g) = the same direction... so check the size too:
+    delta = optax.global_norm(jax.tree.map(jnp.subtract, new_state.params, params))
+    np.testing.assert_allclose(delta, 1.0, rtol=1e-5)
+
+
+def test_f16_grads_above_256_are_clipped_without_overflow():
+    # params stored in f16: their grads are f16 with elements far above 256
+    def loss_fn(apply_fn, params, batch):
+        return jnp.sum(apply_fn({"params": params}, batch["x"]))
+
+    model = nn.Dense(1, use_bias=False)
+    x = jnp.full((4, 3), 300.0)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.sgd(1.0)
+    policy = "params=float16,compute=float16,output=float32"
+    state = jaxamp.TrainState.create(model, params, tx, policy=policy,
+                                     loss_scale=jaxamp.NoOpLossScale())
+    assert state.params["kernel"].dtype == jnp.float16
+    step = jaxamp.make_train_step(model, loss_fn, tx, policy=policy, clip_norm=1.0)
+    before = _copy(state.params)
+    state, metrics = step(state, {"x": x})
+    assert bool(metrics["grads_finite"])
+    np.testing.assert_allclose(metrics["grad_norm"], 1200.0 * np.sqrt(3), rtol=1e-3)
+    delta = np.asarray(before["kernel"], np.float32) - np.asarray(state.params["kernel"],
+                                                                  np.float32)
+    np.testing.assert_allclose(delta, np.full((3, 1), 1 / np.sqrt(3)), rtol=2e-3)
+
+
+@pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
+def test_nonfinite_step_is_skipped_bit_identically(poison):
+    model, params, batch = _setup()
+    tx = optax.adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.1)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=F16, clip_norm=1.0)
+    state, _ = step(state, batch)
+    params_before, opt_before = _copy(state.params), _copy(state.opt_state)
+    state, metrics = step(state, _poison(batch, poison))
+    assert not bool(metrics["grads_finite"]) and bool(metrics["skipped"])
+    assert int(metrics["skipped_steps"]) == 1 and int(state.skipped_steps) == 1
+    assert float(metrics["loss_scale"]) == 2.0**16  # the scale used in the skipped step
+    assert float(state.loss_scale.loss_scale) == 2.0**15  # ... then backed off
+    assert _bits_equal(state.params, params_before)
+    assert _bits_equal(state.opt_state, opt_before)  # adam count (schedule) did not advance
+    assert int(state.step) == 2  # TrainState.step counts attempted steps
+    state, metrics = step(state, batch)
+    assert bool(metrics["grads_finite"]) and not bool(metrics["skipped"])
+    assert not _bits_equal(state.params, params_before)
+    assert int(state.opt_state[0].count) == 2
+
+
+def test_injected_overflows_skip_exactly_those_steps_and_scale_follows_reference():
+    model, params, batch = _setup()
+    tx = optax.adam(1e-3)
+    ls = jaxamp.DynamicLossScale(2.0**10, growth_interval=3, hysteresis=2, max_loss_scale=2.0**12)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=ls)
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=F16)
+    bad_steps = {2, 3, 9, 15, 16, 17}
+    scales, skipped = [], []
+    for i in range(50):
+        state, m = step(state, _poison(batch) if i in bad_steps else batch)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(bool(m["skipped"]))
+    assert {i for i, s in enumerate(skipped) if s} == bad_steps
+    # reference state machine (Megatron semantics, see jaxamp.loss_scale)
+    scale, counter, hyst, want = 2.0**10, 0, 2, []
+    for i in range(50):
+        want.append(scale)
+        if i in bad_steps:
+            counter, hyst = 0, max(hyst - 1, 0)
+            if hyst <= 0:
+                scale = max(scale / 2, 1.0)
+        else:
+            counter += 1
+            if counter == 3:
+                counter, hyst, scale = 0, 2, min(scale * 2, 2.0**12)
+    assert scales == want
+    assert len(set(scales)) > 3  # the scale really moved (grew, hit the ceiling, backed off)
+    assert step._cache_size() == 1  # one compilation for the whole run
+
+
+def test_full_precision_no_op_equals_plain_optax():
+    model, params, batch = _setup()
+    tx = optax.adamw(1e-2)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.NoOpLossScale())
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=F32)
+    p, o = params, tx.init(params)
+
+    @jax.jit
+    def plain(p, o, batch):
+        loss, g = jax.value_and_grad(lambda p: ce_loss(model.apply, p, batch))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    for _ in range(5):
+        state, m = step(state, batch)
+        p, o, loss = plain(p, o, batch)
+        np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_gradient_underflow_needs_loss_scaling():
+    # True gradients ~1e-8, below float16's smallest subnormal (~6e-8).
+    def loss_fn(apply_fn, params, batch):
+        pred = apply_fn({"params": params}, batch["x"])
+        return 1e-8 * jnp.mean((pred[:, 0] - batch["y"]) ** 2)
+
+    model = nn.Dense(1, use_bias=False)
+    x = jax.random.normal(jax.random.key(0), (32, 4))
+    batch = {"x": x, "y": x @ jnp.array([0.5, -1.0, 0.25, 2.0])}
+    params = model.init(jax.random.key(1), x)["params"]
+    tx = optax.sgd(2e6)
+    grads = jax.grad(lambda p: loss_fn(model.apply, p, batch))(params)["kernel"]
+    assert 0 < float(jnp.max(jnp.abs(grads))) < 6e-8
+
+    def run(policy, loss_scale):
+        state = jaxamp.TrainState.create(model, params, tx, loss_scale=loss_scale)
+        step = jaxamp.make_train_step(model, loss_fn, tx, policy=policy)
+        for _ in range(20):
+            state, m = step(state, batch)
+        return state.params["kernel"], m
+
+    k32, _ = run(F32, jaxamp.NoOpLossScale())
+    k16_plain, m_plain = run(F16, jaxamp.NoOpLossScale())
+    k16_scaled, m_scaled = run(F16, jaxamp.DynamicLossScale())
+    assert float(m_plain["grad_norm"]) == 0.0  # every gradient underflowed
+    assert _bits_equal(k16_plain, params["kernel"])  # learned nothing
+    assert float(jnp.linalg.norm(k32 - params["kernel"])) > 0.5  # f32 learned
+    np.testing.assert_allclose(k16_scaled, k32, rtol=2e-2, atol=2e-2)
+
+
+def test_micro_batch_accumulation_equals_one_big_step_and_poison_skips_window():
+    model, params, batch = _setup(n=16)
+    tx = optax.sgd(0.1)
+    big = jaxamp.make_train_step(model, ce_loss, tx, policy=F16, donate=False)
+    acc = jaxamp.make_train_step(model, ce_loss, tx, policy=F16, micro_batches=4, donate=False)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
+    s_big, m_big = big(state, batch)
+    s_acc, m_acc = acc(state, batch)
+    np.testing.assert_allclose(m_acc["loss"], m_big["loss"], rtol=1e-3)
+    np.testing.assert_allclose(m_acc["grad_norm"], m_big["grad_norm"], rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(s_acc.params), jax.tree.leaves(s_big.params)):
+        np.testing.assert_allclose(a, b, atol=1e-3)
+    s_bad, m_bad = acc(state, _poison(batch, row=13))  # only the last micro-batch is bad
+    assert bool(m_bad["skipped"]) and _bits_equal(s_bad.params, state.params)
+
+
+def test_step_jaxpr_keeps_the_forward_in_compute_dtype_and_update_in_f32():
+    model, params, batch = _setup()
+    tx = optax.adam(1e-3)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=F16, clip_norm=1.0)
+    text = step.lower(state, batch).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and all("f16" in line and "f32" not in line.split("->")[-1] for line in dots)
+    new_state, _ = step(state, batch)
+    assert {x.dtype for x in jax.tree.leaves((new_state.params, new_state.opt_state))
+            if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(jnp.float32)}
+
+
+def test_bf16_policy_defaults_to_no_loss_scaling():
+    assert isinstance(jaxamp.default_loss_scale("compute=bfloat16"), jaxamp.NoOpLossScale)
+    assert isinstance(jaxamp.default_loss_scale(F16), jaxamp.DynamicLossScale)
+    model, params, _ = _setup()
+    state = jaxamp.TrainState.create(model, params, optax.sgd(1.0), policy="c=bf16")
+    assert isinstance(state.loss_scale, jaxamp.NoOpLossScale)
+
+
+_DP_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, optax, json, sys
+    sys.path.insert(0, sys.argv[1])
+    from test_train import _setup, ce_loss, _poison, F16
+    import jaxamp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    assert jax.device_count() == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    model, params, batch = _setup(n=16)
+    tx = optax.adam(1e-2)
+    out = {}
+    def run(mesh_arg, batches):
+        state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
+        step = jaxamp.make_train_step(model, ce_loss, tx, policy=F16, clip_norm=1.0,
+                                      mesh=mesh_arg)
+        ms = []
+        for b in batches:
+            if mesh_arg is not None:
+                b = jax.device_put(b, NamedSharding(mesh, P("data")))
+            state, m = step(state, b)
+            ms.append({k: float(v) for k, v in m.items()})
+        return state, ms, step
+    batches = [batch, _poison(batch, row=5), batch]
+    s_dp, m_dp, step = run(mesh, batches)
+    s_1, m_1, _ = run(None, batches)
+    out["skipped"] = [m["skipped"] for m in m_dp]
+    out["max_param_diff"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                                zip(jax.tree.leaves(s_dp.params), jax.tree.leaves(s_1.params)))
+    out["loss_diff"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(m_dp, m_1))
+    # every device holds the same params (replicated)
+    out["replicas_identical"] = all(
+        all(np.array_equal(np.asarray(s.data), np.asarray(leaf.addressable_shards[0].data))
+            for s in leaf.addressable_shards) for leaf in jax.tree.leaves(s_dp.params))
+    out["n_shards"] = len(jax.tree.leaves(s_dp.params)[0].addressable_shards)
+    text = step.lower(s_dp, jax.device_put(batch, NamedSharding(mesh, P("data")))).as_text()
+    reduces = [l for l in text.splitlines() if "all_reduce" in l]
+    out["all_reduce_lines"] = len(reduces)
+    out["f16_all_reduce"] = sum("f16" in l for l in reduces)
+    print(json.dumps(out))
+""")
+
+
+def test_data_parallel_on_8_virtual_devices(tmp_path):
+    script = tmp_path / "dp.py"
+    script.write_text(_DP_SCRIPT)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["skipped"] == [0.0, 1.0, 0.0]  # the poisoned shard made every device skip
+    assert out["n_shards"] == 8 and out["replicas_identical"]
+    assert out["max_param_diff"] < 1e-3 and out["loss_diff"] < 1e-3
+    assert out["all_reduce_lines"] > 0 and out["f16_all_reduce"] == 0
+
+
+# ---- bad input, rejected before compiling ------------------------------------------------
+
+def test_bad_inputs_are_rejected_before_jit():
+    model, params, batch = _setup()
+    tx = optax.sgd(0.1)
+    state = jaxamp.TrainState.create(model, params, tx)
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=F16)
+    with pytest.raises(ValueError, match="disagree on the batch size.*'x'.*16.*'y'.*8"):
+        step(state, {"x": batch["x"], "y": batch["y"][:8]})
+    vec = jaxamp.make_train_step(
+        model, lambda f, p, b: jnp.mean(f({"params": p}, b["x"]), axis=0), tx, policy=F16)
+    with pytest.raises(ValueError, match=r"floating scalar, got shape=\(4,\)"):
+        vec(state, batch)
+    ints = jaxamp.make_train_step(model, lambda f, p, b: jnp.argmax(f({"params": p}, b["x"])),
+                                  tx, policy=F16)
+    with pytest.raises(ValueError, match="floating scalar.*int32"):
+        ints(state, batch)
+    with pytest.raises(TypeError, match=r"params must be floating point, got int32 at .*'w'"):
+        jaxamp.TrainState.create(model, {"w": jnp.ones(3, jnp.int32)}, tx)
+    with pytest.raises(ValueError, match="clip_norm must be a positive finite number"):
+        jaxamp.make_train_step(model, ce_loss, tx, clip_norm=0.0)
+    with pytest.raises(ValueError, match="clip_norm.*inf"):
+        jaxamp.make_train_step(model, ce_loss, tx, clip_norm=float("inf"))
+    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1, got 0"):
+        jaxamp.make_train_step(model, ce_loss, tx, micro_batches=0)
+    accum = jaxamp.make_train_step(model, ce_loss, tx, micro_batches=3)
+    with pytest.raises(ValueError, match="batch size 16 must be divisible by micro_batches"):
+        accum(state, batch)
+    with pytest.raises(ValueError, match="different optimizer"):
+        jaxamp.make_train_step(model, ce_loss, optax.adam(1e-3))(state, batch)
+    with pytest.raises(TypeError, match="loss_scale must be"):
+        jaxamp.TrainState.create(model, params, tx, loss_scale=2.0**16)
+    with pytest.raises(ValueError, match="loss_scale"):
+        jaxamp.DynamicLossScale(0.0)
+    with pytest.raises(ValueError, match="growth_factor"):
+        jaxamp.DynamicLossScale(growth_factor=1.0)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        jaxamp.DynamicLossScale(backoff_factor=1.5)
+    with pytest.raises(ValueError, match="compute"):
+        jaxamp.make_train_step(model, ce_loss, tx, policy="compute=float8")
