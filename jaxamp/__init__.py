@@ -5,6 +5,7 @@ numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
 (:class:`DynamicLossScale`) and a jitted AMP train step (:func:`make_train_step`).
 """
 
+from jaxamp.audit import format_precision_table, precision_table
 from jaxamp.autocast import autocast
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.losses import softmax_cross_entropy
@@ -25,9 +26,11 @@ __all__ = [
     "TrainState",
     "autocast",
     "default_loss_scale",
+    "format_precision_table",
     "get_policy",
     "make_eval_step",
     "make_train_step",
     "policy_to_str",
+    "precision_table",
     "softmax_cross_entropy",
 ]

@@ -366,3 +366,28 @@ def test_op_rules_are_extendable():
     jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
     (tanh,) = [e for e in iter_eqns(jaxpr) if e.primitive.name == "tanh"]
     assert _dt(tanh.invars[0]) == "float32"
+
+
+def test_precision_table_reports_dtypes_per_module():
+    model, variables, ids = init_testnet()
+
+    def loss(params, ids):
+        v = {"params": params, "batch_stats": variables["batch_stats"]}
+        return jaxamp.softmax_cross_entropy(model.apply(v, ids, train=False), ids)
+
+    rows = jaxamp.precision_table(loss, variables["params"], ids, policy=F16)
+    by = {(r["module"], r["op"]): r for r in rows}
+    for mod in ("TestNet/blocks/fc1", "TestNet/blocks/mha/query", "TestNet/head"):
+        assert (by[(mod, "matmul")]["forward"], by[(mod, "matmul")]["backward"]) == (
+            "float16", "float16")
+    assert by[("TestNet/conv", "conv")]["forward"] == "float16"
+    for ln in ("TestNet/blocks/ln1", "TestNet/ln_f"):
+        assert by[(ln, "reduction")]["forward"] == "float32"
+        assert by[(ln, "elementwise")]["forward"] == "float32"
+    assert by[("TestNet/blocks/attn", "exp/log")] == {
+        "module": "TestNet/blocks/attn", "op": "exp/log", "forward": "float32",
+        "backward": "float32"}
+    assert by[("TestNet/embed", "gather")]["forward"] == "float32"  # rows gathered, then cast
+    assert rows[-1] == {"module": "(output)", "op": "output", "forward": "float32",
+                        "backward": "-"}
+    assert "| TestNet/head | matmul | float16 | float16 |" in jaxamp.format_precision_table(rows)
