@@ -7,8 +7,9 @@ One step, in the order the methodology prescribes:
 2. the float32 loss is multiplied by the loss scale and differentiated;
 3. the gradients are cast to float32 and divided by the scale (``unscale``);
 4. their global norm is taken once: it is the metric, the finite check and the clip's norm;
-5. ``optax.clip_by_global_norm`` clips the *unscaled* gradients (clipping scaled ones would
-   shrink the threshold by the scale);
+5. the *unscaled* gradients are clipped with ``optax.clip_by_global_norm``'s rule and that
+   norm (clipping scaled ones would shrink the threshold by the scale); a clip chained
+   inside the user's optimizer also sees unscaled float32 gradients;
 6. if the norm is not finite the update is skipped under ``lax.cond``: params and the whole
    optimizer state come back bit-identical, so schedules do not advance;
 7. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
@@ -272,16 +273,17 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
     else:
         compute_grads = local_grads
 
-    clip = optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None
-
     def step(state: TrainState, batch):
         ls = state.loss_scale
         loss, scaled_grads = compute_grads(state.params, batch, ls)
         grads = ls.unscale(scaled_grads)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(grad_norm)
-        if clip is not None:
-            grads, _ = clip.update(grads, clip.init(state.params))
+        if clip_norm is not None:
+            # optax.clip_by_global_norm's rule, reusing the norm taken once above (the
+            # metric and the finite check share it; recomputing it costs compile time).
+            factor = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
 
         def apply(operand):
             params, opt_state, g = operand
