@@ -277,7 +277,7 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
         ls = state.loss_scale
         loss, scaled_grads = compute_grads(state.params, batch, ls)
         grads = ls.unscale(scaled_grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         if clip_norm is not None:
             # optax.clip_by_global_norm's rule, reusing the norm taken once above (the
