@@ -85,10 +85,10 @@ def test_precision_partition_forward_and_backward(compute):
     assert lossy_round_trips(fwd_jaxpr) == []
     assert [e for e in lossy_round_trips(grad_jaxpr)
             if "transpose" not in str(e.source_info.name_stack)] == []
-    value, grads = jax.value_and_grad(loss)(variables["params"], ids)
+    value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"], ids)
     assert value.dtype == jnp.float32
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
-    logits, new_state = forward(variables, ids)
+    logits, new_state = jax.jit(forward)(variables, ids)
     assert logits.dtype == jnp.float32  # output=float32
     assert {x.dtype for x in jax.tree.leaves(new_state)} == {jnp.dtype(jnp.float32)}
 
@@ -145,7 +145,7 @@ def test_path_override_and_unmatched_pattern_warning():
     model, variables, ids = init_testnet()
     fwd = jaxamp.autocast(model.apply, F16, overrides={"decoder/layers_*/attn": "float32"})
     with pytest.warns(UserWarning, match=r"'decoder/layers_\*/attn' matched no module"):
-        fwd(variables, ids, train=False)
+        jax.make_jaxpr(lambda v, i: fwd(v, i, train=False))(variables, ids)
 
 
 def test_path_rule_beats_class_rule_and_children_inherit():
@@ -273,21 +273,23 @@ def test_control_flow_and_custom_rules_compose_with_grad_jit_vmap():
     assert all(_dt(e.invars[0]) == _dt(e.invars[1]) == "float16" for e in dots)
     value = jax.jit(amp)(w, x)
     assert value.dtype == jnp.float32
-    np.testing.assert_allclose(value, _control_flow_fn(w, x), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(value, jax.jit(_control_flow_fn)(w, x), rtol=2e-2, atol=2e-2)
     g = jax.jit(jax.grad(amp))(w, x)
-    g_ref = jax.grad(_control_flow_fn)(w, x)
+    g_ref = jax.jit(jax.grad(_control_flow_fn))(w, x)
     assert g.dtype == jnp.float32
     np.testing.assert_allclose(g, g_ref, rtol=5e-2, atol=5e-2)
     # the custom_vjp rule is kept: its 3x shows in the gradient w.r.t. x of a tiny function
-    gx = jax.grad(jaxamp.autocast(lambda x: jnp.sum(_grad_times_three(x) * 2.0), F16))(x)
+    gx = jax.jit(jax.grad(jaxamp.autocast(lambda x: jnp.sum(_grad_times_three(x) * 2.0), F16)))(x)
     np.testing.assert_allclose(gx, 6.0 * jnp.ones_like(x))
     # the custom_jvp straight-through rule survives autocast (round has zero derivative)
-    gs = jax.grad(jaxamp.autocast(lambda x: jnp.sum(_straight_through_round(x * 3)), F16))(x)
+    gs = jax.jit(jax.grad(jaxamp.autocast(lambda x: jnp.sum(_straight_through_round(x * 3)),
+                                          F16)))(x)
     np.testing.assert_allclose(gs, 3.0 * jnp.ones_like(x))
     # vmap over autocast equals autocast of each example
     xs = jax.random.normal(jax.random.key(2), (3, 4, 8))
-    batched = jax.vmap(amp, in_axes=(None, 0))(w, xs)
-    np.testing.assert_allclose(batched, jnp.stack([amp(w, xi) for xi in xs]), rtol=1e-6)
+    batched = jax.jit(jax.vmap(amp, in_axes=(None, 0)))(w, xs)
+    single = jax.jit(amp)
+    np.testing.assert_allclose(batched, jnp.stack([single(w, xi) for xi in xs]), rtol=1e-6)
 
 
 def test_relu_custom_jvp_runs_in_compute_dtype():
