@@ -13,6 +13,8 @@ from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
 from jaxamp.train import TrainState, default_loss_scale, make_eval_step, make_train_step
 
+__version__ = "0.1.0"
+
 __all__ = [
     "DEFAULT_OP_RULES",
     "DTYPE_NAMES",

@@ -32,6 +32,7 @@ exactly as traced (float32): correct, not accelerated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -39,8 +40,6 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import contextlib
 
 import flax.linen as nn
 import jax

@@ -137,27 +137,19 @@ def _batch_size(batch: Any, where: str) -> int:
 
 
 class _Step:
-    """The jitted step plus the checks that run before it compiles."""
+    """The jitted step. Its checks run while it is traced: once per input signature, before
+    anything compiles, and at no cost on later calls."""
 
-    def __init__(self, jitted, check: Callable[[Any, Any], None]):
+    def __init__(self, jitted):
         self._jitted = jitted
-        self._check = check
-        self._checked: set = set()
-
-    def _validate(self, state, batch):
-        key = (jax.tree_util.tree_structure((state.params, batch)),
-               tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
-                     for x in jax.tree_util.tree_leaves((state.params, batch))))
-        if key not in self._checked:
-            self._check(state, batch)
-            self._checked.add(key)
 
     def __call__(self, state, batch):
-        self._validate(state, batch)
+        if not isinstance(state, TrainState):  # jit would fail on it with a pytree error
+            raise TypeError(f"step: state must be a jaxamp.TrainState, got "
+                            f"{type(state).__name__}. Create it with jaxamp.TrainState.create.")
         return self._jitted(state, batch)
 
     def lower(self, state, batch):
-        self._validate(state, batch)
         return self._jitted.lower(state, batch)
 
     def _cache_size(self) -> int:
@@ -274,6 +266,7 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
         compute_grads = local_grads
 
     def step(state: TrainState, batch):
+        check(state, batch)  # trace time: before compiling
         ls = state.loss_scale
         loss, scaled_grads = compute_grads(state.params, batch, ls)
         grads = ls.unscale(scaled_grads)
@@ -309,9 +302,6 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
 
     def check(state, batch):
-        if not isinstance(state, TrainState):
-            raise TypeError(f"step: state must be a jaxamp.TrainState, got "
-                            f"{type(state).__name__}. Create it with jaxamp.TrainState.create.")
         if tx is not None and state.tx is not tx:
             raise ValueError("step: the state was created with a different optimizer than the "
                              "one given to make_train_step; pass the same tx to both.")
@@ -326,7 +316,7 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
                                            + np.shape(x)[1:], x.dtype), batch)
         _check_loss(loss_fn, apply_fn, state.params, micro, "step")
 
-    return _Step(jitted, check)
+    return _Step(jitted)
 
 
 def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy =

@@ -66,7 +66,7 @@ def test_precision_partition_forward_and_backward(compute):
         # The divisions that normalise softmax and take LayerNorm means are f32 too.
         producers = {o: e for e in eqns for o in e.outvars}
 
-        def from_sum(v):
+        def from_sum(v, producers=producers):
             while isinstance(v, jax.extend.core.Var) and v in producers:
                 e = producers[v]
                 if e.primitive.name == "reduce_sum":
