@@ -130,6 +130,10 @@ def load_corpus(path: str | os.PathLike | None = None, *, block_size: int,
         source = f"Python {'.'.join(map(str, sys.version_info[:3]))} stdlib sources ({folder})"
         hint = "pass --data PATH with a text file or a folder of text files"
         shown = str(folder)
+        if not data:  # e.g. an interpreter shipped with compiled .pyc files only
+            raise DataError(
+                f"the built-in corpus found no Python sources (.py) under {folder}, this "
+                f"interpreter's standard library; {hint}.")
     else:
         p = Path(path).expanduser()
         shown = str(path)
@@ -154,25 +158,21 @@ def load_corpus(path: str | os.PathLike | None = None, *, block_size: int,
             used = 1
             source = f"file {shown}"
     if not data:
-        what = "the folder's text files are all empty" if files_read_from_folder(path) else \
-            "the file is empty"
+        what = "the folder's text files are all empty" if p.is_dir() else "the file is empty"
         raise DataError(f"--data {shown}: {what} (0 bytes of text); {hint}.")
     tokens = np.frombuffer(data, dtype=np.uint8)
     train, val = split(tokens)
     need = block_size + 1
     if min(train.size, val.size) < need:
         need_total = 10 * need + SPLIT_PIECES  # validation gets ~10%, in 5 pieces
+        where = f"--data {shown}" if path is not None else f"the built-in corpus ({shown})"
         raise DataError(
-            f"--data {shown}: {tokens.size} bytes is too short: the 90/10 split gives "
+            f"{where}: {tokens.size} bytes is too short: the 90/10 split gives "
             f"{train.size} training and {val.size} validation tokens, and each needs at least "
             f"block_size+1 = {need}. Use at least {need_total} bytes of text, or a preset with a "
             "smaller block_size.")
     fingerprint = hashlib.sha256(data).hexdigest()[:16]
     return Corpus(train=train, val=val, source=source, num_files=used, fingerprint=fingerprint)
-
-
-def files_read_from_folder(path) -> bool:
-    return path is None or Path(path).expanduser().is_dir()
 
 
 def split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +181,7 @@ def split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     validation set samples the whole corpus (the built-in one is sorted by module name) instead
     of only its tail."""
     bounds = np.linspace(0, tokens.size, SPLIT_PIECES + 1).astype(np.int64)
-    pieces = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    pieces = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     val = [p for i, p in enumerate(pieces) if i % 10 == 9]
     train = [p for i, p in enumerate(pieces) if i % 10 != 9]
     return np.concatenate(train), np.concatenate(val)

@@ -4,7 +4,7 @@ Run it with no flags to train the ``tiny`` preset on the Python standard library
 (nothing to download) in float16 with dynamic loss scaling, for about a minute on 2 CPU cores::
 
     python examples/train_lm.py
-    python examples/train_lm.py --preset tiny --policy params=float32,compute=bfloat16,output=float32
+    python examples/train_lm.py --policy params=float32,compute=bfloat16,output=float32
     python examples/train_lm.py --steps 600 --resume          # continue the default run
 
 The model (``lm_model.py``) has no dtype code at all: ``jaxamp.make_train_step`` runs it under
@@ -29,20 +29,21 @@ import sys
 import time
 from pathlib import Path
 
-# ``python examples/train_lm.py`` puts examples/ on sys.path; importing this file as
-# ``examples.train_lm`` (the tests) does not, so add it for the sibling modules.
+# ``python examples/train_lm.py`` puts examples/ on sys.path; importing this file from
+# elsewhere (e.g. ``importlib`` with only the repository root on the path) does not, so add it
+# for the sibling modules lm_data and lm_model.
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import lm_data  # noqa: E402
+import lm_model  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
-import lm_data  # noqa: E402
-import lm_model  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 
@@ -57,6 +58,15 @@ _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 class UsageError(Exception):
     """Bad input; ``main`` prints ``error: <message>`` and returns 2."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except empty ones (None/False say nothing the text does not)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a byte-level GPT with jaxamp automatic mixed precision. With no "
                     "flags: the tiny preset, float16 compute with dynamic loss scaling, the "
                     "Python stdlib sources as data, output in runs/tiny-f16.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     m = p.add_argument_group("model and precision")
     m.add_argument("--preset", default="tiny", metavar="NAME",
                    help=f"model size, one of: {', '.join(lm_model.PRESETS)}")
@@ -99,13 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--schedule", default="cosine", choices=("cosine", "constant"),
                    help="learning-rate schedule after the linear warmup (cosine decays to "
                         "lr/10 at --steps)")
-    o.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
+    o.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
     o.add_argument("--clip-norm", type=float, default=1.0,
                    help="clip the unscaled gradients to this global norm (0: no clipping)")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     o.add_argument("--micro-batches", type=int, default=1,
                    help="split each batch into this many micro-batches and accumulate "
-                        "float32 gradients (same result, less activation memory)")
+                        "float32 gradients (the same update up to rounding, less activation "
+                        "memory)")
     o.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     o.add_argument("--steps", type=int, default=300, help="total training steps")
     r = p.add_argument_group("evaluation, checkpoints and files")
@@ -257,28 +268,10 @@ def _strong(tree):
 
 
 def abstract_train_state(model, config, tx, loss_scale, policy):
-    """The train state's structure with ``ShapeDtypeStruct`` leaves: no memory, no compile.
-
-    ``jax.eval_shape(TrainState.create, ...)`` is the obvious way, but jaxamp 0.1.0's
-    ``TrainState.create`` calls ``np.asarray`` on every param (its float check), which fails
-    on tracers; so when it does, the same state is assembled field by field instead.
-    """
-    params = lm_model.abstract_params(config)
-
-    def create(p):
-        return jaxamp.TrainState.create(model, p, tx, loss_scale=loss_scale, policy=policy)
-
-    def assemble(p):
-        p = policy.cast_to_param(p)
-        zero = jnp.zeros((), jnp.int32)
-        return jaxamp.TrainState(step=zero, apply_fn=model.apply, params=p, tx=tx,
-                                 opt_state=tx.init(p), loss_scale=loss_scale,
-                                 skipped_steps=zero)
-
-    try:
-        return jax.eval_shape(create, params)
-    except jax.errors.TracerArrayConversionError:
-        return jax.eval_shape(assemble, params)
+    """The train state's structure with ``ShapeDtypeStruct`` leaves: no memory, no compile."""
+    return jax.eval_shape(
+        lambda p: jaxamp.TrainState.create(model, p, tx, loss_scale=loss_scale, policy=policy),
+        lm_model.abstract_params(config))
 
 
 def _compiled_memory(compiled) -> dict:
@@ -318,11 +311,12 @@ _FLAG_OF = {"preset": "--preset", "model": "--preset", "policy": "--policy",
             "eval_batches": "--eval-batches", "data_fingerprint": "--data"}
 
 
-def _checkpoint_manager(out: Path, *, read_only=False):
+def _checkpoint_manager(out: Path, *, create=True):
     import orbax.checkpoint as ocp
 
+    # Synchronous saves: the train step donates the state's buffers right after a save.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=3, create=not read_only, enable_async_checkpointing=False)
+        max_to_keep=3, create=create, enable_async_checkpointing=False)
     return ocp.CheckpointManager((out / CHECKPOINT_DIR).resolve(), options=options,
                                  item_names=("state", "meta"))
 
@@ -336,50 +330,64 @@ def save_checkpoint(manager, state, meta: dict) -> None:
 
 
 def restore_checkpoint(s: Setup, abstract_state):
-    """(state, meta) from the latest checkpoint in --out; UsageError if none or unreadable."""
+    """(state, meta) from the latest checkpoint in --out; UsageError if none or unreadable.
+
+    Orbax writes a checkpoint into a temporary folder and renames it when complete, so a run
+    killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*`` folder, which orbax does not
+    list as a step: the latest *complete* checkpoint is the one restored.
+    """
     import orbax.checkpoint as ocp
 
     folder = s.out / CHECKPOINT_DIR
+    no_checkpoint = UsageError(f"--resume: no checkpoints in {folder}; run without --resume to "
+                               "start a new run there")
     if not folder.is_dir():
-        raise UsageError(f"--resume: no checkpoints in {folder}; run without --resume to start "
-                         "a new run there")
+        raise no_checkpoint
     try:
-        manager = _checkpoint_manager(s.out, read_only=True)
-        step = manager.latest_step()
+        manager = _checkpoint_manager(s.out, create=False)
     except Exception as e:  # noqa: BLE001 - any orbax failure means an unusable folder
         raise UsageError(f"--resume: cannot read checkpoints in {folder} "
                          f"({type(e).__name__}: {_first_line(e)})") from None
-    if step is None:
-        raise UsageError(f"--resume: no checkpoints in {folder}; run without --resume to start "
-                         "a new run there")
-    where = folder / str(step)
-    try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        if not isinstance(meta, dict) or "run_config" not in meta:
-            raise ValueError("the meta item is not a jaxamp example checkpoint")
-    except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--resume: checkpoint {where} is unreadable or corrupted "
-                         f"({type(e).__name__}: {_first_line(e)}); delete that folder to resume "
-                         "from an earlier checkpoint, or start without --resume") from None
-    mismatch = [k for k, v in _run_config(s).items() if meta["run_config"].get(k) != v]
-    if mismatch:
-        old = meta["run_config"]
-        detail = "; ".join(f"{_FLAG_OF[k]}: checkpoint has {_show(old.get(k))}, now "
-                           f"{_show(_run_config(s)[k])}" for k in mismatch)
-        raise UsageError(f"--resume: the checkpoint in {folder} was made with other settings "
-                         f"({detail}); pass the original flags or choose another --out")
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))["state"]
-        restored = _strong(restored)
-        jax.block_until_ready(restored)
-    except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--resume: checkpoint {where} is unreadable or corrupted "
-                         f"({type(e).__name__}: {_first_line(e)}); delete that folder to resume "
-                         "from an earlier checkpoint, or start without --resume") from None
-    finally:
-        manager.close()
-    if int(restored.step) != step:
+    with manager:
+        step = manager.latest_step()
+        if step is None:
+            raise no_checkpoint
+        where = folder / str(step)
+
+        def corrupted(e: Exception) -> UsageError:
+            return UsageError(
+                f"--resume: checkpoint {where} is unreadable or corrupted ({type(e).__name__}: "
+                f"{_first_line(e)}); delete that folder to resume from an earlier checkpoint, "
+                "or start without --resume")
+
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or "run_config" not in meta:
+                raise ValueError("its meta item is not from train_lm.py")
+        except Exception as e:  # noqa: BLE001
+            raise corrupted(e) from None
+        now = _run_config(s)
+        mismatch = [k for k, v in now.items() if meta["run_config"].get(k) != v]
+        if mismatch:
+            old = meta["run_config"]
+            detail = "; ".join(f"{_FLAG_OF[k]}: checkpoint has {_show(old.get(k))}, now "
+                               f"{_show(now[k])}" for k in mismatch)
+            raise UsageError(f"--resume: the checkpoint in {folder} was made with other "
+                             f"settings ({detail}); pass the original flags or choose another "
+                             "--out")
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+            # Through host memory: orbax returns arrays committed to a device, which would
+            # add sharding annotations to the lowered step (a different program from a fresh
+            # run's, so no compilation-cache hit and no guarantee of identical numerics).
+            restored = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored)
+            restored = _strong(restored)
+            jax.block_until_ready(restored)
+        except Exception as e:  # noqa: BLE001
+            raise corrupted(e) from None
+    if int(restored.step) != step or int(meta.get("step", -1)) != step:
         raise UsageError(f"--resume: checkpoint {where} holds step {int(restored.step)}, not "
                          f"{step}; delete that folder or start without --resume")
     return restored, meta
@@ -430,7 +438,7 @@ def plot_curves(rows: list[dict], path: Path, title: str,
     import matplotlib.pyplot as plt
 
     steps = np.array([r["step"] for r in rows])
-    loss = np.array([r["loss"] for r in rows], dtype=float)
+    loss = np.array([np.nan if r["loss"] is None else r["loss"] for r in rows], dtype=float)
     scale = np.array([r["loss_scale"] for r in rows], dtype=float)
     gnorm = np.array([r["grad_norm"] if r["grad_norm"] is not None else np.nan for r in rows],
                      dtype=float)
@@ -443,7 +451,7 @@ def plot_curves(rows: list[dict], path: Path, title: str,
     ax = axes[0]
     ax.plot(steps, loss, lw=1, label="train loss")
     if val:
-        vs, vl = zip(*val)
+        vs, vl = zip(*val, strict=True)
         ax.plot(vs, vl, "o-", ms=4, label="validation loss")
     ax.set_ylabel("loss (nats/byte)")
     ax.legend(loc="upper right")
@@ -471,6 +479,16 @@ def plot_curves(rows: list[dict], path: Path, title: str,
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _finite(x) -> float | None:
+    """A metric as a JSON-safe float; None for inf/nan (strict JSON has no NaN)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _fmt(x, digits=3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def _fmt_bytes(n) -> str:
@@ -503,13 +521,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(s: Setup) -> int:
+    import rich.markup
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Table
 
     args, config, policy, out, corpus = s.args, s.config, s.policy, s.out, s.corpus
     console = Console(highlight=False)
+    esc = rich.markup.escape  # paths and sources are not rich markup
     metrics_path = out / "metrics.jsonl"
 
     # ---- abstract state (no compile): enough to restore a checkpoint and to validate it ----
@@ -526,12 +552,17 @@ def train(s: Setup) -> int:
     if args.resume:
         state, meta = restore_checkpoint(s, abstract_state)
         start_step = int(meta["step"])
+        if start_step > args.steps:
+            raise UsageError(f"--steps {args.steps} is below the step of the latest checkpoint "
+                             f"in {out / CHECKPOINT_DIR} ({start_step}); pass --steps "
+                             f">= {start_step}")
     # ---- from here on, input is valid: build and run ----
     if not args.resume:
         ckpt = out / CHECKPOINT_DIR
         if ckpt.exists() or any((out / f).exists() for f in OUTPUT_FILES):
-            console.print(f"note: starting a new run in {out}; removing the previous run's "
-                          "checkpoints and outputs there (use --resume to continue it)")
+            console.print(f"note: starting a new run in {esc(str(out))}; removing the "
+                          "previous run's checkpoints and outputs there (use --resume to "
+                          "continue it)")
             shutil.rmtree(ckpt, ignore_errors=True)
             for f in OUTPUT_FILES:
                 (out / f).unlink(missing_ok=True)
@@ -552,14 +583,18 @@ def train(s: Setup) -> int:
     console.print(f"[bold]model[/bold] {args.preset}: {config.n_layer} layers, d_model "
                   f"{config.d_model}, {config.n_head} heads, context {config.block_size}, "
                   f"{n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP/token (train)")
-    console.print(f"[bold]data[/bold] {corpus.source}: {corpus.num_tokens / 1e6:.2f}M bytes "
+    console.print(f"[bold]data[/bold] {esc(corpus.source)}: {corpus.num_tokens / 1e6:.2f}M bytes "
                   f"({corpus.train.size / 1e6:.2f}M train / {corpus.val.size / 1e6:.2f}M val)")
     console.print(f"[bold]run[/bold] {args.steps} steps x {args.batch_size} x "
                   f"{config.block_size} tokens, lr {args.lr:g} ({args.schedule}, warmup "
-                  f"{args.warmup}), out: {out}")
+                  f"{args.warmup}), out: {esc(str(out))}")
 
     if args.resume:
         console.print(f"resuming from the checkpoint at step {start_step}")
+        if args.schedule == "cosine" and meta.get("steps") != args.steps:
+            console.print(f"note: the cosine schedule now decays to step {args.steps} (the "
+                          f"checkpointed run used --steps {meta.get('steps')}), so the learning "
+                          "rate differs from the original run's from here on")
     else:
         _, params = lm_model.init_params(config, seed=args.seed)
         state = _strong(create_state(params))
@@ -636,9 +671,9 @@ def train(s: Setup) -> int:
                 train_time += dt
                 tokens_seen += tokens_per_step
                 row = {
-                    "step": step, "loss": float(m["loss"]),
+                    "step": step, "loss": _finite(m["loss"]),
                     "loss_scale": float(m["loss_scale"]),
-                    "grad_norm": float(m["grad_norm"]) if np.isfinite(m["grad_norm"]) else None,
+                    "grad_norm": _finite(m["grad_norm"]),  # None: inf/nan (a skipped step)
                     "grads_finite": bool(m["grads_finite"]), "skipped": bool(m["skipped"]),
                     "skipped_steps": int(m["skipped_steps"]),
                     "tokens_per_s": tokens_per_step / dt,
@@ -655,7 +690,7 @@ def train(s: Setup) -> int:
                 if (args.checkpoint_interval and step % args.checkpoint_interval == 0) or \
                         step == args.steps:
                     checkpoint(state, step)
-                stats = (f"loss {row['loss']:.3f}  scale {row['loss_scale']:g}  "
+                stats = (f"loss {_fmt(row['loss'])}  scale {row['loss_scale']:g}  "
                          f"skipped {row['skipped_steps']}  {tokens_seen / train_time:,.0f} tok/s"
                          + (f"  val {last_val:.3f}" if last_val is not None else ""))
                 progress.update(task, completed=step, stats=stats)
@@ -673,13 +708,13 @@ def train(s: Setup) -> int:
         return 130
 
     # ---- summary ----
-    if not rows:
-        console.print("nothing to do: the checkpoint is already at --steps")
+    if start_step >= args.steps:
+        console.print(f"nothing to train: the checkpoint is already at step {args.steps}")
     final_val = last_val
     if final_val is None:
         vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
         final_val = vals[-1] if vals else evaluate(state.params)
-    tail = [r["loss"] for r in rows[-FINAL_LOSS_WINDOW:]]
+    tail = [r["loss"] for r in rows[-FINAL_LOSS_WINDOW:] if r.get("loss") is not None]
     ref_memory = (_f32_reference_memory(s, model, tx, batch0, memory) if args.compare_f32
                   else {})
     rows_table = _precision_rows(model, state.params, batch0, policy)
@@ -710,11 +745,13 @@ def train(s: Setup) -> int:
                     f"{args.preset} | {s.policy_str} | loss scale: {s.loss_scale_kind}",
                     initial_val)
 
-    t = Table(title="precision: the dtype each op ran in (forward / backward)",
-              title_justify="left")
+    shown = [r for r in rows_table if r.get("op") not in ("cast", "elementwise")]
+    t = Table(title="precision: the dtypes each op ran in, forward / backward (traced; casts "
+                    f"and elementwise ops: {len(rows_table) - len(shown)} more rows in "
+                    "precision.json)", title_justify="left")
     for col in ("module", "op", "forward", "backward"):
         t.add_column(col)
-    for r in rows_table:
+    for r in shown:
         t.add_row(str(r.get("module", "")), str(r.get("op", "")), str(r.get("forward", "")),
                   str(r.get("backward", "")))
     console.print(t)
@@ -734,22 +771,22 @@ def train(s: Setup) -> int:
             ("step memory (temp+args+out)", _fmt_bytes(memory.get("total"))),
             ("same step in float32", _fmt_bytes(ref_memory.get("total"))
              + (f"  (AMP uses {ratio:.2f}x)" if ratio else "")),
-            ("outputs", f"{out}/ metrics.jsonl summary.json precision.json curves.png")):
+            ("outputs", esc(f"{out}/ metrics.jsonl summary.json precision.json curves.png"))):
         st.add_row(k, v)
     console.print(st)
     return 0
 
 
 def _precision_rows(model, params, batch, policy) -> list[dict]:
-    table = getattr(jaxamp, "precision_table", None)
-    if table is None:  # TEMPORARY until jaxamp.precision_table lands
-        return []
-    return table(lambda p, b: loss_fn(model.apply, p, b), params, batch, policy=policy)
+    """Which dtype each (module, op class) ran in, forward and backward, read from the traced
+    step (``jaxamp.precision_table``); tracing only, nothing is compiled or run."""
+    return jaxamp.precision_table(lambda p, b: loss_fn(model.apply, p, b), params, batch,
+                                  policy=policy)
 
 
 def manager_latest(out: Path):
     try:
-        m = _checkpoint_manager(out, read_only=True)
+        m = _checkpoint_manager(out, create=False)
         try:
             return m.latest_step()
         finally:
@@ -772,5 +809,24 @@ def _f32_reference_memory(s: Setup, model, tx, batch, memory: dict) -> dict:
     return _compiled_memory(ref_step.lower(ref_state, batch).compile())
 
 
+def closed_event_loop_filter(default):
+    """An ``unraisablehook`` that keeps orbax's clean-up noise off stderr after a failed restore.
+
+    When reading a corrupted checkpoint fails, tensorstore still completes the other pending
+    reads from its own threads and tries to hand them to orbax's asyncio event loop, which is
+    already closed: Python then prints "RuntimeError: Event loop is closed" tracebacks through
+    ``sys.unraisablehook``. They carry no information (the failure itself is reported as one
+    ``error:`` line), so exactly those are dropped; anything else goes to ``default``.
+    """
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        default(unraisable)
+
+    return hook
+
+
 if __name__ == "__main__":
+    sys.unraisablehook = closed_event_loop_filter(sys.unraisablehook)
     sys.exit(main())

@@ -281,6 +281,11 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
         def apply(operand):
             params, opt_state, g = operand
             updates, new_opt_state = state.tx.update(g, opt_state, params)
+            # float32 grads would promote e.g. a bfloat16 Adam moment to float32; the state
+            # keeps its dtypes (and lax.cond's branches their types).
+            new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype)
+                                         if hasattr(old, "dtype") else new,
+                                         new_opt_state, opt_state)
             return optax.apply_updates(params, updates), new_opt_state
 
         def skip(operand):

@@ -228,6 +228,20 @@ def test_step_jaxpr_keeps_the_forward_in_compute_dtype_and_update_in_f32():
             if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(jnp.float32)}
 
 
+def test_low_precision_params_keep_their_optimizer_state_dtypes():
+    model, params, batch = _setup()
+    tx = optax.adamw(1e-3)
+    policy = "params=bfloat16,compute=bfloat16,output=float32"
+    state = jaxamp.TrainState.create(model, params, tx, policy=policy)
+    step = jaxamp.make_train_step(model, ce_loss, tx, policy=policy)
+    dtypes = jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state))
+    for _ in range(2):
+        state, m = step(state, batch)
+    assert jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state)) == dtypes
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert bool(m["grads_finite"])
+
+
 def test_bf16_policy_defaults_to_no_loss_scaling():
     assert isinstance(jaxamp.default_loss_scale("compute=bfloat16"), jaxamp.NoOpLossScale)
     assert isinstance(jaxamp.default_loss_scale(F16), jaxamp.DynamicLossScale)
