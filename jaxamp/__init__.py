@@ -5,10 +5,18 @@ numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
 (:class:`DynamicLossScale`) and a jitted AMP train step (:func:`make_train_step`).
 """
 
-from jaxamp.audit import format_precision_table, precision_table
+from jaxamp.audit import (
+    AuditReport,
+    Finding,
+    audit,
+    audit_step,
+    format_precision_table,
+    precision_table,
+)
 from jaxamp.autocast import autocast
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.losses import softmax_cross_entropy
+from jaxamp.overflow import OverflowReport, locate_overflow
 from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
 from jaxamp.train import TrainState, default_loss_scale, make_eval_step, make_train_step
@@ -16,20 +24,26 @@ from jaxamp.train import TrainState, default_loss_scale, make_eval_step, make_tr
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
     "DEFAULT_OP_RULES",
     "DTYPE_NAMES",
     "DynamicLossScale",
     "EMBED_MODULES",
     "FP32_MODULES",
+    "Finding",
     "ModuleRules",
     "NoOpLossScale",
     "OpRules",
+    "OverflowReport",
     "StaticLossScale",
     "TrainState",
+    "audit",
+    "audit_step",
     "autocast",
     "default_loss_scale",
     "format_precision_table",
     "get_policy",
+    "locate_overflow",
     "make_eval_step",
     "make_train_step",
     "policy_to_str",

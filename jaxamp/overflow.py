@@ -1,0 +1,658 @@
+"""Overflow and underflow locator: run one forward and backward under a policy and say where the
+low-precision values leave their dtype's range.
+
+:func:`locate_overflow` traces ``jax.value_and_grad`` of the (scaled) loss under
+:func:`jaxamp.autocast` and then *re-evaluates that program equation by equation* (inside one
+``jax.jit``: a single compilation; ``scan`` bodies unrolled) keeping every float value it
+computes, so it sees what the policy really computes -- inside ``nn.scan`` bodies and in the
+backward pass too, in the dtype each value has there (float16 matmul outputs, float16
+activation gradients). Flax's ``capture_intermediates`` cannot: it drops the intermediates of
+scanned modules and only shows module outputs. Each equation's values are attributed to the
+module whose name scope it runs in (its own ops, not its children's), like
+:func:`jaxamp.audit`'s rows; their statistics are computed on the host.
+
+It then runs the same loss once more in float32, unscaled, for the *true* gradients, and
+reports the fraction of them that float16 would flush to zero (``0 < |g| < 2**-24``) without
+the loss scale and with it (``|g * scale| < 2**-24``): the gradient histogram of Micikevicius
+et al. ("Mixed Precision Training", 2018), in numbers.
+
+float16 limits used: largest finite 65504, smallest normal 2**-14 (~6.1e-5), smallest subnormal
+2**-24 (~6e-8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jmp
+import numpy as np
+
+from jaxamp.audit import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
+from jaxamp.autocast import autocast
+from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+
+__all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
+           "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
+
+F16_MAX = 65504.0
+F16_MIN_NORMAL = 2.0**-14
+F16_MIN_SUBNORMAL = 2.0**-24
+#: a module whose low-precision values come within this many bits (a factor 4) of the largest
+#: finite value is reported as ``near_overflow``.
+NEAR_OVERFLOW_BITS = 2.0
+#: a module is reported as ``underflow`` when more than this fraction of its true gradients
+#: flush to zero in float16 even with the loss scale.
+UNDERFLOW_FRACTION = 0.01
+
+_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics of one value
+# ---------------------------------------------------------------------------------------------
+
+
+def _summary(x, scale: float) -> np.ndarray:
+    """[max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24), #(0<|x*scale|<2^-24),
+    #(0<|x|<tiny(dtype)), #values, #saturated] for one array (on the host, in float32).
+
+    Values exactly at the dtype's largest finite magnitude (``finfo.min`` masks, autocast's
+    saturated constants) are *saturated*: counted apart and left out of the max."""
+    x = np.asarray(x)
+    info = jnp.finfo(x.dtype)
+    a = np.abs(x.astype(np.float32))
+    fin = np.isfinite(a)
+    sat = fin & (a >= np.float32(info.max))
+    nz = fin & (a > 0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = a * np.float32(scale)
+    return np.array([
+        float(np.max(np.where(fin & ~sat, a, 0.0), initial=0.0)),
+        int(np.sum(~fin)),
+        int(np.sum(nz & ~sat)),
+        int(np.sum(nz & (a < F16_MIN_SUBNORMAL))),
+        int(np.sum(nz & (scaled < F16_MIN_SUBNORMAL))),
+        int(np.sum(nz & (a < float(info.tiny)))),
+        a.size,
+        int(np.sum(sat)),
+    ], np.float64)
+
+
+def _is_float(x) -> bool:
+    try:
+        return jnp.issubdtype(x.dtype, jnp.floating)
+    except (AttributeError, TypeError):
+        return False
+
+
+@dataclasses.dataclass
+class _Acc:
+    """Running statistics of the values one module produced in one pass."""
+
+    max_abs: float = 0.0
+    nonfinite: int = 0
+    nonzero: int = 0
+    under: int = 0  # 0 < |v| < 2^-24
+    under_scaled: int = 0  # 0 < |v * scale| < 2^-24
+    subnormal: int = 0  # 0 < |v| < smallest normal of the value's dtype
+    count: int = 0
+    saturated: int = 0
+    dtypes: set = dataclasses.field(default_factory=set)
+    # min over float16/bfloat16 values of log2(finfo.max / max|v|): bits of headroom
+    low_headroom_bits: float = math.inf
+    low_nonzero: int = 0
+
+    def add(self, s: np.ndarray, dtype: str) -> None:
+        mx = float(s[0])
+        self.max_abs = max(self.max_abs, mx)
+        self.nonfinite += int(s[1])
+        self.nonzero += int(s[2])
+        self.under += int(s[3])
+        self.under_scaled += int(s[4])
+        self.count += int(s[6])
+        self.saturated += int(s[7])
+        self.dtypes.add(dtype)
+        if dtype in _LOW:
+            self.subnormal += int(s[5])
+            self.low_nonzero += int(s[2])
+            if mx > 0:
+                self.low_headroom_bits = min(self.low_headroom_bits,
+                                             math.log2(float(jnp.finfo(dtype).max) / mx))
+
+
+# ---------------------------------------------------------------------------------------------
+# An evaluator of a jaxpr that records every value's statistics (run under one jax.jit)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Evaluator:
+    """Re-evaluates a jaxpr equation by equation (sub-programs inlined, ``scan`` unrolled) and
+    keeps every float value it computes, with the equation that made it.
+
+    It runs inside a single ``jax.jit`` trace (one compilation; eager evaluation would compile
+    every primitive separately) whose extra outputs are all those values; their statistics are
+    computed on the host. ``while`` loops and ``cond`` s run as one opaque operation (their
+    inner values are not inspected)."""
+
+    def __init__(self, modules):
+        self.modules = modules
+        self.values: list = []  # every float value produced (traced)
+        self.keys: list[tuple[str, bool]] = []  # (module, backward) of each value
+        self.ids: dict[int, int] = {}  # id(traced value) -> index in values
+        self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
+
+    def _record(self, eqn, full: str, vals, outs) -> None:
+        module, backward = _clean_path(full)
+        module = _canonical_path(module, self.modules)
+        out_idx = []
+        for o in outs:
+            if _is_float(o):
+                self.ids[id(o)] = len(self.values)
+                out_idx.append(len(self.values))
+                self.values.append(o)
+                self.keys.append((module, backward))
+        if not out_idx:
+            return
+        ins = []
+        for v in vals:
+            if id(v) in self.ids:
+                ins.append(self.ids[id(v)])
+            elif not isinstance(v, jax.core.Tracer) and _is_float(np.asarray(v)):
+                ins.append(bool(np.all(np.isfinite(np.asarray(v, np.float32)))))
+        where = {"module": module, "pass": "backward" if backward else "forward",
+                 "primitive": eqn.primitive.name,
+                 "dtype": ",".join(sorted({np.dtype(o.dtype).name for o in outs
+                                           if _is_float(o)}))}
+        self.events.append((where, ins, out_idx))
+
+    def run(self, jaxpr: jcore.Jaxpr, consts, args, prefix: str = ""):
+        env: dict = {}
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return v.val
+            return env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            stack = str(eqn.source_info.name_stack)
+            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars], full)
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def sub(self, closed, vals, full):
+        if isinstance(closed, jcore.ClosedJaxpr):
+            return self.run(closed.jaxpr, closed.consts, vals, full)
+        return self.run(closed, [], vals, full)
+
+    def eqn(self, eqn, vals, full):
+        name = eqn.primitive.name
+        p = eqn.params
+        if _SCAFFOLD in full:
+            return self.bind(eqn, vals)
+        if name == "scan":
+            return self.scan(eqn, vals, full)
+        subs = list(jcore.jaxprs_in_params(p))
+        if subs and name not in ("while", "cond", "custom_lin"):
+            inline = [s for s in subs if len(_open(s).invars) == len(vals)]
+            if len(inline) == 1:
+                for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+                    obj = p.get(key)
+                    if obj is not None and _open(obj) is _open(inline[0]):
+                        return self.sub(obj, vals, full)
+                return self.sub(inline[0], vals, full)
+        outs = self.bind(eqn, vals)
+        self._record(eqn, full, vals, outs)
+        return outs
+
+    def bind(self, eqn, vals):
+        params = eqn.params
+        try:
+            bp = eqn.primitive.get_bind_params(params)
+        except Exception:  # noqa: BLE001
+            bp = params
+        if isinstance(bp, tuple):
+            subfuns, bp = bp
+            out = eqn.primitive.bind(*subfuns, *vals, **bp)
+        else:
+            out = eqn.primitive.bind(*vals, **bp)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    def scan(self, eqn, vals, full):
+        p = eqn.params
+        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+        ys = []
+        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        for i in steps:
+            outs = self.sub(p["jaxpr"], consts + carry + [x[i] for x in xs], full)
+            carry = outs[:nk]
+            ys.append(outs[nk:])
+        if p["reverse"]:
+            ys = ys[::-1]
+        n_y = len(eqn.outvars) - nk
+        if ys:
+            stacked = [jnp.stack([y[j] for y in ys]) for j in range(n_y)]
+        else:
+            stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
+        return carry + stacked
+
+
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _interpret(closed: jcore.ClosedJaxpr, flat_args, modules, scale: float):
+    """Runs ``closed`` (dead code removed) once under jit, keeping every value; returns the
+    outputs, per-(module, pass) accumulators in first-seen order, and the equations that made
+    non-finite values out of finite inputs (in execution order)."""
+    jaxpr, used = _dce(closed.jaxpr)
+    args = [x for x, u in zip(flat_args, used) if u]
+    ev = _Evaluator(modules)
+
+    def program(consts, args):
+        ev.values.clear(), ev.keys.clear(), ev.ids.clear(), ev.events.clear()
+        outs = ev.run(jaxpr, consts, args)
+        values = list(ev.values)
+        ev.ids.clear()  # the tracers die with the trace
+        return outs, values
+
+    lowered = jax.jit(program).lower(list(closed.consts), args)
+    compiled = None
+    if jax.default_backend() == "cpu":
+        # a program with hundreds of outputs compiles several times faster without LLVM's
+        # expensive passes, and runs once
+        try:
+            compiled = lowered.compile(_FAST_COMPILE)
+        except Exception:  # noqa: BLE001 - an XLA without these options
+            compiled = None
+    if compiled is None:
+        compiled = lowered.compile()
+    outs, values = compiled(list(closed.consts), args)
+    acc: dict[tuple[str, bool], _Acc] = {}
+    finite = []
+    for key, x in zip(ev.keys, values):
+        s = _summary(x, scale)
+        finite.append(s[1] == 0)
+        if key not in acc:
+            acc[key] = _Acc()
+        acc[key].add(s, np.dtype(x.dtype).name)
+    origins = []
+    for where, ins, outs_idx in ev.events:
+        ins_ok = all(finite[i] if not isinstance(i, bool) else i for i in ins)
+        if ins_ok and not all(finite[i] for i in outs_idx):
+            origins.append(where)
+    return outs, acc, origins
+
+
+def _open(j):
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def _frac(n: int, d: int) -> float | None:
+    return n / d if d else None
+
+
+def _bits(a: _Acc) -> float | None:
+    return None if math.isinf(a.low_headroom_bits) else a.low_headroom_bits
+
+
+@dataclasses.dataclass
+class OverflowReport:
+    """What :func:`locate_overflow` found.
+
+    Attributes:
+      rows: one dict per module path (execution order), keys:
+
+        * ``module``; ``status``: ``overflow`` (non-finite values originate here: made from
+          finite inputs), ``nonfinite`` (non-finite values arrived from elsewhere),
+          ``near_overflow`` (float16/bfloat16 values within :data:`NEAR_OVERFLOW_BITS` of the
+          dtype's largest value), ``underflow`` (more than :data:`UNDERFLOW_FRACTION` of the
+          module's true gradients flush to zero in float16 even with the loss scale) or ``ok``;
+        * ``forward_dtypes``, ``forward_max_abs`` (max |value| the module's own ops produced:
+          its activations and internal values), ``forward_nonfinite`` (count),
+          ``forward_headroom_bits`` (log2 of the dtype's max over the max |value|, minimum
+          over the float16/bfloat16 values; None if the module has none),
+          ``forward_subnormal`` (fraction of nonzero float16/bfloat16 values below the
+          smallest normal: precision lost), ``forward_saturated`` (values exactly at the
+          dtype's max, e.g. ``finfo.min`` masks: left out of the max);
+        * ``backward_dtypes``, ``backward_max_abs``, ``backward_nonfinite``,
+          ``backward_headroom_bits``: the same for the values the module's backward produced
+          (activation gradients, *scaled* by the loss scale);
+        * ``param_grad_max_abs``, ``param_grad_nonfinite``: the module's parameter gradients as
+          the mixed-precision backward returns them (scaled);
+        * ``true_grad_max_abs``: max |float32 parameter gradient| (unscaled);
+        * ``underflow_unscaled`` / ``underflow_scaled``: the fraction of the module's nonzero
+          float32 gradients -- parameter gradients and activation gradients together -- with
+          ``|g| < 2**-24`` resp. ``|g * scale| < 2**-24`` (None: no gradients).
+      first_nonfinite: the first equation in execution order (forward, then backward) that
+        made a non-finite value out of finite inputs: ``{"module", "pass", "primitive",
+        "dtype"}``, or None.
+      overflowing: the modules where non-finite values originate (in order).
+      underflow: totals over all gradients: ``{"param_grads": {"unscaled", "scaled",
+        "count"}, "activation_grads": {...}}``.
+      loss_scale: the scale used; loss: the float32 loss of the mixed-precision run.
+    """
+
+    rows: list[dict[str, Any]]
+    first_nonfinite: dict[str, Any] | None
+    overflowing: list[str]
+    underflow: dict[str, dict[str, Any]]
+    loss_scale: float
+    loss: float
+    policy: str
+
+    def row(self, module: str) -> dict[str, Any]:
+        """The row of ``module`` (exact path, or the unique row ending with it)."""
+        for r in self.rows:
+            if r["module"] == module:
+                return r
+        hits = [r for r in self.rows if r["module"].endswith("/" + module)]
+        if len(hits) == 1:
+            return hits[0]
+        raise KeyError(f"no row for module {module!r}; modules: "
+                       f"{[r['module'] for r in self.rows]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        def clean(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return None
+            return v
+        return {"policy": self.policy, "loss_scale": self.loss_scale, "loss": clean(self.loss),
+                "first_nonfinite": self.first_nonfinite, "overflowing": self.overflowing,
+                "underflow": self.underflow,
+                "rows": [{k: clean(v) for k, v in r.items()} for r in self.rows]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def summary(self) -> str:
+        """A few sentences: where it overflows, how much underflows."""
+        lines = []
+        if self.first_nonfinite:
+            f = self.first_nonfinite
+            lines.append(f"first non-finite value: {f['module']} ({f['pass']}, "
+                         f"{f['primitive']} in {f['dtype']})")
+        else:
+            lines.append("no non-finite values in the forward or backward pass")
+        pg = self.underflow.get("param_grads", {})
+        ag = self.underflow.get("activation_grads", {})
+        for name, u in (("parameter", pg), ("activation", ag)):
+            if u.get("count"):
+                lines.append(f"{name} gradients flushed to zero in float16: "
+                             f"{100 * u['unscaled']:.1f}% unscaled, {100 * u['scaled']:.1f}% "
+                             f"with loss scale {self.loss_scale:g}")
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        out = [f"## Overflow report ({self.policy}, loss scale {self.loss_scale:g})", "",
+               self.summary().replace("\n", "  \n"), "",
+               "| module | status | fwd max | fwd dtypes | bwd max (scaled) | param grad max "
+               "| underflow unscaled | underflow scaled |", "|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            out.append(
+                f"| {r['module']} | {r['status']} | {_fmt(r['forward_max_abs'])} | "
+                f"{r['forward_dtypes']} | {_fmt(r['backward_max_abs'])} | "
+                f"{_fmt(r['param_grad_max_abs'])} | {_pct(r['underflow_unscaled'])} | "
+                f"{_pct(r['underflow_scaled'])} |")
+        return "\n".join(out)
+
+    def print(self, console=None) -> None:
+        """Prints the rows as a rich table, then the summary."""
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        console = console or Console()
+        t = Table(title=f"overflow / underflow per module ({self.policy}, loss scale "
+                        f"{self.loss_scale:g})", title_justify="left")
+        for col in ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
+                    "param grad max", "underflow unscaled", "underflow scaled"):
+            t.add_column(col)
+        colors = {"overflow": "bold red", "nonfinite": "red", "near_overflow": "yellow",
+                  "underflow": "magenta"}
+        for r in self.rows:
+            st = r["status"]
+            t.add_row(escape(r["module"]),
+                      f"[{colors[st]}]{st}[/{colors[st]}]" if st in colors else st,
+                      _fmt(r["forward_max_abs"]), r["forward_dtypes"],
+                      _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
+                      _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"]))
+        console.print(t)
+        console.print(escape(self.summary()))
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+# ---------------------------------------------------------------------------------------------
+# The locator
+# ---------------------------------------------------------------------------------------------
+
+
+def _scale_value(loss_scale, policy: jmp.Policy) -> float:
+    if loss_scale is None:
+        return 2.0**16 if np.dtype(policy.compute_dtype) == np.float16 else 1.0
+    value = getattr(loss_scale, "loss_scale", loss_scale)
+    value = float(np.asarray(value))
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"locate_overflow: loss_scale must be a positive finite number or a "
+                         f"jaxamp loss scale, got {loss_scale!r}.")
+    return value
+
+
+def _param_module(path, root: str | None) -> str:
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    head = names[:-1]
+    return "/".join(([root] if root else []) + head) if head or root else "(params)"
+
+
+def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
+                    policy: str | jmp.Policy = _DEFAULT_POLICY,
+                    overrides: Mapping | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
+                    loss_fn: Callable[[Any], Any] | None = None,
+                    loss_scale: Any = None) -> OverflowReport:
+    """Runs one forward and backward of ``fn`` under ``policy`` and locates overflow/underflow.
+
+    Args:
+      fn: a Flax linen ``model.apply`` (or the module itself), or any function
+        ``fn(variables, *args)``; a loss if ``loss_fn`` is None and it returns a scalar.
+      variables: what ``fn`` takes first: a linen variables dict (gradients are taken with
+        respect to its ``"params"`` collection; other collections such as ``batch_stats`` are
+        passed through unchanged) or a params pytree (differentiated whole).
+      *args: the remaining arguments of ``fn`` (e.g. the batch).
+      policy, overrides, op_rules: as for :func:`jaxamp.autocast`.
+      loss_fn: ``loss_fn(outputs) -> scalar``, applied to ``fn``'s outputs (close over the
+        targets: ``loss_fn=lambda logits: jaxamp.softmax_cross_entropy(logits, labels)``).
+        It runs under the policy too. If None and ``fn`` returns a non-scalar, the loss is the
+        mean of its float outputs (a stand-in: gradient magnitudes are then not a real loss's).
+      loss_scale: a number or a jaxamp loss scale (its current ``loss_scale`` is used); None:
+        ``2**16`` (DynamicLossScale's initial scale) for float16 compute, 1 otherwise.
+
+    Returns:
+      An :class:`OverflowReport`: ``.rows`` per module, ``.first_nonfinite``,
+      ``.overflowing``, ``.underflow``, ``.to_json()``, ``.print()``.
+
+    Every float value of the forward and backward pass is kept and copied to the host, and the
+    program is compiled twice (mixed precision, float32 reference): use a small batch. Inner
+    values of ``while`` loops and ``cond`` branches are not inspected (they run as one
+    operation). Values are attributed to the innermost module whose name scope an equation
+    runs in; a cast made where a value *enters* another module (autocast's boundary casts) is
+    labelled with the consuming side, so a float32 -> float16 cast that overflows is reported
+    at the consumer (a float32 weight too large for float16 is reported at its own module,
+    where it is cast for use).
+    Non-finite values that a program creates on purpose from finite inputs (e.g. ``log(0)``)
+    count as origins too; ``-inf`` written as a constant (masks) does not.
+
+    Example:
+      >>> rep = jaxamp.locate_overflow(model.apply, variables, x,
+      ...                              loss_fn=lambda y: jnp.mean((y - t) ** 2))
+      >>> rep.first_nonfinite
+      {'module': 'Model/fc2', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
+    """
+    if isinstance(fn, nn.Module):
+        fn = fn.apply
+    if not callable(fn):
+        raise TypeError(f"locate_overflow: fn must be callable, got {type(fn).__name__}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError("locate_overflow: loss_fn must be callable (outputs -> scalar).")
+    pol = get_policy(policy)
+    scale = _scale_value(loss_scale, pol)
+    is_vars = isinstance(variables, Mapping) and "params" in variables
+    params = variables["params"] if is_vars else variables
+
+    def rebuild(p):
+        if not is_vars:
+            return p
+        v = dict(variables)
+        v["params"] = p
+        return v
+
+    def loss_of(p, *a):
+        out = fn(rebuild(p), *a)
+        if loss_fn is not None:
+            loss = loss_fn(out)
+        else:
+            floats = [o for o in jax.tree.leaves(out) if _is_float(o)]
+            if not floats:
+                raise ValueError("locate_overflow: fn returns no float output; pass loss_fn.")
+            loss = sum(jnp.mean(o.astype(jnp.float32)) for o in floats)
+        if np.shape(loss) != ():
+            raise ValueError(f"locate_overflow: the loss must be a scalar, got shape "
+                             f"{np.shape(loss)}; pass loss_fn=... that reduces it.")
+        return loss
+
+    rules = ModuleRules.create(pol, overrides)
+    recorder = _Recorder(rules)
+
+    def recorded(*a):
+        with nn.intercept_methods(recorder.interceptor):
+            return loss_of(*a)
+
+    amp = autocast(recorded, pol.with_output_dtype(jnp.float32), overrides=overrides,
+                   op_rules=op_rules)
+
+    def scaled(p, *a):
+        loss = amp(p, *a).astype(jnp.float32)
+        with jax.named_scope(_SCAFFOLD):
+            return loss * scale, loss
+
+    closed = jax.make_jaxpr(jax.value_and_grad(scaled, has_aux=True))(params, *args)
+    outs, acc, origin_events = _interpret(closed, jax.tree.leaves((params, *args)),
+                                          recorder.modules, scale)
+    first = origin_events[0] if origin_events else None
+    (_, amp_loss), amp_grads = jax.tree.unflatten(
+        jax.tree.structure(((0.0, 0.0), params)), outs)
+
+    # the float32 reference (true, unscaled gradients)
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
+    ref_closed = jax.make_jaxpr(jax.value_and_grad(loss_of))(p32, *args)
+    ref_outs, ref_acc, _ = _interpret(ref_closed, jax.tree.leaves((p32, *args)),
+                                            recorder.modules, scale)
+    _, true_grads = jax.tree.unflatten(jax.tree.structure((0.0, p32)), ref_outs)
+
+    root = next((m for m in recorder.modules if "/" not in m), None)
+    pg: dict[str, _Acc] = {}
+    tg: dict[str, _Acc] = {}
+    for (path, g), (_, t) in zip(jax.tree_util.tree_leaves_with_path(amp_grads),
+                                 jax.tree_util.tree_leaves_with_path(true_grads)):
+        if not _is_float(g):
+            continue
+        mod = _canonical_path(_param_module(path, root), recorder.modules)
+        pg.setdefault(mod, _Acc()).add(_summary(g, 1.0), np.dtype(g.dtype).name)
+        tg.setdefault(mod, _Acc()).add(_summary(t, scale), np.dtype(t.dtype).name)
+
+    # activation gradients of the reference, per module
+    ag: dict[str, _Acc] = {m: a for (m, bwd), a in ref_acc.items() if bwd}
+
+    origins = []
+    for o in origin_events:
+        if o["module"] not in origins:
+            origins.append(o["module"])
+    names: list[str] = []
+    for m, _ in acc:
+        if m not in names:
+            names.append(m)
+    for m in list(pg) + list(ag):
+        if m not in names:
+            names.append(m)
+    rows = []
+    for m in names:
+        f = acc.get((m, False), _Acc())
+        b = acc.get((m, True), _Acc())
+        p, t, a = pg.get(m), tg.get(m), ag.get(m)
+        nz = (t.nonzero if t else 0) + (a.nonzero if a else 0)
+        under = (t.under if t else 0) + (a.under if a else 0)
+        under_s = (t.under_scaled if t else 0) + (a.under_scaled if a else 0)
+        row = {
+            "module": m,
+            "forward_dtypes": ",".join(sorted(f.dtypes)) or "-",
+            "forward_max_abs": f.max_abs if f.count else None,
+            "forward_nonfinite": f.nonfinite,
+            "forward_headroom_bits": _bits(f),
+            "forward_subnormal": _frac(f.subnormal, f.low_nonzero),
+            "forward_saturated": f.saturated,
+            "backward_dtypes": ",".join(sorted(b.dtypes)) or "-",
+            "backward_max_abs": b.max_abs if b.count else None,
+            "backward_nonfinite": b.nonfinite,
+            "backward_headroom_bits": _bits(b),
+            "param_grad_max_abs": p.max_abs if p else None,
+            "param_grad_nonfinite": p.nonfinite if p else 0,
+            "true_grad_max_abs": t.max_abs if t else None,
+            "underflow_unscaled": _frac(under, nz),
+            "underflow_scaled": _frac(under_s, nz),
+        }
+        low_head = min(f.low_headroom_bits, b.low_headroom_bits)
+        if m in origins:
+            status = "overflow"
+        elif f.nonfinite or b.nonfinite or row["param_grad_nonfinite"]:
+            status = "nonfinite"
+        elif low_head < NEAR_OVERFLOW_BITS:
+            status = "near_overflow"
+        elif (row["underflow_scaled"] or 0) > UNDERFLOW_FRACTION:
+            status = "underflow"
+        else:
+            status = "ok"
+        row["status"] = status
+        rows.append(row)
+
+    def total(accs):
+        nz = sum(x.nonzero for x in accs)
+        return {"unscaled": _frac(sum(x.under for x in accs), nz),
+                "scaled": _frac(sum(x.under_scaled for x in accs), nz), "count": nz}
+
+    underflow = {"param_grads": total(list(tg.values())),
+                 "activation_grads": total(list(ag.values()))}
+    return OverflowReport(rows, first, origins, underflow, scale, float(amp_loss),
+                          policy_to_str(pol))
+

@@ -1,0 +1,231 @@
+"""jaxamp.audit / audit_step (GitHub issue #5, part 1): the precision audit of a tiny config of
+the example GPT (examples/lm_model.py) reproduces the seed's §4 table, flags exactly the
+offending rows of a deliberately wrong setup, and flags clip-before-unscale and a model cast
+wholesale to float16. Tracing only: nothing is compiled."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from rich.console import Console
+
+import jaxamp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import lm_model  # noqa: E402
+
+F16 = "params=float32,compute=float16,output=float32"
+BF16 = "params=float32,compute=bfloat16,output=float32"
+CFG = lm_model.GPTConfig(vocab_size=32, n_layer=2, n_head=2, d_model=16, block_size=8)
+SEED_ROWS = ["Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
+             "FFN Linear", "CrossEntropy loss", "Parameter update"]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    # shapes only: the audit traces, it never compiles or runs
+    model = lm_model.GPT(CFG)
+    params = lm_model.abstract_params(CFG)
+    ids = jax.ShapeDtypeStruct((2, CFG.block_size), jnp.int32)
+
+    def loss(p, ids):
+        return jaxamp.softmax_cross_entropy(model.apply({"params": p}, ids), ids)
+
+    return model, params, ids, loss
+
+
+def seed(report) -> dict[str, dict]:
+    rows = report.seed_rows()
+    assert [r["row"] for r in rows] == SEED_ROWS
+    return {r["row"]: r for r in rows}
+
+
+@pytest.mark.parametrize("policy,low", [(F16, "float16"), (BF16, "bfloat16")])
+def test_seed_table_reproduced_for_the_example_gpt(gpt, policy, low):
+    _, params, ids, loss = gpt
+    report = jaxamp.audit(loss, params, ids, policy=policy,
+                          opt_state=jax.eval_shape(optax.adam(1e-3).init, params))
+    assert report.findings == [], report.to_markdown()
+    rows = seed(report)
+    expected = {
+        "Embedding lookup": (f"float32 -> {low}", low),
+        "Q/K/V Linear": (low, low),
+        "Attention scores": (low, low),
+        "Softmax": ("float32", "float32"),
+        "LayerNorm": ("float32", "float32"),
+        "FFN Linear": (low, low),
+        "CrossEntropy loss": ("float32", "float32"),
+        "Parameter update": ("-", "float32"),
+    }
+    for name, (fwd, bwd) in expected.items():
+        assert (rows[name]["forward"], rows[name]["backward"]) == (fwd, bwd), rows[name]
+        assert rows[name]["ok"] is True, rows[name]
+    # the mapping from module paths to seed rows
+    assert rows["Embedding lookup"]["modules"] == ["GPT/embed"]
+    assert rows["Q/K/V Linear"]["modules"] == ["GPT/blocks/attn/qkv"]
+    assert rows["Attention scores"]["modules"] == ["GPT/blocks/attn"]
+    assert rows["Softmax"]["modules"] == ["GPT/blocks/attn"]
+    assert rows["LayerNorm"]["modules"] == ["GPT/blocks/ln1", "GPT/blocks/ln2", "GPT/ln_f"]
+    assert rows["FFN Linear"]["modules"] == ["GPT/blocks/mlp/fc", "GPT/blocks/mlp/proj"]
+    assert rows["CrossEntropy loss"]["modules"] == ["(top level)"]
+
+
+def test_rows_extend_the_precision_table(gpt):
+    _, params, ids, loss = gpt
+    report = jaxamp.audit(loss, params, ids, policy=F16)
+    table = jaxamp.precision_table(loss, params, ids, policy=F16)
+    assert [{k: r[k] for k in ("module", "op", "forward", "backward")}
+            for r in report.rows] == table
+    by = {(r["module"], r["op"]): r for r in report.rows}
+    assert by[("GPT/blocks/attn", "exp/log")]["category"] == "softmax"
+    assert by[("GPT/blocks/ln1", "reduction")]["category"] == "normalisation"
+    assert by[("GPT/blocks/mlp/fc", "matmul")]["category"] == "matmul"
+    assert by[("(top level)", "exp/log")]["category"] == "loss"
+    # equations hoisted out of the nn.scan body keep their full module path
+    assert not any(r["module"].startswith("blocks/") for r in table)
+    data = json.loads(report.to_json())
+    assert set(data) == {"policy", "rows", "findings", "seed_rows"}
+    assert data["seed_rows"][3]["row"] == "Softmax"
+    md = report.to_markdown()
+    assert "| Softmax | float32 | float32 |" in md and "No findings." in md
+    out = io.StringIO()
+    report.print(Console(file=out, width=140))
+    assert "Softmax" in out.getvalue() and "no findings" in out.getvalue()
+
+
+def test_wrong_setup_flags_exactly_the_offending_rows(gpt):
+    _, params, ids, loss = gpt
+    rules = jaxamp.DEFAULT_OP_RULES.extend(promote={"exp", "log", "reduce_sum"})
+    report = jaxamp.audit(loss, params, ids, policy=F16, overrides={nn.LayerNorm: "float16"},
+                          op_rules=rules)
+    rows = seed(report)
+    bad = {name for name, r in rows.items() if r["ok"] is False}
+    assert bad == {"Softmax", "LayerNorm", "CrossEntropy loss"}, rows
+    for name in bad:
+        assert "float16" in rows[name]["forward"], rows[name]
+    assert {f.seed_row for f in report.findings} == bad
+    by_kind: dict[str, set[str]] = {}
+    for f in report.findings:
+        by_kind.setdefault(f.kind, set()).add(f.module)
+    assert by_kind == {
+        "softmax_low_precision": {"GPT/blocks/attn"},
+        "normalisation_low_precision": {"GPT/blocks/ln1", "GPT/blocks/ln2", "GPT/ln_f"},
+        "loss_low_precision": {"(top level)"},
+    }
+    soft = next(f for f in report.findings if f.kind == "softmax_low_precision")
+    assert "exp (forward, float16)" in soft.detail
+
+
+def test_params_cast_wholesale_to_float16_are_flagged(gpt):
+    _, params, ids, loss = gpt
+    half = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float16), params)
+    opt_state = jax.eval_shape(optax.adam(1e-3).init, half)  # float16 moments
+    report = jaxamp.audit(loss, half, ids, policy="float16", opt_state=opt_state)
+    kinds = report.kinds()
+    assert {"params_low_precision", "opt_state_low_precision"} <= kinds
+    rows = seed(report)
+    assert rows["Parameter update"]["backward"] == "float16"
+    assert rows["Parameter update"]["ok"] is False
+    f = next(f for f in report.findings if f.kind == "params_low_precision")
+    assert f.module == "(params)" and "float16" in f.detail
+
+
+@jax.custom_vjp
+def fused_matmul(a, b):
+    return a @ b
+
+
+fused_matmul.defvjp(lambda a, b: (a @ b, (a, b)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
+class FusedHead(nn.Module):
+    """A model with a hand-written custom_vjp matmul (autocast runs it as traced: float32)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="fc")(x)
+        w = self.param("w", nn.initializers.lecun_normal(), (8, 4))
+        return fused_matmul(h, w)
+
+
+def test_float32_matmul_in_a_low_precision_region_is_flagged():
+    model = FusedHead()
+    x = jnp.ones((2, 8))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def fwd(p, x):
+        return model.apply({"params": p}, x)
+
+    report = jaxamp.audit(fwd, params, x, policy=F16)
+    (f,) = [f for f in report.findings if f.kind == "matmul_f32_in_low_precision_region"]
+    assert f.module == "FusedHead" and "float16" in f.detail and "custom_vjp" in f.detail
+    # the Dense child ran in float16 and is not flagged
+    assert not any(f.module == "FusedHead/fc" for f in report.findings)
+    # a module deliberately given a float32 rule is not flagged
+    ok = jaxamp.audit(fwd, params, x, policy=F16, overrides={FusedHead: "float32"})
+    assert "matmul_f32_in_low_precision_region" not in ok.kinds()
+
+
+# ---- audit_step: clip before unscale ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step_setup():
+    model = nn.Dense(4)
+    x = jnp.ones((2, 3))
+    params = model.init(jax.random.key(0), x)["params"]
+    amp = jaxamp.autocast(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2), F16)
+    return model, params, x, amp
+
+
+def test_audit_step_flags_clipping_scaled_gradients(step_setup):
+    _, params, x, amp = step_setup
+    tx, clip = optax.adam(1e-3), optax.clip_by_global_norm(1.0)
+
+    def clip_then_unscale(params, opt_state, x, ls):
+        grads = jax.grad(lambda p: ls.scale(amp(p, x)))(params)
+        grads, _ = clip.update(grads, clip.init(params))  # on scaled grads: wrong
+        grads = ls.unscale(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def unscale_then_clip(params, opt_state, x, ls):
+        grads = ls.unscale(jax.grad(lambda p: ls.scale(amp(p, x)))(params))
+        grads, _ = clip.update(grads, clip.init(params))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def logs_scaled_norm(params, x):  # a python-float scale, the norm only logged
+        grads = jax.grad(lambda p: amp(p, x) * 1024.0)(params)
+        norm = optax.tree.norm(grads)
+        return jax.tree.map(lambda g: g / 1024.0, grads), norm
+
+    ls, opt_state = jaxamp.DynamicLossScale(), tx.init(params)
+    bad = jaxamp.audit_step(clip_then_unscale, params, opt_state, x, ls)
+    assert [f.kind for f in bad.findings] == ["clip_before_unscale"]
+    assert "unscale first" in bad.findings[0].detail.lower()
+    assert jaxamp.audit_step(unscale_then_clip, params, opt_state, x, ls).findings == []
+    assert [f.kind for f in jaxamp.audit_step(logs_scaled_norm, params, x).findings] == [
+        "grad_norm_of_scaled_grads"]
+
+
+def test_audit_step_passes_jaxamps_own_step(step_setup):
+    model, params, x, _ = step_setup
+    tx = optax.adam(1e-3)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
+    step = jaxamp.make_train_step(model, lambda apply, p, b: jnp.mean(apply({"params": p},
+                                                                            b["x"]) ** 2),
+                                  tx, policy=F16, clip_norm=1.0)
+    report = jaxamp.audit_step(step, state, {"x": x}, params=state.params,
+                               opt_state=state.opt_state)
+    assert report.findings == []
+    assert report.seed_rows() == []
+    assert any(r["op"] == "matmul" and r["forward"] == "float16" for r in report.rows)

@@ -1,0 +1,201 @@
+"""jaxamp.review (GitHub issue #5, part 3): synthetic run directories with each of the four
+planted pathologies of the seed's review checklist (§5) are diagnosed, a healthy run is not,
+and ``python -m jaxamp.review`` exits 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxamp.review import main, review_metrics, review_run
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 300
+F32_MEMORY = {"temp": 8_000_000, "argument": 2_000_000, "output": 2_000_000, "alias": 0,
+              "total": 12_000_000}
+AMP_MEMORY = {"temp": 4_100_000, "argument": 2_000_000, "output": 2_000_000, "alias": 0,
+              "total": 8_100_000}
+
+
+def healthy_rows(steps: int = STEPS, seed: int = 0) -> list[dict]:
+    """A float16 run that behaves: the loss falls with noise, the dynamic scale grows every
+    100 clean steps and backs off once after an overflow (one skipped step), and the loss
+    ignores both."""
+    rng = np.random.default_rng(seed)
+    rows, scale = [], 2.0**16
+    for step in range(1, steps + 1):
+        overflow = step == 150
+        rows.append({
+            "step": step,
+            "loss": float(2.0 + 3.0 * math.exp(-step / 60) + rng.normal(0, 0.03)),
+            "loss_scale": scale,
+            "grad_norm": None if overflow else float(rng.uniform(0.3, 2.5)),
+            "grads_finite": not overflow, "skipped": overflow,
+            "tokens_per_s": float(rng.uniform(9000, 11000)),
+        })
+        if overflow:
+            scale /= 2
+        elif step % 100 == 0:
+            scale *= 2
+    return rows
+
+
+def healthy_summary() -> dict:
+    return {"policy": "params=float32,compute=float16,output=float32",
+            "loss_scale_mode": "dynamic", "clip_norm": 1.0,
+            "memory_bytes": dict(AMP_MEMORY), "memory_bytes_f32": dict(F32_MEMORY)}
+
+
+def write_run(path: Path, rows: list[dict], summary: dict | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_healthy_run_has_no_findings(tmp_path):
+    review = review_run(write_run(tmp_path / "ok", healthy_rows(), healthy_summary()))
+    assert review.ok, review.to_text()
+    assert review.num_steps == STEPS
+    assert "no problems found" in review.to_text()
+
+
+def test_loss_spikes_at_scale_changes():
+    # the scale grows every 25 steps and each growth is followed by a loss spike
+    rows = healthy_rows()
+    scale = 2.0**10
+    for r in rows:
+        if r["step"] % 25 == 0:
+            scale *= 2
+        r["loss_scale"] = scale
+        if r["step"] % 25 == 0:
+            r["loss"] += 1.5
+    review = review_metrics(rows, healthy_summary())
+    assert review.codes() == {"loss_spike_at_scale_change"}, review.to_text()
+    (f,) = review.findings
+    assert set(f.steps) == set(range(25, STEPS + 1, 25))
+    assert "growth" in f.explanation and "skipped" in f.explanation
+
+
+def test_scale_stuck_at_floor_and_consecutive_skips():
+    # from step 100 on every step overflows: the scale halves down to its floor (1.0) and
+    # stays there, every step skipped
+    rows = healthy_rows()
+    scale = 2.0**16
+    for r in rows[99:]:
+        r.update(grad_norm=None, grads_finite=False, skipped=True, loss_scale=scale)
+        scale = max(scale / 2, 1.0)
+    review = review_metrics(rows, healthy_summary())
+    assert review.codes() == {"scale_at_floor", "consecutive_skips"}, review.to_text()
+    floor = next(f for f in review.findings if f.code == "scale_at_floor")
+    assert floor.steps[0] == 116 and floor.steps[-1] == STEPS  # 2**16 -> 1: 16 halvings
+    skips = next(f for f in review.findings if f.code == "consecutive_skips")
+    assert skips.steps == tuple(range(100, STEPS + 1))
+    assert "locate_overflow" in floor.explanation
+
+
+def test_grad_norm_tiny_from_clipping_scaled_grads():
+    # clip(scaled grads, 1.0) then unscale: the logged norm is clip / scale at every step
+    rows = healthy_rows()
+    for r in rows:
+        if not r["skipped"]:
+            r["grad_norm"] = 1.0 / r["loss_scale"]
+    review = review_metrics(rows, healthy_summary())
+    assert review.codes() == {"grad_norm_tiny"}, review.to_text()
+    assert "clip_norm / loss_scale" in review.findings[0].explanation
+
+
+def test_grad_norm_tiny_without_clip_threshold():
+    rows = healthy_rows()
+    for r in rows:
+        if r["grad_norm"] is not None:
+            r["grad_norm"] *= 1e-7  # divided by the scale twice
+    summary = healthy_summary()
+    del summary["clip_norm"]
+    review = review_metrics(rows, summary)
+    assert review.codes() == {"grad_norm_tiny"}, review.to_text()
+    assert "implausibly small" in review.findings[0].explanation
+
+
+def test_grad_norm_pinned_to_the_clip_threshold(tmp_path):
+    rows = healthy_rows()
+    for r in rows:
+        if not r["skipped"]:
+            r["grad_norm"] = 1.0  # clipped while scaled: the norm always hits the threshold
+    summary = healthy_summary()
+    del summary["clip_norm"]
+    summary["run_config"] = {"clip_norm": 1.0}  # where a checkpoint's meta keeps it
+    review = review_metrics(rows, summary)
+    assert review.codes() == {"grad_norm_at_clip"}, review.to_text()
+    assert len(review.findings[0].steps) == STEPS - 1
+    # without a threshold anywhere: a constant norm is still recognised
+    del summary["run_config"]
+    assert review_metrics(rows, summary).codes() == {"grad_norm_at_clip"}
+    # --clip-norm on the command line
+    write_run(tmp_path / "clip", rows, summary)
+    assert review_run(tmp_path / "clip", clip_norm=1.0).codes() == {"grad_norm_at_clip"}
+
+
+def test_memory_not_reduced_names_the_largest_float32_buffers():
+    summary = healthy_summary()
+    summary["memory_bytes"] = {"temp": 7_900_000, "argument": 2_000_000, "output": 2_000_000,
+                               "total": 11_900_000}
+    summary["largest_f32_buffers"] = [
+        {"name": "blocks/mlp/fc activations", "shape": [2, 16, 128, 512], "dtype": "float32",
+         "bytes": 8_388_608},
+        {"name": "ids", "shape": [16, 128], "dtype": "int32", "bytes": 8192}]
+    review = review_metrics(healthy_rows(), summary)
+    assert review.codes() == {"memory_not_reduced"}, review.to_text()
+    text = review.findings[0].explanation
+    assert "blocks/mlp/fc activations" in text and "ids" not in text
+    assert "x0.99" in text
+    # the nested form {"memory": {"amp": ..., "float32": ...}}
+    nested = {"memory": {"amp": summary["memory_bytes"], "float32": F32_MEMORY}}
+    assert review_metrics(healthy_rows(), nested).codes() == {"memory_not_reduced"}
+    # a float32 run is its own reference: nothing to compare
+    f32 = dict(summary, policy="params=float32,compute=float32,output=float32")
+    assert review_metrics(healthy_rows(), f32).ok
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    ok = write_run(tmp_path / "ok", healthy_rows(), healthy_summary())
+    rows = healthy_rows()
+    for r in rows[99:]:
+        r.update(grad_norm=None, grads_finite=False, skipped=True, loss_scale=1.0)
+    sick = write_run(tmp_path / "sick", rows, healthy_summary())
+    corrupt = write_run(tmp_path / "corrupt", healthy_rows())
+    with open(corrupt / "metrics.jsonl", "a") as f:
+        f.write('{"step": 301, "loss": \n')
+
+    assert main([str(ok)]) == 0
+    assert "no problems found" in capsys.readouterr().out
+    assert main([str(sick), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert {f["code"] for f in data["findings"]} == {"scale_at_floor", "consecutive_skips"}
+    for bad in (tmp_path / "missing", corrupt, tmp_path / "ok" / "metrics.jsonl"):
+        assert main([str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+
+    # the real interpreter: exit status and stderr of ``python -m jaxamp.review``
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "jaxamp.review", *map(str, args)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = cli(sick)
+    assert res.returncode == 1 and "scale_at_floor" in res.stdout, res.stderr
+    res = cli(tmp_path / "missing")
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and not res.stdout
+    assert res.stderr.count("\n") == 1, res.stderr
+
+
+@pytest.mark.parametrize("field", ["loss_scale", "grad_norm", "skipped"])
+def test_missing_metric_keys_only_disable_their_checks(field):
+    rows = [{k: v for k, v in r.items() if k != field} for r in healthy_rows()]
+    assert review_metrics(rows, healthy_summary()).ok
