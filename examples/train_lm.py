@@ -734,6 +734,10 @@ def train(s: Setup) -> int:
         "train_seconds": train_time, "compile_seconds": compile_s,
         "backend": backend, "device": devices[0].device_kind, "jax_version": jax.__version__,
         "memory_bytes": memory, "memory_bytes_f32": ref_memory,
+        # read by `python -m jaxamp.review` (clip threshold, scale floor)
+        "clip_norm": args.clip_norm or None,
+        "min_loss_scale": (float(state.loss_scale.min_loss_scale)
+                           if isinstance(state.loss_scale, jaxamp.DynamicLossScale) else None),
         "data": {"source": corpus.source, "train_tokens": int(corpus.train.size),
                  "val_tokens": int(corpus.val.size), "fingerprint": corpus.fingerprint},
     }

@@ -15,8 +15,10 @@ Value bookkeeping that keeps casts minimal:
   so an embedding table is never cast whole and scanned stacked params are cast per layer;
 * every value is cast at most once per dtype (a cache on the value);
 * constants cast down saturate (an f32 ``finfo.min`` mask becomes -65504 in f16, not -inf);
-* float -> float casts written in the traced function are hints: upcasts are honoured,
-  downcasts (autocast's own decision to make) are dropped;
+* float -> float casts written in the traced function are hints: upcasts are honoured by the
+  ops that follow, except matmuls, which always run in their region's compute dtype (ask for
+  a float32 matmul with a module rule); downcasts are dropped (they are autocast's to make).
+  A cast of a value that is already float32 when traced leaves no trace to honour;
 * leaving a matched module's region casts to its ``output_dtype``; entering one casts
   activations to its ``compute_dtype``; the function's own float outputs get the default
   policy's ``output_dtype`` (a linen ``apply(..., mutable=...)`` leaves the updated

@@ -14,7 +14,9 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     """Mean cross-entropy of integer ``labels`` under ``logits``, computed in float32.
 
     The log-sum-exp of float16 logits overflows beyond ~11 and loses the small probabilities,
-    so the logits are cast to float32 first (the seed's rule: the loss always runs in FP32).
+    so the loss runs in float32 (the seed's rule): called on low-precision logits it casts
+    them to float32 first; under :func:`jaxamp.autocast`, where the function is traced in
+    float32, the op rules run its exp, log and sums in float32.
 
     Args:
       logits: ``[..., num_classes]`` floating array of any float dtype.

@@ -84,7 +84,7 @@ STRUCTURAL_PRIMITIVES = frozenset({
 PROMOTE_PRIMITIVES = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor",
     "ceil", "round", "nextafter", "atan2", "sqrt", "cbrt", "square", "integer_pow", "tanh",
-    "logistic", "sin", "cos", "atan", "erf", "erfc", "is_finite", "exp_p", "select_n", "clamp",
+    "logistic", "sin", "cos", "atan", "erf", "erfc", "is_finite", "select_n", "clamp",
     "concatenate", "pad", "dynamic_update_slice", "eq", "ne", "lt", "le", "gt", "ge",
     "optimization_barrier", "reduce_precision",
 })
