@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp.audit import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
+from jaxamp._audit_trace import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
 from jaxamp.autocast import autocast
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules

@@ -1,0 +1,189 @@
+"""What an audit reports: :class:`Finding`, :class:`AuditReport` and their rendering.
+
+:func:`jaxamp.audit` and :func:`jaxamp.audit_step` both return an :class:`AuditReport`: the
+precision-table rows (with a coarse ``category`` per row), the :class:`Finding` s, and, for
+:func:`jaxamp.audit`, the trace the seed's §4 table is rebuilt from on demand
+(:meth:`AuditReport.seed_rows`, see :mod:`jaxamp._seed_table`). Output as a dict, JSON, Markdown
+(:func:`format_precision_table` for the plain table) or a rich console print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jaxamp._audit_trace import _low, _Trace
+from jaxamp._seed_table import _seed_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem the audit found.
+
+    Attributes:
+      kind: a stable identifier (see :mod:`jaxamp.audit`), e.g. ``softmax_low_precision``.
+      module: the module path it concerns (``"(top level)"`` outside modules, ``"(params)"``,
+        ``"(opt_state)"`` or ``"(train step)"`` for non-module findings).
+      detail: a plain-English explanation with the likely fix.
+      seed_row: the seed §4 table row it concerns, if any (e.g. ``"LayerNorm"``).
+    """
+
+    kind: str
+    module: str
+    detail: str
+    seed_row: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _group(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
+    """One Finding per (kind, module), merging details."""
+    merged: dict[tuple[str, str], list] = {}
+    for kind, module, detail, row in findings:
+        entry = merged.setdefault((kind, module), [[], row])
+        if detail not in entry[0]:
+            entry[0].append(detail)
+    return [Finding(k, m, " ".join(d), row) for (k, m), (d, row) in merged.items()]
+
+
+def format_precision_table(rows: list[dict[str, str]]) -> str:
+    """The rows as a Markdown table."""
+    lines = ["| module | op | forward | backward |", "|---|---|---|---|"]
+    lines += [f"| {r['module']} | {r['op']} | {r['forward']} | {r['backward']} |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """What :func:`jaxamp.audit` (or :func:`jaxamp.audit_step`) found.
+
+    Attributes:
+      rows: ``{"module", "op", "forward", "backward", "category"}`` per (module path, op
+        class); the first four keys are exactly :func:`jaxamp.precision_table`'s.
+        ``category`` is the coarse class: ``matmul``, ``softmax``, ``normalisation``,
+        ``reduction``, ``loss``, ``elementwise``, ``gather``, ``cast`` or ``output``.
+      findings: the :class:`Finding` s, most important first.
+      policy: the default policy, as a string.
+    """
+
+    rows: list[dict[str, str]]
+    findings: list[Finding]
+    policy: str
+    _trace: _Trace | None = dataclasses.field(default=None, repr=False)
+    _param_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
+    _opt_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """True when there are no findings."""
+        return not self.findings
+
+    def kinds(self) -> set[str]:
+        """The set of finding kinds."""
+        return {f.kind for f in self.findings}
+
+    # ---- the seed's §4 table -------------------------------------------------------------
+    def seed_rows(self) -> list[dict[str, Any]]:
+        """The seed's §4 reference table, reproduced from the traced program.
+
+        Returns one dict per seed row, in the seed's order: ``row``, ``forward``, ``backward``
+        (dtypes actually used), ``expected_forward``, ``expected_backward`` (the seed's, with
+        the policy's compute dtype for FP16), ``ok`` (``True``/``False``, ``None`` when the
+        model has no such part), ``modules`` (the module paths that make up the row) and
+        ``note``.
+
+        The mapping from module paths and op classes to rows is a heuristic for GPT-style
+        models; it only counts equations that round (data movement, max/min, selections and
+        casts are exact and left out):
+
+        * **Embedding lookup**: the ``gather`` in an embedding module (``nn.Embed`` or a module
+          named like ``embed``/``wte``); forward ``"<table dtype> -> <output dtype>"``, the
+          output dtype being the dtype the gathered rows are cast to before their first use;
+          backward: the dtype of the gradient arriving at the lookup's output (JAX gives a
+          cotangent its primal's dtype). A tied output head (``embed.attend``) is not part of
+          this row.
+        * **Q/K/V Linear**: matmuls in modules named ``q``/``k``/``v``/``qkv``/``query``/
+          ``key``/``value`` (also ``q_proj``, ``wq``, ``c_attn``, ``in_proj``, ...), and
+          matmuls with a parameter operand written directly in an attention module.
+        * **Attention scores**: matmuls in an attention module itself (class name containing
+          ``Attention`` or a path segment like ``attn``/``attention``/``mha``), not in its
+          Dense children, without a parameter operand (scores and weights @ V).
+        * **Softmax**: exp/log and sums in an attention module itself; backward: its sums and
+          exp/log (the softmax's backward reduction).
+        * **LayerNorm**: every rounding op of normalisation modules (``nn.LayerNorm``,
+          ``RMSNorm``, ``GroupNorm``, ``BatchNorm``, or a class with ``Norm`` in its name);
+          the cast of the result to the compute dtype on the way out is not counted.
+        * **FFN Linear**: matmuls in modules whose path has a segment like ``mlp``/``ffn``/
+          ``fc``/``fc1``/``c_fc``/``w1``/``up_proj``/``Dense_<n>``, outside attention.
+        * **CrossEntropy loss**: exp/log and sums outside every module (the loss function);
+          backward: every rounding op outside modules.
+        * **Parameter update**: the dtypes of the parameters (``args[argnums]``) and of
+          ``opt_state`` if given; forward ``-``.
+        """
+        return _seed_rows(self._trace, self._param_dtypes, self._opt_dtypes)
+
+    # ---- output --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "rows": self.rows,
+                "findings": [f.to_dict() for f in self.findings],
+                "seed_rows": self.seed_rows()}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report (rows, findings, seed rows) as a JSON string."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_markdown(self) -> str:
+        """Findings, the seed table and the full precision table as Markdown."""
+        out = [f"## Precision audit ({self.policy})", ""]
+        if self.findings:
+            out += ["### Findings", ""]
+            out += [f"- **{f.kind}** `{f.module}`: {f.detail}" for f in self.findings]
+        else:
+            out.append("No findings.")
+        seed = self.seed_rows()
+        if seed:
+            out += ["", "### Seed reference table (§4)", "",
+                    "| module / op | forward | backward | expected | ok |", "|---|---|---|---|---|"]
+            for r in seed:
+                ok = {True: "yes", False: "**NO**", None: "n/a"}[r["ok"]]
+                out.append(f"| {r['row']} | {r['forward']} | {r['backward']} | "
+                           f"{r['expected_forward']} / {r['expected_backward']} | {ok} |")
+        out += ["", "### Precision table", "", format_precision_table(self.rows)]
+        return "\n".join(out)
+
+    def print(self, console=None) -> None:
+        """Prints the findings and tables with rich."""
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        console = console or Console()
+        seed = self.seed_rows()
+        if seed:
+            t = Table(title=f"seed reference table ({self.policy})", title_justify="left")
+            for col in ("module / op", "forward", "backward", "expected", "ok"):
+                t.add_column(col)
+            for r in seed:
+                ok = {True: "[green]ok[/green]", False: "[bold red]MISMATCH[/bold red]",
+                      None: "[dim]n/a[/dim]"}[r["ok"]]
+                t.add_row(r["row"], r["forward"], r["backward"],
+                          f"{r['expected_forward']} / {r['expected_backward']}", ok)
+            console.print(t)
+        t = Table(title="precision table (casts and elementwise rows: see to_json())",
+                  title_justify="left")
+        for col in ("module", "op", "forward", "backward"):
+            t.add_column(col)
+        for r in self.rows:
+            if r.get("category") in ("cast", "elementwise"):
+                continue
+            style = "red" if _low(r["forward"].split(",") + r["backward"].split(",")) and \
+                r.get("category") in ("softmax", "normalisation", "loss", "reduction") else None
+            t.add_row(escape(r["module"]), r["op"], r["forward"], r["backward"], style=style)
+        console.print(t)
+        if not self.findings:
+            console.print("[green]no findings[/green]")
+        for f in self.findings:
+            console.print(f"[bold red]{f.kind}[/bold red] [cyan]{escape(f.module)}[/cyan]: "
+                          f"{escape(f.detail)}")

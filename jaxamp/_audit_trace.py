@@ -1,0 +1,426 @@
+"""Recording what a function actually computes: the audit's view of a traced program.
+
+The audit never compiles or runs anything. It traces the function under
+:func:`jaxamp.autocast` (with ``jax.value_and_grad`` when there is something to differentiate)
+and reads the jaxpr, the StableHLO dtypes a GPU would run:
+
+* :class:`_Recorder` is a ``flax.linen`` method interceptor that learns, during that trace, every
+  module's path, class and the policy autocast's rules give it (:class:`_Module`);
+* :func:`_collect` walks the jaxpr (sub-programs inlined, execution order) into :class:`_Eqn`
+  records: the module path cleaned from the name stack (:func:`_clean_path`), forward or
+  backward pass, float dtypes in and out, whether a matmul reads a parameter;
+* :func:`_trace` ties the two together (dead code is removed first, :func:`_dce`) into a
+  :class:`_Trace`, and :func:`_rows` groups its records into :func:`jaxamp.precision_table` rows.
+
+This module knows nothing about findings or the seed table; :mod:`jaxamp.audit`,
+:mod:`jaxamp._seed_table`, :mod:`jaxamp._step_audit` and :mod:`jaxamp.overflow` build on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import jmp
+import numpy as np
+
+from jaxamp._jaxpr import as_jaxpr
+from jaxamp.autocast import autocast
+from jaxamp.policy import get_policy
+from jaxamp.rules import STRUCTURAL_PRIMITIVES, ModuleRules, OpRules
+
+try:  # dead-code elimination of jaxprs (internal API; the audit works without it)
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError:  # pragma: no cover
+    _pe = None
+
+_OP_CLASSES = {
+    "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
+    "exp": "exp/log", "log": "exp/log", "log1p": "exp/log", "expm1": "exp/log",
+    "reduce_sum": "reduction", "reduce_max": "reduction", "reduce_min": "reduction",
+    "reduce_prod": "reduction", "cumsum": "reduction", "argmax": "reduction",
+    "rsqrt": "rsqrt/sqrt", "sqrt": "rsqrt/sqrt", "convert_element_type": "cast",
+}
+_NOISE = re.compile(r"jaxamp<\d+>|rematted_computation|checkpoint|remat")
+_TRANSFORM = re.compile(r"^(jvp|transpose|vmap|pjit|jit)\((.*)\)$")
+_SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
+_TOP = "(top level)"
+
+_LOW = frozenset({"float16", "bfloat16"})
+_MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+_EXPLOG = frozenset({"exp", "exp2", "log", "log1p", "expm1", "cumlogsumexp"})
+_ACCUM = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+# Primitives whose result is exact in any float dtype (data movement, selection, comparison):
+# they carry a dtype but round nothing, so they are never flagged and do not count towards the
+# seed rows' dtypes.
+_EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
+    "concatenate", "pad", "dynamic_update_slice", "select_n", "max", "min", "neg", "abs",
+    "sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "stop_gradient", "clamp", "floor",
+    "ceil", "round", "copy", "copy_p", "iota", "scatter", "sort", "reduce_and", "reduce_or",
+    "not", "and", "or", "xor", "squeeze", "expand_dims", "device_put", "zeros_like",
+    "broadcast_in_dim", "reduce_precision", "random_bits", "random_wrap", "random_unwrap",
+    "random_seed", "threefry2x32", "convert_element_type",
+})
+
+
+def _low(dtypes) -> bool:
+    return any(d in _LOW for d in dtypes)
+
+
+def _dt(name: Any) -> str:
+    return np.dtype(name).name
+
+
+def _join(dtypes) -> str:
+    return ",".join(sorted(set(dtypes))) or "-"
+
+
+def _low_leaves(tree) -> list[tuple[str, str]]:
+    """(key path, dtype) of the float16/bfloat16 leaves of ``tree``."""
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            continue
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            continue
+        if name in _LOW:
+            out.append((jax.tree_util.keystr(path), name))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Module information, recorded while autocast traces the function
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Module:
+    path: str  # name-stack style: "GPT/blocks/attn"
+    cls: type
+    compute: str  # the compute dtype autocast's rules give this module
+    output: str
+    matched: bool  # a rule (built-in or user) chose its policy; False: inherited/default
+
+
+class _Recorder:
+    """A linen method interceptor that learns every module's path, class and policy."""
+
+    def __init__(self, rules: ModuleRules):
+        self.rules = rules
+        self.modules: dict[str, _Module] = {}
+        self.order: list[str] = []  # module paths in order of completion
+        self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
+
+    def interceptor(self, next_fun, args, kwargs, context):
+        module = context.module
+        if self.stack and self.stack[-1][0] is module:
+            return next_fun(*args, **kwargs)
+        policy, _ = self.rules.match(module)
+        matched = policy is not None
+        if policy is None:
+            policy = self.stack[-1][1] if self.stack else self.rules.default
+        if not module.path:
+            path = type(module).__name__
+        else:
+            root = self.stack[0][2].split("/")[0] if self.stack else "?"
+            path = "/".join([root, *(str(p) for p in module.path)])
+        if path not in self.modules:
+            self.modules[path] = _Module(path, type(module), _dt(policy.compute_dtype),
+                                         _dt(policy.output_dtype), matched)
+        self.stack.append((module, policy, path))
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            self.stack.pop()
+            self.order.append(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Walking the jaxpr
+# ---------------------------------------------------------------------------------------------
+
+
+def _clean_path(stack: str) -> tuple[str, bool]:
+    """Module path and whether the equation belongs to the backward pass."""
+    backward = "transpose(" in stack
+    parts = []
+    for part in stack.split("/"):
+        while True:
+            m = _TRANSFORM.match(part)
+            if not m:
+                break
+            part = m.group(2)
+        part = _NOISE.sub("", part)
+        if part and not any(c in part for c in ",->") and part not in parts[-1:]:
+            parts.append(part)
+    return "/".join(parts) or _TOP, backward
+
+
+def _float_dtypes(vs) -> list[str]:
+    out = []
+    for v in vs:
+        dtype = getattr(getattr(v, "aval", None), "dtype", None)
+        if dtype is not None:
+            try:
+                if jnp.issubdtype(dtype, jnp.floating):
+                    out.append(np.dtype(dtype).name)
+            except TypeError:  # extended dtypes (PRNG keys)
+                pass
+    return out
+
+
+def _dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
+    """The jaxpr without dead equations, and which inputs it still uses."""
+    if _pe is not None:
+        try:
+            new, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+            return new, list(used)
+        except Exception:  # pragma: no cover - internal API moved
+            pass
+    return jaxpr, [True] * len(jaxpr.invars)
+
+
+_CONTAINERS = frozenset({
+    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond",
+    "shard_map", "xla_call", "xla_pmap", "custom_lin"})
+
+
+def _sub_io(eqn) -> list[tuple[jcore.Jaxpr, list, list]]:
+    """(sub-jaxpr, outer operand for each of its inputs, outer result for each of its outputs)
+    for the sub-programs of an equation; ``None`` where the correspondence is unknown."""
+    name = eqn.primitive.name
+    p = eqn.params
+    ins, outs = list(eqn.invars), list(eqn.outvars)
+    subs = [as_jaxpr(s) for s in jcore.jaxprs_in_params(p)]
+    if not subs:
+        return []
+    if name not in _CONTAINERS and not any(len(s.invars) == len(ins) for s in subs):
+        return []  # e.g. scatter-add's combiner: the equation itself is the operation
+    if name == "cond":
+        return [(as_jaxpr(b), ins[1:], outs) for b in p["branches"]]
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        carry = ins[cn + bn:]
+        return [(as_jaxpr(p["cond_jaxpr"]), ins[:cn] + carry, [None]),
+                (as_jaxpr(p["body_jaxpr"]), ins[cn:cn + bn] + carry, outs)]
+    found = []
+    for sub in subs:
+        sin = ins if len(sub.invars) == len(ins) else [None] * len(sub.invars)
+        sout = outs if len(sub.outvars) == len(outs) else [None] * len(sub.outvars)
+        found.append((sub, sin, sout))
+    return found
+
+
+@dataclasses.dataclass
+class _Eqn:
+    """One equation as the audit sees it."""
+
+    eqn: Any
+    stack: str  # the raw name stack
+    module: str  # the cleaned module path (as in the rows)
+    key: str  # the module it belongs to in the recorder's table ("" if none)
+    op: str
+    backward: bool
+    in_dtypes: list[str]
+    out_dtypes: list[str]
+    param_operand: bool  # an operand comes (unchanged but for casts/reshapes) from the params
+    count_sum: bool  # a sum of 0/1 indicators converted from booleans (an exact count)
+
+    @property
+    def prim(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def dtypes(self) -> set[str]:
+        return set(self.in_dtypes) | set(self.out_dtypes)
+
+    @property
+    def rounds(self) -> bool:
+        return self.prim not in _EXACT and bool(self.dtypes)
+
+
+_PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
+                           "squeeze", "expand_dims", "slice", "dynamic_slice", "gather", "copy",
+                           "copy_p", "split", "concatenate", "rev"})
+
+
+def _collect(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool]) -> list[_Eqn]:
+    """Every equation (sub-programs inlined, execution order) with its module path, pass and
+    whether a matmul operand is a parameter."""
+    records: list[_Eqn] = []
+
+    def run(j: jcore.Jaxpr, prefix: str, flags: dict) -> None:
+        producer: dict = {}
+        for eqn in j.eqns:
+            stack = str(eqn.source_info.name_stack)
+            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
+            subs = _sub_io(eqn)
+            if subs:
+                out_flags = [False] * len(eqn.outvars)
+                for sub, sin, sout in subs:
+                    inner = {v: bool(o is not None and isinstance(o, jcore.Var)
+                                     and flags.get(o, False)) for v, o in zip(sub.invars, sin)}
+                    run(sub, full, inner)
+                    for v, o in zip(sub.outvars, sout):
+                        if o is not None and isinstance(v, jcore.Var) and inner.get(v, False):
+                            idx = eqn.outvars.index(o) if o in eqn.outvars else None
+                            if idx is not None:
+                                out_flags[idx] = True
+                for o, f in zip(eqn.outvars, out_flags):
+                    flags[o] = f
+                continue
+            if _SCAFFOLD in full:
+                continue
+            module, backward = _clean_path(full)
+            name = eqn.primitive.name
+            ins = [v for v in eqn.invars]
+            pflags = [isinstance(v, jcore.Var) and flags.get(v, False) for v in ins]
+            if name in _PASS_THROUGH and any(pflags):
+                for o in eqn.outvars:
+                    flags[o] = True
+            count = False
+            if name in _ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
+                src = producer[ins[0]]
+                count = (src.primitive.name == "convert_element_type"
+                         and not _float_dtypes(src.invars))
+            for o in eqn.outvars:
+                producer[o] = eqn
+            records.append(_Eqn(eqn, full, module, "", _OP_CLASSES.get(name, "elementwise"),
+                                backward, _float_dtypes(ins), _float_dtypes(eqn.outvars),
+                                name in _MATMUL and any(pflags), count))
+
+    run(jaxpr, "", {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)})
+    return records
+
+
+def _module_key(path: str, modules: dict[str, _Module]) -> str:
+    """The recorded module a cleaned name-stack path belongs to ("" if none).
+
+    Handles method suffixes (``GPT/embed.attend`` -> ``GPT/embed``) and equations that a
+    transformation hoisted out of a ``scan`` body, whose name stack lost the enclosing modules
+    (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
+    if path == _TOP or not modules:
+        return ""
+    segs = path.split("/")
+    segs[-1] = segs[-1].split(".")[0]
+    cand = "/".join(segs)
+    if cand in modules:
+        return cand
+    tails = [m for m in modules if m.endswith("/" + cand)]
+    if tails:
+        return min(tails, key=len)
+    # the innermost recorded ancestor (e.g. einsum sub-scopes)
+    while len(segs) > 1:
+        segs.pop()
+        cand = "/".join(segs)
+        if cand in modules:
+            return cand
+    return ""
+
+
+def _canonical_path(path: str, modules: dict[str, _Module]) -> str:
+    """``path`` with a hoisted scan prefix restored (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
+    if path == _TOP or not modules or path in modules:
+        return path
+    head, dot, method = path.partition(".")
+    if head in modules:
+        return path
+    tails = [m for m in modules if m.endswith("/" + head)]
+    if tails:
+        return min(tails, key=len) + dot + method
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Trace:
+    """A function traced under autocast: its records, (DCE'd) jaxpr, modules and output."""
+
+    records: list[_Eqn]
+    jaxpr: jcore.Jaxpr
+    modules: dict[str, _Module]
+    out_dtypes: list[str]
+    out_scalar: bool
+    policy: jmp.Policy
+    grad: bool
+
+
+def _n_leaves(tree) -> int:
+    return len(jax.tree_util.tree_leaves(tree))
+
+
+def _has_float(tree) -> bool:
+    return any(jnp.issubdtype(np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                              jnp.floating) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
+           argnums: int | None) -> _Trace:
+    pol = get_policy(policy)
+    rules = ModuleRules.create(pol, overrides)
+    recorder = _Recorder(rules)
+
+    def recorded(*a):
+        with nn.intercept_methods(recorder.interceptor):
+            return fn(*a)
+
+    amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules)
+    grad = argnums is not None and _has_float(args[argnums])
+
+    if grad:
+        def scalar(*a):
+            out = amp(*a)
+            with jax.named_scope(_SCAFFOLD):
+                outs = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+                total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+            return total, out
+
+        closed, out_shape = jax.make_jaxpr(
+            jax.value_and_grad(scalar, argnums=argnums, has_aux=True),
+            return_shape=True)(*args)
+        out_shape = out_shape[0][1]
+        before = sum(_n_leaves(a) for a in args[:argnums])
+        param_inputs = [before <= i < before + _n_leaves(args[argnums])
+                        for i in range(len(closed.jaxpr.invars))]
+    else:
+        closed, out_shape = jax.make_jaxpr(amp, return_shape=True)(*args)
+        param_inputs = [False] * len(closed.jaxpr.invars)
+    jaxpr, used = _dce(closed.jaxpr)
+    param_inputs = [f for f, u in zip(param_inputs, used) if u]
+    records = _collect(jaxpr, param_inputs)
+    for r in records:
+        r.module = _canonical_path(r.module, recorder.modules)
+        r.key = _module_key(r.module, recorder.modules)
+    leaves = jax.tree.leaves(out_shape)
+    out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
+    scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()
+    return _Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad)
+
+
+def _rows(records: Sequence[_Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:
+    table: dict[tuple[str, str], dict[str, set[str]]] = {}
+    for r in records:
+        if not r.dtypes:
+            continue
+        entry = table.setdefault((r.module, r.op), {"forward": set(), "backward": set()})
+        entry["backward" if r.backward else "forward"] |= r.dtypes
+    rows = [{"module": m, "op": op, "forward": ",".join(sorted(d["forward"])) or "-",
+             "backward": ",".join(sorted(d["backward"])) or "-"}
+            for (m, op), d in sorted(table.items())]
+    rows.append({"module": "(output)", "op": "output", "forward": ",".join(out_dtypes) or "-",
+                 "backward": "-"})
+    return rows

@@ -1,0 +1,229 @@
+"""The seed's §4 reference table, reproduced from a traced program.
+
+The seed document's §4 lists, for a GPT-style model, which dtype each part should run in
+(embedding lookup, Q/K/V projections, attention scores, softmax, LayerNorm, FFN, loss,
+parameter update). :meth:`jaxamp.AuditReport.seed_rows` rebuilds that table from the
+:class:`~jaxamp._audit_trace._Eqn` records of a trace; its docstring documents the mapping.
+
+The mapping is a heuristic: it recognises a module's role by its class (``nn.LayerNorm``,
+``nn.Embed``, a class with ``Attention`` in its name) or, failing that, by the names common in
+GPT-style code (``ln_1``, ``wte``, ``attn``, ``q_proj``, ``mlp``, ``c_fc``, ...). The same
+predicates (:func:`_is_norm` in particular) classify rows and findings in :mod:`jaxamp.audit`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend.core as jcore
+
+from jaxamp._audit_trace import (
+    _ACCUM,
+    _EXPLOG,
+    _MATMUL,
+    _PASS_THROUGH,
+    _TOP,
+    _dt,
+    _Eqn,
+    _join,
+    _Module,
+    _Trace,
+)
+from jaxamp._jaxpr import iter_jaxprs
+from jaxamp.rules import EMBED_MODULES, FP32_MODULES
+
+# ---------------------------------------------------------------------------------------------
+# Classifying modules
+# ---------------------------------------------------------------------------------------------
+
+_NORM_NAME = re.compile(r"(^|_)(ln|norm|layer_?norm|rms_?norm|group_?norm|bn)(_?\d+)?$|norm",
+                        re.I)
+_EMBED_NAME = re.compile(r"embed|wte|tok_?emb|word_?emb", re.I)
+_ATTN_NAME = re.compile(r"attn|attention|mha", re.I)
+_QKV_NAME = re.compile(r"^(q|k|v|qk|kv|qkv|query|key|value|wq|wk|wv|wqkv|c_attn|in_proj|"
+                       r"query_key_value|to_q|to_k|to_v|to_qkv)(_proj)?(_\d+)?$", re.I)
+_FFN_NAME = re.compile(r"mlp|ffn|feed_?forward|^fc\d*(_\d+)?$|^c_fc$|^wi(_\d+)?$|^wo$|^w[123]$|"
+                       r"^(up|down|gate)_proj$|^dense_\d+$|^intermediate$", re.I)
+
+
+def _last(path: str) -> str:
+    return path.rsplit("/", 1)[-1].split(".")[0]
+
+
+def _is_norm(key: str, modules: dict[str, _Module]) -> bool:
+    if not key:
+        return False
+    m = modules.get(key)
+    if m is not None and (issubclass(m.cls, FP32_MODULES) or "Norm" in m.cls.__name__):
+        return True
+    return m is None and bool(_NORM_NAME.search(_last(key)))
+
+
+def _is_embed(key: str, modules: dict[str, _Module]) -> bool:
+    if not key:
+        return False
+    m = modules.get(key)
+    if m is not None and (issubclass(m.cls, EMBED_MODULES) or "Embed" in m.cls.__name__):
+        return True
+    return m is None and bool(_EMBED_NAME.search(_last(key)))
+
+
+def _is_attention(key: str, modules: dict[str, _Module]) -> bool:
+    if not key:
+        return False
+    m = modules.get(key)
+    if m is not None and "Attention" in m.cls.__name__:
+        return True
+    return bool(_ATTN_NAME.search(_last(key)))
+
+
+def _in_attention(key: str, modules) -> bool:
+    segs = key.split("/")
+    return any(_is_attention("/".join(segs[:i]), modules) for i in range(1, len(segs) + 1))
+
+
+def _is_qkv(key: str) -> bool:
+    return bool(key) and bool(_QKV_NAME.match(_last(key)))
+
+
+def _is_ffn(key: str, modules) -> bool:
+    if not key or _in_attention(key, modules):
+        return False
+    return any(_FFN_NAME.search(seg.split(".")[0]) for seg in key.split("/")[1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+_SEED_ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
+              "FFN Linear", "CrossEntropy loss", "Parameter update")
+_SEED_NOTES = {
+    "Embedding lookup": "the lookup computes nothing; its output is cast to the compute dtype",
+    "Q/K/V Linear": "main Tensor Core work",
+    "Attention scores": "cast to float32 before the softmax",
+    "Softmax": "overflow-sensitive",
+    "LayerNorm": "mean/variance need float32",
+    "FFN Linear": "largest gain",
+    "CrossEntropy loss": "log-sum-exp needs float32",
+    "Parameter update": "master weights always float32",
+}
+
+
+def _use_dtype(rec: _Eqn, jaxpr: jcore.Jaxpr) -> str | None:
+    """The dtype a gathered value is cast to before its first arithmetic use (following
+    reshapes and other data movement), or None if it is used as is."""
+    for j in iter_jaxprs(jaxpr):
+        if rec.eqn in j.eqns:
+            break
+    else:
+        return None
+    consumers: dict = {}
+    for e in j.eqns:
+        for v in e.invars:
+            if isinstance(v, jcore.Var):
+                consumers.setdefault(v, []).append(e)
+    frontier = list(rec.eqn.outvars)
+    seen = set()
+    while frontier:
+        v = frontier.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for e in consumers.get(v, []):
+            name = e.primitive.name
+            if name == "convert_element_type":
+                return _dt(e.params["new_dtype"])
+            if name in _PASS_THROUGH:
+                frontier.extend(e.outvars)
+    return None
+
+
+def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
+               opt_dtypes: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of :meth:`jaxamp.AuditReport.seed_rows` (which documents them) for trace
+    ``t``; ``param_dtypes``/``opt_dtypes``: the float dtypes of the parameters and optimizer
+    state (the "Parameter update" row). Empty without a trace."""
+    if t is None:
+        return []
+    mods = t.modules
+    low = _dt(t.policy.compute_dtype)
+    recs = [r for r in t.records if r.dtypes]
+    groups: dict[str, dict[str, Any]] = {
+        name: {"forward": set(), "backward": set(), "modules": set()} for name in _SEED_ROWS}
+
+    def add(name, r, forward=True, backward=True):
+        g = groups[name]
+        if r.backward and backward:
+            g["backward"] |= r.dtypes
+        elif not r.backward and forward:
+            g["forward"] |= r.dtypes
+        else:
+            return
+        g["modules"].add(r.module)
+
+    emb_fwd = None
+    for r in recs:
+        key, prim = r.key, r.prim
+        if prim in _MATMUL:
+            if _is_embed(key, mods):
+                continue  # a tied head: not a seed row
+            if _is_qkv(key):
+                add("Q/K/V Linear", r)
+            elif _is_attention(key, mods):
+                if r.backward:
+                    add("Attention scores", r)
+                elif r.param_operand:
+                    add("Q/K/V Linear", r)
+                else:
+                    add("Attention scores", r)
+            elif _is_ffn(key, mods):
+                add("FFN Linear", r)
+            continue
+        if _is_norm(key, mods):
+            if r.rounds:
+                add("LayerNorm", r)
+            continue
+        if prim == "gather" and _is_embed(key, mods) and not r.backward:
+            table = r.in_dtypes[:1]
+            out = _use_dtype(r, t.jaxpr) or (r.out_dtypes[0] if r.out_dtypes else None)
+            emb_fwd = (table[0] if table else "-", out)
+            groups["Embedding lookup"]["modules"].add(r.module)
+            continue
+        sensitive = prim in _EXPLOG or (prim in _ACCUM and not r.count_sum)
+        if not key and r.module == _TOP:
+            if (not r.backward and sensitive) or (r.backward and r.rounds):
+                add("CrossEntropy loss", r)
+            continue
+        if _is_attention(key, mods) and sensitive:
+            add("Softmax", r)
+    rows = []
+    for name in _SEED_ROWS:
+        g = groups[name]
+        if name == "Embedding lookup":
+            if emb_fwd is None:
+                fwd = bwd = "-"
+            else:
+                fwd = f"{emb_fwd[0]} -> {emb_fwd[1]}"
+                bwd = emb_fwd[1] if t.grad else "-"
+            exp_f, exp_b = f"float32 -> {low}", low
+        elif name == "Parameter update":
+            fwd = "-"
+            bwd = _join(list(param_dtypes) + list(opt_dtypes))
+            exp_f, exp_b = "-", "float32"
+        else:
+            fwd, bwd = _join(g["forward"]), _join(g["backward"])
+            compute = name in ("Q/K/V Linear", "Attention scores", "FFN Linear")
+            exp_f = exp_b = low if compute else "float32"
+        if not t.grad and name != "Parameter update":
+            exp_b = "-"
+        present = fwd != "-" or (name == "Parameter update" and bwd != "-")
+        ok = None if not present else (fwd == exp_f and (bwd == exp_b or not t.grad
+                                                        or exp_b == "-"))
+        rows.append({"row": name, "forward": fwd, "backward": bwd,
+                     "expected_forward": exp_f, "expected_backward": exp_b, "ok": ok,
+                     "modules": sorted(g["modules"]), "note": _SEED_NOTES[name]})
+    return rows
+

@@ -1,0 +1,255 @@
+"""Auditing a whole train step: is the loss scale divided out before gradients are clipped?
+
+Loss scaling multiplies the loss (so the gradients) by a scale; the gradients must be divided
+by it again *before* anything reads their magnitude. Clipping (or logging) the global norm of
+still-scaled gradients shrinks the clip threshold by the scale and over-suppresses every
+update. :func:`audit_step` traces a user-written train step as is and looks for that order in
+its dataflow: :class:`_Graph` holds the data dependencies of the step's jaxpr (sub-programs
+included), :func:`_clip_findings` pairs global norms with loss-scale unscaling (the heuristic is
+documented in :func:`audit_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+from jaxamp._audit_report import AuditReport, Finding, _group
+from jaxamp._audit_trace import (
+    _clean_path,
+    _collect,
+    _dce,
+    _float_dtypes,
+    _low_leaves,
+    _rows,
+    _sub_io,
+)
+
+
+class _Graph:
+    """Data dependencies between the variables of a jaxpr and all its sub-jaxprs."""
+
+    def __init__(self, jaxpr: jcore.Jaxpr):
+        self.preds: dict = {}
+        self.producer: dict = {}
+        self.eqns: list[tuple[Any, str]] = []
+        self._build(jaxpr, "")
+
+    def _edge(self, dst, srcs):
+        self.preds.setdefault(dst, []).extend(s for s in srcs if isinstance(s, jcore.Var))
+
+    def _build(self, j: jcore.Jaxpr, prefix: str):
+        for eqn in j.eqns:
+            stack = str(eqn.source_info.name_stack)
+            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
+            subs = _sub_io(eqn)
+            if subs:
+                mapped = True
+                for sub, sin, sout in subs:
+                    for v, o in zip(sub.invars, sin):
+                        if o is None:
+                            mapped = False
+                            self._edge(v, eqn.invars)
+                        else:
+                            self._edge(v, [o])
+                    for v, o in zip(sub.outvars, sout):
+                        if o is not None:
+                            self._edge(o, [v])
+                    if eqn.primitive.name in ("scan", "while"):  # loop-carried values
+                        nc = eqn.params.get("num_carry", 0) if eqn.primitive.name == "scan" \
+                            else len(sub.outvars)
+                        first = (eqn.params["num_consts"] if eqn.primitive.name == "scan"
+                                 else len(sub.invars) - len(sub.outvars))
+                        for k in range(nc):
+                            if first + k < len(sub.invars) and k < len(sub.outvars):
+                                self._edge(sub.invars[first + k], [sub.outvars[k]])
+                    self._build(sub, full)
+                if not mapped or any(o is None for _, _, so in subs for o in so):
+                    for o in eqn.outvars:
+                        self._edge(o, eqn.invars)
+                continue
+            self.eqns.append((eqn, full))
+            for o in eqn.outvars:
+                self._edge(o, eqn.invars)
+                self.producer[o] = eqn
+
+    def ancestors(self, roots) -> set:
+        seen: set = set()
+        stack = [r for r in roots if isinstance(r, jcore.Var)]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            stack.extend(self.preds.get(v, []))
+        return seen
+
+
+def _shape(v) -> tuple:
+    return tuple(getattr(getattr(v, "aval", None), "shape", ()) or ())
+
+
+def _is_float_var(v) -> bool:
+    return bool(_float_dtypes([v]))
+
+
+def _scalar_key(v):
+    """A hashable identity for a scalar operand: the Var, or ('lit', value) for a literal."""
+    if isinstance(v, jcore.Literal):
+        try:
+            return ("lit", float(np.asarray(v.val)))
+        except (TypeError, ValueError):
+            return None
+    return v
+
+
+def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
+    g = _Graph(jaxpr)
+    # 1. global norms: scalar sqrt of a sum
+    norms = []
+    for eqn, stack in g.eqns:
+        if eqn.primitive.name == "sqrt" and _shape(eqn.outvars[0]) == () \
+                and _is_float_var(eqn.outvars[0]):
+            anc = g.ancestors(eqn.invars)
+            if any(g.producer.get(v) is not None and g.producer[v].primitive.name == "reduce_sum"
+                   for v in anc):
+                norms.append((eqn, stack, anc))
+    if not norms:
+        return []
+    norm_desc: set = set()  # everything computed from a norm (clip factors)
+    norm_outs = {n.outvars[0] for n, _, _ in norms}
+    for v in list(g.preds):
+        if g.ancestors([v]) & norm_outs:
+            norm_desc.add(v)
+    norm_desc |= norm_outs
+
+    # 2. loss-scale candidates: scalars multiplied with another scalar (the loss, or the
+    # cotangent seed) that also divide non-scalar values (directly or via a reciprocal)
+    scalar_mul: set = set()
+    for eqn, _ in g.eqns:
+        if eqn.primitive.name == "mul" and len(eqn.invars) == 2 and \
+                all(_shape(v) == () for v in eqn.invars):
+            for a in eqn.invars:
+                key = _scalar_key(a)
+                if key is not None and key not in (("lit", 1.0), ("lit", 0.0)) and \
+                        not (isinstance(a, jcore.Var) and a in norm_desc):
+                    scalar_mul.add(key)
+
+    def through(v):
+        """Follow a scalar back through casts/copies/broadcasts to its source."""
+        while isinstance(v, jcore.Var) and v in g.producer and \
+                g.producer[v].primitive.name in ("convert_element_type", "copy", "copy_p",
+                                                 "broadcast_in_dim", "reshape"):
+            v = g.producer[v].invars[0]
+        return v
+
+    unscale: list[tuple[Any, Any]] = []  # (eqn, the tensor operand)
+    for eqn, _ in g.eqns:
+        name = eqn.primitive.name
+        if name == "div" and len(eqn.invars) == 2:
+            x, s = eqn.invars
+            s = through(s)
+            if _shape(x) != () and _shape(s) == () and _scalar_key(s) in scalar_mul:
+                unscale.append((eqn, x))
+        elif name == "mul" and len(eqn.invars) == 2:
+            for x, r in (eqn.invars, eqn.invars[::-1]):
+                r = through(r)
+                if _shape(x) == () or _shape(r) != () or not isinstance(r, jcore.Var):
+                    continue
+                pe = g.producer.get(r)
+                if pe is not None and pe.primitive.name == "div" and \
+                        _shape(pe.invars[1]) == () and \
+                        _scalar_key(through(pe.invars[1])) in scalar_mul:
+                    unscale.append((eqn, x))
+    if not unscale:
+        return []
+    unscaled_outs = {e.outvars[0] for e, _ in unscale}
+    found = []
+    for n, stack, anc in norms:
+        if anc & unscaled_outs:
+            continue  # the norm reads unscaled gradients: correct order
+        module, _ = _clean_path(stack)
+        later = [e for e, x in unscale if n.outvars[0] in g.ancestors([x])]
+        if later:
+            found.append(Finding(
+                "clip_before_unscale", "(train step)",
+                "a global gradient norm is computed from gradients still multiplied by the "
+                "loss scale, and the gradients it clips are divided by the scale only "
+                f"afterwards ({len(later)} unscale op(s) depend on that norm). Clipping "
+                "scaled gradients shrinks the clip threshold by the scale and over-suppresses "
+                "every update (seed §2 step 5, mistake 3). Unscale first "
+                "(grads = loss_scale.unscale(grads)), then clip (optax.clip_by_global_norm), "
+                "or use jaxamp.make_train_step(clip_norm=...)."))
+        else:
+            found.append(Finding(
+                "grad_norm_of_scaled_grads", "(train step)",
+                "a global norm (sqrt of a sum) is computed from gradients still multiplied by "
+                "the loss scale and is not followed by their unscaling: a logged grad norm "
+                "(or a clip) on scaled gradients is off by the scale factor. Compute it after "
+                "loss_scale.unscale(grads)."))
+    return _group([(f.kind, f.module, f.detail, None) for f in found])
+
+
+def audit_step(step_fn: Callable, *args: Any, params: Any = None,
+               opt_state: Any = None) -> AuditReport:
+    """Audits a whole user-written train step (traced as is, e.g. ``step(state, batch)``):
+    the order of loss-scale unscaling and gradient clipping, plus the precision table of the
+    step and low-precision ``params=``/``opt_state=`` if given.
+
+    The check (``clip_before_unscale``) is a dataflow heuristic on the step's jaxpr:
+
+    1. a *global norm* is a scalar ``sqrt`` whose input is computed from a ``reduce_sum``
+       (``optax.global_norm``, ``optax.clip_by_global_norm``, ``jnp.linalg.norm`` of a leaf);
+    2. a *loss scale* is a scalar (a traced value, or a literal like ``1024.0``) that is both
+       multiplied with another scalar (the loss, or the backward's cotangent seed) and divides
+       a non-scalar value, directly (``g / scale``) or through a reciprocal
+       (``g * (1 / scale)``, as ``jaxamp`` loss scales do); values derived from a global norm
+       are never taken for a loss scale (they are clip factors);
+    3. a norm whose inputs include no unscaled value, while some unscaling is computed from
+       that norm, is ``clip_before_unscale``; a norm of scaled gradients that no unscaling
+       depends on is ``grad_norm_of_scaled_grads`` (e.g. a logged grad norm off by the scale).
+
+    What it cannot detect: a loss scale that is never divided back out (nothing to pair the
+    scaling with), an unscale written as a multiplication by a precomputed reciprocal passed
+    in as an input, clipping without a ``sqrt`` (per-value ``clip_by_value``, or a norm
+    compared squared), and steps whose clipping happens inside ``custom_vjp`` functions or
+    host callbacks. It assumes no unrelated scalar both multiplies a scalar and divides
+    tensors after the backward pass (a false positive would name a norm that is then divided
+    by such a scalar).
+
+    Args:
+      step_fn: the train step; traced with ``jax.make_jaxpr`` (never run).
+      *args: its example arguments.
+      params, opt_state: optional trees checked for float16/bfloat16 storage.
+
+    Returns:
+      An :class:`AuditReport` (its ``seed_rows()`` is empty: module policies are unknown).
+    """
+    closed = jax.make_jaxpr(step_fn)(*args)
+    jaxpr, _ = _dce(closed.jaxpr)
+    records = _collect(jaxpr, [False] * len(jaxpr.invars))
+    out_dtypes = sorted({n for n in _float_dtypes(jaxpr.outvars)})
+    rows = _rows(records, out_dtypes)
+    for row in rows:
+        row["category"] = {"matmul": "matmul", "conv": "matmul", "cast": "cast",
+                           "gather": "gather", "output": "output",
+                           "reduction": "reduction"}.get(row["op"], "elementwise")
+    findings = _clip_findings(jaxpr)
+    raw = []
+    if params is not None and _low_leaves(params):
+        pl = _low_leaves(params)
+        raw.append(Finding("params_low_precision", "(params)",
+                           f"{len(pl)} parameter leaves are stored in low precision (e.g. "
+                           f"{pl[0][0]}: {pl[0][1]}); keep float32 master weights.",
+                           "Parameter update"))
+    if opt_state is not None and _low_leaves(opt_state):
+        ol = _low_leaves(opt_state)
+        raw.append(Finding("opt_state_low_precision", "(opt_state)",
+                           f"{len(ol)} optimizer-state leaves are in low precision (e.g. "
+                           f"{ol[0][0]}: {ol[0][1]}); keep the optimizer state float32.",
+                           "Parameter update"))
+    return AuditReport(rows, raw + findings, "(train step)", None)
