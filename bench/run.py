@@ -24,6 +24,12 @@ Measured (the JSON keys):
    ``trace_compile_ratio_amp_vs_plain``.
 3. ``memory_bytes``: ``memory_analysis()`` of the compiled AMP step per compute dtype.
 4. ``scaling``: the step ratios at several depths (not in ``--smoke``).
+5. ``peer``: the same GPT in PyTorch (``bench/torch_gpt.py``, same weights and batch) trained
+   with ``torch.autocast`` + ``GradScaler``, interleaved with jaxamp's AMP steps: tokens/s per
+   compute dtype on each side and ``ratio_jaxamp_over_torch``. PyTorch is optional: without
+   it (or with ``JAXAMP_BENCH_NO_TORCH=1``) ``peer`` is ``{"skipped": "torch not installed"}``.
+   ``--peer-only`` runs this section alone. ``gpu_targets``: the Hopper targets, evaluated on
+   an H100/H200 ``--full`` run and "pending" elsewhere.
 
 On CPU, XLA computes float16/bfloat16 dots in float32, so CPU numbers show jaxamp's *overhead*,
 never a speed-up.
@@ -32,6 +38,7 @@ never a speed-up.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import gc
 import json
@@ -39,8 +46,10 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -77,20 +86,31 @@ PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e1
               ("A10", 125e12), ("V100", 125e12))
 
 # repeats x steps: interleaved timing blocks; compiles: fresh compiles per variant (median).
+# peer_*: the PyTorch comparison (jaxamp and torch steps interleaved; torch on CPU is slow in
+# float16, seconds per step, hence one step per block).
+ALL_DTYPES = ("float32", "bfloat16", "float16")
 MODES = {
     "smoke": dict(config=GPTConfig(layers=1, d_model=32, heads=2, seq=16), batch=4,
                   repeats=2, steps=2, warmup=2, compiles=1, fidelity_compiles=1,
-                  depths=(), depth_repeats=0, depth_compiles=0),
+                  depths=(), depth_repeats=0, depth_compiles=0,
+                  peer_dtypes=("float32", "bfloat16"), peer_repeats=2, peer_steps=1,
+                  peer_warmup=1, peer_compile=False),
     "quick": dict(config=GPTConfig(layers=4, d_model=128, heads=4, seq=128), batch=8,
                   repeats=25, steps=2, warmup=3, compiles=5, fidelity_compiles=3,
-                  depths=(2, 4, 8), depth_repeats=15, depth_compiles=3),
+                  depths=(2, 4, 8), depth_repeats=15, depth_compiles=3,
+                  peer_dtypes=ALL_DTYPES, peer_repeats=15, peer_steps=1, peer_warmup=3,
+                  peer_compile=True),
     "standard": dict(config=GPTConfig(layers=4, d_model=256, heads=8, seq=256), batch=8,
                      repeats=25, steps=2, warmup=3, compiles=5, fidelity_compiles=3,
-                     depths=(2, 4, 8, 12), depth_repeats=15, depth_compiles=3),
+                     depths=(2, 4, 8, 12), depth_repeats=15, depth_compiles=3,
+                     peer_dtypes=ALL_DTYPES, peer_repeats=11, peer_steps=1, peer_warmup=3,
+                     peer_compile=True),
     # Sized for a few minutes of GPU time (about 40 compiles of a 12-layer model at most).
     "full": dict(config=GPTConfig(layers=12, d_model=768, heads=12, seq=1024), batch=8,
                  repeats=21, steps=5, warmup=5, compiles=3, fidelity_compiles=2,
-                 depths=(2, 4, 8, 12), depth_repeats=11, depth_compiles=2),
+                 depths=(2, 4, 8, 12), depth_repeats=11, depth_compiles=2,
+                 peer_dtypes=ALL_DTYPES, peer_repeats=11, peer_steps=5, peer_warmup=5,
+                 peer_compile=True),
 }
 
 
@@ -335,6 +355,10 @@ def matmul_fraction(jaxpr, dtype) -> tuple[float, int, dict]:
 
 
 _SETUP: dict = {}
+# (compiled AMP step, its optax transformation) by (config, batch, policy name), kept from the
+# compile and memory measurements so ``--smoke`` can time them again (a TrainState's pytree
+# metadata holds the transformation, so the executable only accepts states built with it).
+_AMP_EXECUTABLES: dict = {}
 
 
 def setup(cfg: GPTConfig, batch_size: int):
@@ -377,6 +401,7 @@ def measure_step(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: int, w
                                on_first=lambda k, lo, co: first.__setitem__(k, (lo, co)))
     out: dict = {"config": {**cfg.__dict__, "batch": batch_size},
                  "params": param_count(params)}
+    _AMP_EXECUTABLES[(cfg, batch_size, "float16")] = (first["amp"][1], tx)
     ma = first["amp"][1].memory_analysis()
     out["memory_float16"] = memory_dict(ma) if ma else None
     if hlo:
@@ -409,8 +434,9 @@ def measure_step(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: int, w
         out["amp_noscale_noclip_step_ms"] = med(times["amp_noscale_noclip"]) * 1e3
         out["amp_noscale_noclip_runtime_ratio"] = (med(times["amp_noscale_noclip"])
                                                    / med(times["baseline"]))
-    if not aot:
-        # Python-side cost per call of make_train_step's argument check (_Step._validate).
+    if not aot and hasattr(runners["amp"].step, "_validate"):
+        # Python-side cost per call of make_train_step's argument check (_Step._validate;
+        # newer jaxamp runs its checks while tracing, once per input signature, instead).
         r = runners["amp"]
         n = 50
         t0 = time.perf_counter()
@@ -421,9 +447,12 @@ def measure_step(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: int, w
 
 
 def memory_dict(ma) -> dict:
-    return {k: int(getattr(ma, k)) for k in
-            ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-             "alias_size_in_bytes", "generated_code_size_in_bytes")}
+    out = {k: int(getattr(ma, k)) for k in
+           ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")}
+    peak = getattr(ma, "peak_memory_in_bytes", None)  # not reported by every jaxlib
+    out["peak_memory_in_bytes"] = int(peak) if peak is not None else None
+    return out
 
 
 def hlo_diff(amp, base) -> dict:
@@ -521,7 +550,9 @@ def measure_memory(cfg: GPTConfig, batch_size: int, known: dict) -> dict:
             out[name] = known[name]
         else:
             state = jaxamp.TrainState.create(model, params, tx, loss_scale=loss_scale)
-            ma = make_amp_step(model, tx, policy).lower(state, batch).compile().memory_analysis()
+            compiled = make_amp_step(model, tx, policy).lower(state, batch).compile()
+            _AMP_EXECUTABLES[(cfg, batch_size, name)] = (compiled, tx)
+            ma = compiled.memory_analysis()
             out[name] = memory_dict(ma) if ma else None
         if out[name] is not None:
             out[name]["loss_scale"] = type(loss_scale).__name__
@@ -534,6 +565,29 @@ def memory_ratios(mem: dict) -> dict:
             for k, v in mem.items() if k != "float32" and v}
 
 
+def device_peak_flops() -> float | None:
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return None
+    return next((p for key, p in PEAK_FLOPS if key.lower() in dev.device_kind.lower()), None)
+
+
+def throughput_summary(cfg: GPTConfig, batch_size: int, params, times: dict,
+                       runners: dict) -> dict:
+    """tokens/s and MFU per policy name from ``interleaved_runtime`` seconds per step."""
+    tokens = batch_size * cfg.seq
+    fpt = flops_per_token(cfg, params)
+    peak = device_peak_flops()
+    out: dict = {"flops_per_token": fpt, "peak_flops": peak,
+                 "device_kind": jax.devices()[0].device_kind}
+    for name in POLICIES:
+        tps = tokens / med(times[name])
+        out[name] = {"step_ms": med(times[name]) * 1e3, "tokens_per_s": tps,
+                     "mfu": (fpt * tps / peak) if peak else None,
+                     "skipped_steps": runners[name].skipped()}
+    return out
+
+
 def measure_throughput(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: int,
                        warmup: int) -> dict:
     """tokens/s of the AMP step per compute dtype, and MFU where the device peak is known."""
@@ -543,19 +597,240 @@ def measure_throughput(cfg: GPTConfig, batch_size: int, *, repeats: int, steps: 
                                jaxamp.default_loss_scale(policy))
                for name, policy in POLICIES.items()}
     times, _ = interleaved_runtime(runners, repeats=repeats, steps=steps, warmup=warmup)
+    return throughput_summary(cfg, batch_size, params, times, runners)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer: the same GPT in PyTorch (bench/torch_gpt.py), torch.autocast + GradScaler
+# ---------------------------------------------------------------------------------------------
+
+NO_TORCH_ENV = "JAXAMP_BENCH_NO_TORCH"  # set (non-empty, not "0"): behave as if torch is missing
+PEER_SKIPPED = "torch not installed"
+GPU_COMMAND = "python bench/run.py --full --json bench/results-gpu.json"
+# Targets for the --full run on a Hopper GPU (H100/H200); evaluated only there.
+GPU_TARGETS = (
+    ("bf16_jaxamp_over_torch_amp", "bf16 tokens/s, jaxamp / torch AMP", ">= 1.0"),
+    ("f16_dynamic_over_bf16", "f16 (dynamic loss scale) tokens/s / bf16 tokens/s", ">= 0.97"),
+    ("bf16_peak_memory_vs_f32", "bf16 AMP step peak memory / f32", "<= 0.6"),
+    ("bf16_mfu", "bf16 AMP step MFU", ">= 0.40"),
+)
+
+
+def import_torch():
+    """``(torch, None)``, or ``(None, why)`` when PyTorch cannot be imported (or the
+    ``JAXAMP_BENCH_NO_TORCH`` environment variable asks to behave as if it could not)."""
+    if os.environ.get(NO_TORCH_ENV, "") not in ("", "0"):
+        return None, f"{NO_TORCH_ENV}={os.environ[NO_TORCH_ENV]} is set"
+    try:
+        import torch
+    except Exception as e:  # ImportError, or a broken install (OSError from a shared library)
+        return None, f"import torch failed: {type(e).__name__}: {e}"
+    return torch, None
+
+
+def host_threads() -> int:
+    """CPUs this process may run on: the size XLA:CPU gives its intra-op thread pool
+    (``tsl::port::MaxParallelism``, from the scheduler affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def measure_peer(cfg: GPTConfig, batch_size: int, *, dtypes: tuple[str, ...], repeats: int,
+                 steps: int, warmup: int, compile: bool, aot: bool = False
+                 ) -> tuple[dict, dict, dict]:
+    """jaxamp's AMP step vs PyTorch AMP on the same GPT, weights and batch, interleaved.
+
+    Returns ``(peer, jaxamp_runners, jaxamp_times)``; the last two (by policy name) let
+    ``--full`` derive its throughput table from the same run. ``aot``: time the AMP step
+    executables compiled by the earlier sections (``--smoke``).
+    """
+    torch, why = import_torch()
+    if torch is None:
+        print(f"[bench] peer: PyTorch side skipped, {PEER_SKIPPED} ({why}); "
+              f"install it with: pip install torch==2.13.0")
+        return {"skipped": PEER_SKIPPED}, {}, {}
+    import torch_gpt
+
+    if compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # A fresh inductor cache: torch.compile's first step is a cold compile on every run,
+        # as jax.jit's is (JAX's persistent compilation cache is off by default).
+        cache = tempfile.mkdtemp(prefix="jaxamp-bench-inductor-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        inductor_cache = "fresh temporary TORCHINDUCTOR_CACHE_DIR (cold compile)"
+    else:
+        inductor_cache = ("TORCHINDUCTOR_CACHE_DIR from the environment (may be warm)"
+                          if compile else None)
+    model, params, batch = setup(cfg, batch_size)
+    tx = make_tx()
+    cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    threads = host_threads()
+    if cuda:
+        # XLA's default float32 matmul precision on NVIDIA GPUs allows TF32; match it.
+        torch.set_float32_matmul_precision("high")
+        threads_note = "CUDA device; torch.set_float32_matmul_precision('high') (TF32, as XLA)"
+    else:
+        torch.set_num_threads(threads)
+        threads_note = (f"torch.set_num_threads({threads}): the CPUs in this process's affinity "
+                        f"mask, which is what XLA:CPU sizes its intra-op thread pool to")
+    torch_params = torch_gpt.param_count(torch_gpt.TorchGPT(cfg))
+    assert torch_params == param_count(params), (
+        f"bench/torch_gpt.py has {torch_params} parameters, bench/gpt.py {param_count(params)}")
+    batch_np = {k: np.asarray(v) for k, v in batch.items()}
+    f32_loss = jax.jit(lambda p, b: lm_loss(model.apply, p, b))
+
+    runners: dict[str, Callable[[int], None]] = {}
+    first_s: dict = {"jaxamp": {}, "torch": {}}
+    unsupported: dict = {}
+    compile_errors: dict = {}
+    trainers = {}
+    for dt in dtypes:
+        policy, compiled = POLICIES[dt], None
+        if aot and (cfg, batch_size, dt) in _AMP_EXECUTABLES:
+            compiled, tx = _AMP_EXECUTABLES[(cfg, batch_size, dt)]
+        amp = AmpRunner(model, params, tx, batch, policy, jaxamp.default_loss_scale(policy))
+        if compiled is not None:
+            amp.step = compiled
+        t0 = time.perf_counter()
+        amp(1)  # compile (jitted steps) + one step
+        first_s["jaxamp"][dt] = time.perf_counter() - t0
+        runners[f"jaxamp/{dt}"] = amp
+        log(f"[bench] peer: jaxamp {dt} first step {first_s['jaxamp'][dt]:.1f} s")
+        try:
+            tr = torch_gpt.TorchTrainer(cfg, batch_np, dt, device=device, params=params,
+                                        compile=compile)
+            first_s["torch"][dt] = tr.first()
+        except Exception as e:  # e.g. a dtype the device's autocast does not support
+            unsupported[dt] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            log(f"[bench] peer: torch {dt} unsupported here ({unsupported[dt]})")
+            continue
+        if tr.compile_error:
+            compile_errors[dt] = tr.compile_error
+        trainers[dt] = tr
+        runners[f"torch/{dt}"] = tr
+        log(f"[bench] peer: torch {dt} ({'compiled' if tr.compiled else 'eager'}) first step "
+            f"{first_s['torch'][dt]:.1f} s")
+    times, _ = interleaved_runtime(runners, repeats=repeats, steps=steps,
+                                   warmup=max(warmup - 1, 0))
+    total_steps = 1 + max(warmup - 1, 0) + repeats * steps
     tokens = batch_size * cfg.seq
+    tps: dict = {"jaxamp": {}, "torch": {}}
+    step_ms: dict = {"jaxamp": {}, "torch": {}}
+    ratio, ratio_paired, ratio_min = {}, {}, {}
+    loss_after: dict = {"jaxamp": {}, "torch": {}}
+    for dt in dtypes:
+        jt = times[f"jaxamp/{dt}"]
+        tps["jaxamp"][dt] = tokens / med(jt)
+        step_ms["jaxamp"][dt] = med(jt) * 1e3
+        loss_after["jaxamp"][dt] = float(f32_loss(runners[f"jaxamp/{dt}"].state.params, batch))
+        if dt in trainers:
+            tt = times[f"torch/{dt}"]
+            tps["torch"][dt] = tokens / med(tt)
+            step_ms["torch"][dt] = med(tt) * 1e3
+            ratio[dt] = tps["jaxamp"][dt] / tps["torch"][dt]
+            ratio_paired[dt] = paired_ratio(tt, jt)  # per repeat: torch time / jaxamp time
+            ratio_min[dt] = min(tt) / min(jt)  # stalls only add time: the best steps
+            loss_after["torch"][dt] = trainers[dt].eval_loss()
+        else:
+            tps["torch"][dt] = step_ms["torch"][dt] = None
+            ratio[dt] = ratio_paired[dt] = ratio_min[dt] = None
+            loss_after["torch"][dt] = None
+    compiled = compile and bool(trainers) and all(t.compiled for t in trainers.values())
+    if not compile:
+        compile_note = ("eager: torch.compile not tried in this mode (its CPU compile, about "
+                        "30-40 s per dtype, does not fit the mode's time budget)")
+    elif compiled:
+        compile_note = "torch.compile(model) (inductor), default mode"
+    else:
+        compile_note = "torch.compile failed, eager fallback: " + "; ".join(
+            f"{k}: {v}" for k, v in compile_errors.items())
+    peak = device_peak_flops()
     fpt = flops_per_token(cfg, params)
-    dev = jax.devices()[0]
-    peak = None
-    if dev.platform == "gpu":
-        peak = next((p for key, p in PEAK_FLOPS if key.lower() in dev.device_kind.lower()),
-                    None)
-    out: dict = {"flops_per_token": fpt, "peak_flops": peak, "device_kind": dev.device_kind}
-    for name in POLICIES:
-        tps = tokens / med(times[name])
-        out[name] = {"step_ms": med(times[name]) * 1e3, "tokens_per_s": tps,
-                     "mfu": (fpt * tps / peak) if peak else None,
-                     "skipped_steps": runners[name].skipped()}
+    peer = {
+        "torch_version": torch.__version__,
+        "compiled": compiled,
+        "compiled_by_dtype": {dt: trainers[dt].compiled for dt in trainers},
+        "compile_note": compile_note,
+        "compile_errors": compile_errors,
+        "inductor_cache": inductor_cache,
+        "device": (f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "cpu"),
+        "torch_num_threads": torch.get_num_threads(),
+        "threads_note": threads_note,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "torch_cpu_native": None if cuda else cpu_native(torch),
+        "dtypes": list(dtypes),
+        "unsupported": unsupported,
+        "params": {"jaxamp": param_count(params), "torch": torch_params},
+        "recipe": {"jaxamp": "jaxamp.make_train_step(policy, clip_norm=1.0), loss scale "
+                             "jaxamp.default_loss_scale(policy), optax.adamw(1e-3)",
+                   "torch": "torch.autocast(device, dtype) around forward + float32 loss; "
+                            "GradScaler (float16 only): scale(loss).backward(), unscale_, "
+                            "clip_grad_norm_(1.0), step, update; AdamW(lr=1e-3, "
+                            "weight_decay=1e-4)"},
+        "steps_per_variant": total_steps,
+        "first_step_s": first_s,
+        "step_ms": step_ms,
+        "tokens_per_s": tps,
+        "mfu": {side: {dt: (fpt * v / peak if (peak and v) else None) for dt, v in d.items()}
+                for side, d in tps.items()},
+        "ratio_jaxamp_over_torch": ratio,
+        "ratio_jaxamp_over_torch_paired": ratio_paired,
+        "ratio_jaxamp_over_torch_min": ratio_min,
+        "loss_at_init_float32": {"jaxamp": float(f32_loss(params, batch)),
+                                 "torch": torch_gpt.TorchTrainer(
+                                     cfg, batch_np, "float32", device=device,
+                                     params=params).eval_loss()},
+        "loss_after_float32_eval": loss_after,
+        "torch_final_loss_scale": {dt: float(t.scaler.get_scale()) for dt, t in trainers.items()
+                                   if t.scaler.is_enabled()},
+        "jaxamp_skipped_steps": {dt: runners[f"jaxamp/{dt}"].skipped() for dt in dtypes},
+        "runtime_samples_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+    }
+    jax_runners = {dt: runners[f"jaxamp/{dt}"] for dt in dtypes}
+    jax_times = {dt: times[f"jaxamp/{dt}"] for dt in dtypes}
+    return peer, jax_runners, jax_times
+
+
+def cpu_native(torch) -> dict:
+    """Whether PyTorch's oneDNN has native bfloat16/float16 kernels on this CPU."""
+    out = {}
+    for name, fn in (("bfloat16", "_is_mkldnn_bf16_supported"),
+                     ("float16", "_is_mkldnn_fp16_supported")):
+        try:
+            out[name] = bool(getattr(torch.ops.mkldnn, fn)())
+        except Exception:  # private API: absent in some builds
+            out[name] = None
+    return out
+
+
+def gpu_targets(res: dict) -> dict:
+    """The Hopper targets: evaluated on an H100/H200 ``--full`` run, else pending."""
+    kind = jax.devices()[0].device_kind
+    hopper = jax.default_backend() == "gpu" and any(k in kind for k in ("H100", "H200"))
+    values: dict = dict.fromkeys(k for k, _, _ in GPU_TARGETS)
+    if hopper:
+        peer, tp = res.get("peer", {}), res.get("throughput", {})
+        mem = res.get("memory_bytes", {})
+        values["bf16_jaxamp_over_torch_amp"] = peer.get("ratio_jaxamp_over_torch", {}).get(
+            "bfloat16")
+        if tp:
+            values["f16_dynamic_over_bf16"] = (tp["float16"]["tokens_per_s"]
+                                               / tp["bfloat16"]["tokens_per_s"])
+            values["bf16_mfu"] = tp["bfloat16"]["mfu"]
+        peaks = {k: (v or {}).get("peak_memory_in_bytes") for k, v in mem.items()}
+        if peaks.get("float32") and peaks.get("bfloat16"):
+            values["bf16_peak_memory_vs_f32"] = peaks["bfloat16"] / peaks["float32"]
+    out = {}
+    for key, what, target in GPU_TARGETS:
+        v = values[key]
+        op, bound = target.split()
+        met = None if v is None else (v >= float(bound) if op == ">=" else v <= float(bound))
+        out[key] = {"what": what, "target": target, "value": v, "met": met,
+                    "status": "pending a Hopper GPU run" if v is None
+                    else ("met" if met else "MISSED"), "command": GPU_COMMAND}
     return out
 
 
@@ -599,8 +874,10 @@ def verdict(key: str, value: float) -> str:
     return ""
 
 
-def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) for stdout and markdown alike."""
+def tables(res: dict, peer: bool = True) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) for stdout and markdown alike; ``peer``: with the peer's."""
+    if "amp_step_runtime_ratio" not in res:  # --peer-only
+        return peer_tables(res) if peer else []
     out = []
     cfg = res["config"]
     rows = [
@@ -676,7 +953,105 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     f"{tp['flops_per_token']:.3g} FLOP/token x tokens/s over the dense bf16 "
                     f"peak, {peak} FLOP/s)",
                     ["compute dtype", "ms/step", "tokens/s", "MFU"], trows))
+    return out + (peer_tables(res) if peer else [])
+
+
+def peer_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    out = []
+    peer = res.get("peer") or {}
+    if "tokens_per_s" in peer:
+        out.append(peer_table(peer))
+    if res.get("gpu_targets"):
+        out.append(("Hopper targets (H100/H200, `--full`)",
+                    ["target", "metric", "value", "status"],
+                    [[t["target"], t["what"], "n/a" if t["value"] is None
+                      else f"{t['value']:.3f}", t["status"]]
+                     for t in res["gpu_targets"].values()]))
     return out
+
+
+def peer_table(peer: dict) -> tuple[str, list[str], list[list[str]]]:
+    tps, ms, first = peer["tokens_per_s"], peer["step_ms"], peer["first_step_s"]
+    rows = []
+    for dt in peer["dtypes"]:
+        if tps["torch"][dt] is None:
+            torch_cells = ["unsupported", "n/a", "n/a", "n/a", "n/a"]
+        else:
+            torch_cells = [f"{tps['torch'][dt]:.0f}", f"{peer['ratio_jaxamp_over_torch'][dt]:.3f}",
+                           f"{peer['ratio_jaxamp_over_torch_paired'][dt]:.3f}",
+                           f"{peer['ratio_jaxamp_over_torch_min'][dt]:.3f}",
+                           f"{ms['torch'][dt]:.1f}"]
+        rows.append([dt, f"{tps['jaxamp'][dt]:.0f}", *torch_cells[:4],
+                     f"{ms['jaxamp'][dt]:.1f}", torch_cells[4],
+                     f"{first['jaxamp'][dt]:.1f} / "
+                     + (f"{first['torch'][dt]:.1f}" if dt in first["torch"] else "n/a")])
+    how = "torch.compile" if peer["compiled"] else "eager"
+    return (f"Peer: jaxamp vs PyTorch {peer['torch_version']} AMP ({how}, {peer['device']}, "
+            f"{peer['torch_num_threads']} torch threads; same GPT, weights and batch, "
+            f"interleaved)",
+            ["compute dtype", "jaxamp tokens/s", "torch tokens/s", "jaxamp / torch",
+             "per-repeat ratio", "min/min", "jaxamp ms/step", "torch ms/step",
+             "first step s, jaxamp / torch"], rows)
+
+
+def peer_notes(res: dict) -> list[str]:
+    """Markdown paragraphs under the peer table (or the reason it is missing)."""
+    peer = res.get("peer") or {}
+    if "tokens_per_s" not in peer:
+        return [f"**Peer (PyTorch):** skipped, {peer.get('skipped', 'not measured')}. Install "
+                "the CPU build with `pip install torch==2.13.0` (PyTorch is not a jaxamp "
+                "dependency) and rerun.", ""]
+    loss0, after = peer["loss_at_init_float32"], peer["loss_after_float32_eval"]
+    lines = [
+        f"Peer recipe: {peer['recipe']['torch']}; jaxamp: {peer['recipe']['jaxamp']}. Both "
+        f"sides start from the same float32 weights ({peer['params']['torch']:,} parameters, "
+        f"asserted equal; float32 loss at init {loss0['jaxamp']:.5f} jaxamp vs "
+        f"{loss0['torch']:.5f} torch) and train on the same batch for "
+        f"{peer['steps_per_variant']} steps per variant (float32 loss after them, jaxamp / "
+        "torch: "
+        + ", ".join(f"{dt} {after['jaxamp'][dt]:.3f} / "
+                    + (f"{after['torch'][dt]:.3f}" if after["torch"][dt] is not None
+                       else "n/a") for dt in peer["dtypes"])
+        + f"). PyTorch: {peer['compile_note']}; {peer['threads_note']}. `jaxamp / torch` is "
+        "the ratio of median tokens/s (above 1: jaxamp faster); `per-repeat ratio` is the "
+        "median over repeats of torch's step time over jaxamp's in the same repeat; `min/min` "
+        "compares the fastest steps (contention only ever adds time). The first "
+        "step includes compilation (jax.jit's, or torch.compile's"
+        + (", from an empty inductor cache" if peer.get("inductor_cache", "") and
+           peer["inductor_cache"].startswith("fresh") else "") + ").", ""]
+    stalls = {dt: max(v) / min(v) for dt in peer["dtypes"]
+              if (v := peer["runtime_samples_ms"].get(f"torch/{dt}"))}
+    if stalls and max(stalls.values()) > 5:
+        lines += [
+            "PyTorch's steps stalled in some repeats (slowest step up to "
+            f"{max(stalls.values()):.0f}x the fastest), as an OpenMP thread pool does when "
+            "other processes take its cores (the jaxamp steps of the same repeats did not); "
+            "read the medians and the min/min ratios, not single repeats.", ""]
+    if peer["unsupported"]:
+        lines += ["Unsupported by PyTorch here: " + "; ".join(
+            f"{k}: {v}" for k, v in peer["unsupported"].items()) + ".", ""]
+    if res["metadata"]["machine"]["backend"] == "cpu":
+        native = peer.get("torch_cpu_native") or {}
+        bf16 = {True: "PyTorch's oneDNN runs bfloat16 matmuls natively on this CPU "
+                      "(AVX512-BF16 or AMX) while XLA:CPU computes them in float32",
+                False: "neither side has native bfloat16 matmuls on this CPU (XLA:CPU and "
+                       "PyTorch compute them in float32)",
+                None: "bfloat16 may be emulated in float32 (XLA:CPU does so; PyTorch's "
+                      "oneDNN uses native bfloat16 instructions where the CPU has them)"
+                }[native.get("bfloat16")]
+        lines += [
+            "**What these CPU peer numbers can and cannot say.** They compare two software "
+            "stacks running the same training step on the same cores: framework overhead, "
+            "kernel fusion, the optimizer update, the cost of AMP's casts and loss scaling. "
+            "They say nothing about GPU speed-ups or about Tensor Cores. A CPU has no float16 "
+            "tensor cores: XLA:CPU upcasts float16 to float32, and PyTorch's CPU float16 path "
+            "is a slow fallback"
+            + (" (no native oneDNN float16 kernels on this CPU)"
+               if native.get("float16") is False else "")
+            + f"; {bf16}. So the float16 and bfloat16 rows mostly measure each library's CPU "
+            "kernels for those types, not what mixed precision buys on a GPU; the float32 row "
+            "is the like-for-like comparison of the two stacks.", ""]
+    return lines
 
 
 def print_tables(res: dict) -> None:
@@ -689,18 +1064,24 @@ def print_tables(res: dict) -> None:
             print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
+def markdown_tables(tabs: list[tuple[str, list[str], list[list[str]]]]) -> list[str]:
+    lines = []
+    for title, header, rows in tabs:
+        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
+                  for row in rows]
+        lines.append("")
+    return lines
+
+
 def markdown_section(res: dict) -> str:
     meta = res["metadata"]
     m, v = meta["machine"], meta["versions"]
     lines = [f"Measured {meta['date']} with `{meta['command']}` ({meta['wall_s']:.0f} s) on "
              f"{m['backend']} ({m['device_kind']}), {m['cpu_count']} CPUs, {m['platform']}; "
              f"python {v['python']}, jax {v['jax']}, flax {v['flax']}, optax {v['optax']}.", ""]
-    for title, header, rows in tables(res):
-        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
-                  "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
-                  for row in rows]
-        lines.append("")
+    lines += markdown_tables(tables(res, peer=False))
     hlo = res.get("hlo_ops")
     if hlo:
         ca, cb = hlo["compiled_amp"], hlo["compiled_baseline"]
@@ -722,6 +1103,11 @@ def markdown_section(res: dict) -> str:
             + "; ".join(parts) + ". `autocast_f32` is autocast under a float32 policy (its "
             "compiled HLO is the plain model's, so the difference is autocast's tracing); "
             "`hand` is the hand-cast float16 model.", ""]
+    lines += markdown_tables(peer_tables(res))
+    lines += peer_notes(res)
+    if res.get("gpu_targets") and all(t["value"] is None for t in res["gpu_targets"].values()):
+        lines += ["The Hopper targets are pending a GPU run; produce them on an H100/H200 "
+                  f"with `{GPU_COMMAND}` (needs `pip install torch` for the peer target).", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -734,6 +1120,8 @@ code (`bench/gpt.py`) and its hand-cast twin (`bench/gpt_handcast.py`).
 . .venv/bin/activate
 python bench/run.py --quick --json bench/results-cpu-quick.json   # a few minutes on 2 CPU cores
 python bench/run.py --smoke --json /tmp/smoke.json                # < 1 minute (used by a test)
+pip install torch==2.13.0   # optional, CPU build: adds the PyTorch peer (section 5)
+python bench/run.py --quick --peer-only --json /tmp/peer.json     # the peer comparison alone
 ```
 
 Every figure is a ratio of two variants measured side by side in one process: the variants
@@ -746,6 +1134,14 @@ float32, so a float16 step is no faster than a float32 one there. The CPU runs c
 AMP step (`jaxamp.make_train_step`: loss scaling, finite check and skip, clipping) with a plain
 step that uses the *same* autocast forward and backward, and so isolate what the AMP machinery
 adds. Memory figures come from XLA's `memory_analysis()` of the compiled step.
+
+**Peer.** The last section trains the same GPT written in PyTorch (`bench/torch_gpt.py`: same
+architecture, parameter count asserted equal, loaded with the very same float32 weights) with
+PyTorch's AMP recipe (`torch.autocast` + `GradScaler` for float16, `clip_grad_norm_(1.0)`,
+AdamW with optax's hyper-parameters, `torch.compile` where it works) on the same batch, its
+steps interleaved with jaxamp's in the same process, and reports tokens/s per compute dtype and
+the ratio jaxamp / torch. PyTorch is not a dependency of jaxamp: without it the section is
+skipped and the JSON says so (`"peer": {"skipped": "torch not installed"}`).
 
 The JSON written by `--json` holds every figure below plus the raw samples and metadata (date,
 machine, versions, command line).
@@ -781,7 +1177,10 @@ _Not yet run._
 ## GPU figures
 
 Pending a GPU run (tokens/s and MFU for float32/bfloat16/float16 AMP steps on the gpt2-small
-shape, 12 layers x 768, sequence 1024, batch 8). Produce them on a GPU machine with:
+shape, 12 layers x 768, sequence 1024, batch 8, the PyTorch peer on CUDA, and the Hopper
+targets: bf16 jaxamp >= torch AMP, f16 with dynamic loss scaling within 3% of bf16, bf16 peak
+memory <= 0.6x f32, bf16 MFU >= 40%). Produce them on a GPU machine (with
+`pip install torch` for the peer) with:
 
 ```bash
 python bench/run.py --full --json bench/results-gpu.json
@@ -810,42 +1209,25 @@ def write_markdown(path: Path, key: str, body: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="small model, a few minutes on CPU")
-    size.add_argument("--smoke", action="store_true",
-                      help="tiny model, 2 timing repeats (< 60 s); no markdown")
-    size.add_argument("--full", action="store_true",
-                      help="gpt2-small shape (12x768, seq 1024, batch 8) + tokens/s and MFU")
-    ap.add_argument("--json", metavar="PATH", help="write all results and metadata here")
-    ap.add_argument("--markdown", metavar="PATH", default=None,
-                    help="rewrite this file's bench section (default: BENCHMARKS.md, except "
-                         "with --smoke)")
-    ap.add_argument("--no-markdown", action="store_true", help="do not touch any markdown")
-    args = ap.parse_args(argv)
-    started = time.perf_counter()
-    mode = ("smoke" if args.smoke else "quick" if args.quick else "full" if args.full
-            else "standard")
-    spec = MODES[mode]
-    cfg, batch = spec["config"], spec["batch"]
-    small = mode == "smoke"
-    log(f"[bench] mode={mode} backend={jax.default_backend()} config={cfg} batch={batch}")
-
-    log("[bench] 1/4 AMP step vs baseline step (runtime, compile, HLO)")
+def core_sections(cfg: GPTConfig, batch: int, spec: dict, small: bool,
+                  lap: Callable[[str], None]) -> dict:
+    """Sections 1-4: AMP step vs baseline, precision fidelity, memory, scaling with depth."""
+    log("[bench] 1/5 AMP step vs baseline step (runtime, compile, HLO)")
     res: dict = measure_step(cfg, batch, repeats=spec["repeats"], steps=spec["steps"],
                              warmup=spec["warmup"], compiles=spec["compiles"],
                              ablation=not small, hlo=True, aot=small)
-    log("[bench] 2/4 precision fidelity (forward + backward)")
+    lap("step")
+    log("[bench] 2/5 precision fidelity (forward + backward)")
     res.update(measure_fidelity(cfg, batch, compiles=spec["fidelity_compiles"],
                                 hand_compile=not small))
-    log("[bench] 3/4 memory")
+    lap("fidelity")
+    log("[bench] 3/5 memory")
     res["memory_bytes"] = measure_memory(cfg, batch, {"float16": res.pop("memory_float16")})
     res["memory_temp_ratio_vs_f32"] = memory_ratios(res["memory_bytes"])
     res["scaling"] = []
     for depth in spec["depths"]:
-        log(f"[bench] 4/4 scaling: {depth} layers")
+        lap("memory" if not res["scaling"] else "scaling")
+        log(f"[bench] 4/5 scaling: {depth} layers")
         if depth == cfg.layers and spec["depth_repeats"] <= spec["repeats"]:
             r = res
         else:
@@ -861,12 +1243,69 @@ def main(argv: list[str] | None = None) -> dict:
         s["fusions_amp"] = r["hlo_ops"]["compiled_amp"]["fusion"]
         s["fusions_baseline"] = r["hlo_ops"]["compiled_baseline"]["fusion"]
         res["scaling"].append({"layers": depth, **s})
+    lap("scaling" if spec["depths"] else "memory")
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small model, a few minutes on CPU")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny model, 2 timing repeats (< 60 s); no markdown")
+    size.add_argument("--full", action="store_true",
+                      help="gpt2-small shape (12x768, seq 1024, batch 8) + tokens/s and MFU")
+    ap.add_argument("--json", metavar="PATH", help="write all results and metadata here")
+    ap.add_argument("--markdown", metavar="PATH", default=None,
+                    help="rewrite this file's bench section (default: BENCHMARKS.md, except "
+                         "with --smoke)")
+    ap.add_argument("--no-markdown", action="store_true", help="do not touch any markdown")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="only the PyTorch peer comparison (section 5); never writes markdown")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    mode = ("smoke" if args.smoke else "quick" if args.quick else "full" if args.full
+            else "standard")
+    spec = MODES[mode]
+    cfg, batch = spec["config"], spec["batch"]
+    small = mode == "smoke"
+    log(f"[bench] mode={mode} backend={jax.default_backend()} config={cfg} batch={batch}")
+
+    sections: dict[str, float] = {}
+    mark = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        sections[name] = round(sections.get(name, 0.0) + now - mark[0], 1)
+        mark[0] = now
+
+    if args.peer_only:
+        _, params, _ = setup(cfg, batch)
+        res: dict = {"config": {**cfg.__dict__, "batch": batch}, "params": param_count(params)}
+    else:
+        res = core_sections(cfg, batch, spec, small, lap)
+    log("[bench] 5/5 peer: the same GPT in PyTorch, interleaved with jaxamp steps")
+    res["peer"], jax_runners, jax_times = measure_peer(
+        cfg, batch, dtypes=spec["peer_dtypes"], repeats=spec["peer_repeats"],
+        steps=spec["peer_steps"], warmup=spec["peer_warmup"], compile=spec["peer_compile"],
+        aot=small)
     if mode == "full":
-        log("[bench] throughput float32 / bfloat16 / float16")
-        res["throughput"] = measure_throughput(cfg, batch, repeats=spec["depth_repeats"],
-                                               steps=spec["steps"], warmup=spec["warmup"])
-    res["targets"] = {k: {"target": f"<= {t}", "met": res[k] <= t} for k, t in TARGETS.items()}
+        if set(jax_times) >= set(POLICIES):  # the peer run timed every policy: reuse it
+            _, params, _ = setup(cfg, batch)
+            res["throughput"] = throughput_summary(cfg, batch, params, jax_times, jax_runners)
+        else:
+            log("[bench] throughput float32 / bfloat16 / float16")
+            res["throughput"] = measure_throughput(cfg, batch, repeats=spec["depth_repeats"],
+                                                   steps=spec["steps"], warmup=spec["warmup"])
+    del jax_runners
+    res["gpu_targets"] = gpu_targets(res)
+    res["targets"] = {k: {"target": f"<= {t}", "met": res[k] <= t} for k, t in TARGETS.items()
+                      if k in res}
+    lap("peer")
     res["metadata"] = metadata(mode, started)
+    res["metadata"]["section_s"] = sections
+    res["metadata"]["peer_only"] = args.peer_only
 
     print_tables(res)
     print(f"\n[bench] {mode} finished in {res['metadata']['wall_s']:.0f} s")
@@ -875,7 +1314,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(res, indent=2, default=float) + "\n")
         print(f"[bench] wrote {args.json}")
     md = args.markdown or (None if small else str(HERE.parent / "BENCHMARKS.md"))
-    if md and not args.no_markdown:
+    if md and not args.no_markdown and not args.peer_only:
         key = f"{jax.default_backend()}-{mode}"
         write_markdown(Path(md), key, markdown_section(res))
         print(f"[bench] rewrote the bench:{key} section of {md}")

@@ -1,4 +1,8 @@
-"""The benchmark entry point runs end to end (``bench/run.py --smoke``) and reports every key."""
+"""The benchmark entry point runs end to end (``bench/run.py --smoke``) and reports every key.
+
+The PyTorch peer is optional: with torch installed the smoke run measures it, without it (or
+with ``JAXAMP_BENCH_NO_TORCH=1``) the JSON says why it was skipped. Both paths are tested.
+"""
 
 import json
 import math
@@ -18,19 +22,35 @@ COUNT_KEYS = ("convert_count_amp", "convert_count_hand", "lossy_round_trips_amp"
 MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "smoke.json"
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except Exception:  # not installed, or an install that cannot load
+        return False
+    return True
+
+
+HAS_TORCH = _has_torch()
+PEER_SKIPPED = {"skipped": "torch not installed"}
+
+
+def run_bench(out: Path, *args: str, env: dict | None = None, timeout: int = 120):
     md = ROOT / "BENCHMARKS.md"
     before = md.read_text() if md.exists() else None
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--json",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), *args, "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS",
-                                                                             "cpu")})
-    assert proc.returncode == 0, f"bench/run.py --smoke failed:\n{proc.stdout}\n{proc.stderr}"
+                                                                             "cpu"),
+                               **(env or {})})
+    assert proc.returncode == 0, f"bench/run.py {args} failed:\n{proc.stdout}\n{proc.stderr}"
     after = md.read_text() if md.exists() else None
-    assert before == after, "--smoke must not rewrite BENCHMARKS.md"
+    assert before == after, f"bench/run.py {args} must not rewrite BENCHMARKS.md"
     return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    return run_bench(tmp_path_factory.mktemp("bench") / "smoke.json", "--smoke")
 
 
 def finite_positive(x) -> bool:
@@ -81,3 +101,111 @@ def test_metadata_and_table(smoke):
     assert res["amp_skipped_steps"] >= 0
     for key in RATIO_KEYS:
         assert key in stdout
+
+
+def test_peer(smoke):
+    res, stdout = smoke
+    peer = res["peer"]
+    if not HAS_TORCH:
+        assert peer == PEER_SKIPPED
+        return
+    assert isinstance(peer["torch_version"], str) and isinstance(peer["compiled"], bool)
+    assert peer["compiled"] is False  # --smoke runs PyTorch eagerly
+    assert peer["params"]["torch"] == peer["params"]["jaxamp"] == res["params"]
+    assert peer["dtypes"] == ["float32", "bfloat16"]
+    assert peer["torch_num_threads"] >= 1
+    for side in ("jaxamp", "torch"):
+        for dt in peer["dtypes"]:
+            assert finite_positive(peer["tokens_per_s"][side][dt]), (side, dt)
+    for dt in peer["dtypes"]:
+        assert finite_positive(peer["ratio_jaxamp_over_torch"][dt]), dt
+    # Same model, weights, batch and optimizer: the float32 losses agree.
+    loss0, after = peer["loss_at_init_float32"], peer["loss_after_float32_eval"]
+    assert abs(loss0["jaxamp"] - loss0["torch"]) < 1e-4, loss0
+    assert abs(after["jaxamp"]["float32"] - after["torch"]["float32"]) < 1e-3, after
+    assert "Peer: jaxamp vs PyTorch" in stdout
+
+
+def test_peer_skipped_without_torch(tmp_path):
+    """JAXAMP_BENCH_NO_TORCH=1 behaves as if torch were not installed (--peer-only: fast)."""
+    res, stdout = run_bench(tmp_path / "peer.json", "--smoke", "--peer-only",
+                            env={"JAXAMP_BENCH_NO_TORCH": "1"}, timeout=60)
+    assert res["peer"] == PEER_SKIPPED
+    lines = [line for line in stdout.splitlines() if line.startswith("[bench] peer")]
+    assert len(lines) == 1 and "skipped" in lines[0] and "torch not installed" in lines[0], stdout
+    assert res["metadata"]["peer_only"] is True
+    assert all(t["met"] is None for t in res["gpu_targets"].values())
+
+
+def test_gpu_targets_pending_on_cpu(smoke):
+    res, _ = smoke
+    targets = res["gpu_targets"]
+    assert set(targets) == {"bf16_jaxamp_over_torch_amp", "f16_dynamic_over_bf16",
+                            "bf16_peak_memory_vs_f32", "bf16_mfu"}
+    if res["metadata"]["machine"]["backend"] == "cpu":
+        for t in targets.values():
+            assert t["value"] is None and t["status"].startswith("pending"), t
+            assert "--full" in t["command"]
+
+
+def test_torch_is_not_a_dependency():
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    assert "torch" not in deps.lower()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed (optional)")
+def test_torch_gpt_matches_flax_gpt():
+    """bench/torch_gpt.py is bench/gpt.py: same parameter count and, from the same weights,
+    the same float32 loss."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import torch_gpt
+        from gpt import GPT, GPTConfig, init, lm_loss, make_batch, param_count
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    for cfg in (GPTConfig(layers=1, d_model=32, heads=2, seq=16),
+                GPTConfig(layers=2, d_model=48, heads=3, seq=24)):
+        model = GPT(cfg)
+        params, batch = init(model, cfg), make_batch(cfg, 3)
+        assert torch_gpt.param_count(torch_gpt.TorchGPT(cfg)) == param_count(params)
+        trainer = torch_gpt.TorchTrainer(cfg, {k: np.asarray(v) for k, v in batch.items()},
+                                         "float32", params=params)
+        expected = float(lm_loss(model.apply, params, batch))
+        assert abs(trainer.eval_loss() - expected) < 1e-4, cfg
+        # One step of each recipe runs (float16 uses the GradScaler).
+        for dtype in ("bfloat16", "float16"):
+            trainer = torch_gpt.TorchTrainer(cfg, {k: np.asarray(v) for k, v in batch.items()},
+                                             dtype, params=params)
+            trainer(1)
+            assert np.isfinite(float(trainer.last_loss)), dtype
+
+
+def test_gpu_targets_on_hopper(monkeypatch):
+    """The Hopper targets' arithmetic, on made-up --full results."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    fake = types.SimpleNamespace(device_kind="NVIDIA H200", platform="gpu")
+    monkeypatch.setattr(run.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(run.jax, "devices", lambda *a: [fake])
+    res = {"peer": {"ratio_jaxamp_over_torch": {"bfloat16": 1.05}},
+           "throughput": {"bfloat16": {"tokens_per_s": 100.0, "mfu": 0.35},
+                          "float16": {"tokens_per_s": 98.0, "mfu": 0.34}},
+           "memory_bytes": {"float32": {"peak_memory_in_bytes": 1000},
+                            "bfloat16": {"peak_memory_in_bytes": 550}}}
+    t = run.gpu_targets(res)
+    assert t["bf16_jaxamp_over_torch_amp"]["met"] is True
+    assert t["f16_dynamic_over_bf16"]["value"] == pytest.approx(0.98)
+    assert t["f16_dynamic_over_bf16"]["met"] is True
+    assert t["bf16_peak_memory_vs_f32"]["value"] == pytest.approx(0.55)
+    assert t["bf16_peak_memory_vs_f32"]["met"] is True
+    assert t["bf16_mfu"]["met"] is False and t["bf16_mfu"]["status"] == "MISSED"
+    res["peer"] = {"skipped": "torch not installed"}
+    assert run.gpu_targets(res)["bf16_jaxamp_over_torch_amp"]["status"].startswith("pending")
