@@ -1,0 +1,22 @@
+"""The README's usage snippet runs as written."""
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_usage_snippet_runs():
+    text = README.read_text()
+    usage = text[text.index("## Usage"):]
+    code = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    metrics = scope["metrics"]
+    assert metrics["loss"].dtype == jnp.float32 and bool(jnp.isfinite(metrics["loss"]))
+    state = scope["state"]
+    assert int(state.step) == 1
+    # a first step at scale 2^16 may overflow in f16: then it is skipped and counted
+    assert int(state.skipped_steps) == int(metrics["skipped"]) == 1 - int(metrics["grads_finite"])
