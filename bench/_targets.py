@@ -1,0 +1,54 @@
+"""The targets: the CPU ratios' bounds, and the Hopper (H100/H200) ``--full`` targets,
+evaluated only on such a run and "pending" elsewhere."""
+
+from __future__ import annotations
+
+import jax
+
+TARGETS = {
+    "amp_step_runtime_ratio": 1.03,
+    "amp_step_compile_ratio": 1.3,
+    "trace_compile_ratio_amp_vs_plain": 1.3,
+}
+GPU_COMMAND = "python bench/run.py --full --json bench/results-gpu.json"
+# Targets for the --full run on a Hopper GPU (H100/H200); evaluated only there.
+GPU_TARGETS = (
+    ("bf16_jaxamp_over_torch_amp", "bf16 tokens/s, jaxamp / torch AMP", ">= 1.0"),
+    ("f16_dynamic_over_bf16", "f16 (dynamic loss scale) tokens/s / bf16 tokens/s", ">= 0.97"),
+    ("bf16_peak_memory_vs_f32", "bf16 AMP step peak memory / f32", "<= 0.6"),
+    ("bf16_mfu", "bf16 AMP step MFU", ">= 0.40"),
+)
+
+
+def gpu_targets(res: dict) -> dict:
+    """The Hopper targets: evaluated on an H100/H200 ``--full`` run, else pending."""
+    kind = jax.devices()[0].device_kind
+    hopper = jax.default_backend() == "gpu" and any(k in kind for k in ("H100", "H200"))
+    values: dict = dict.fromkeys(k for k, _, _ in GPU_TARGETS)
+    if hopper:
+        peer, tp = res.get("peer", {}), res.get("throughput", {})
+        mem = res.get("memory_bytes", {})
+        values["bf16_jaxamp_over_torch_amp"] = peer.get("ratio_jaxamp_over_torch", {}).get(
+            "bfloat16")
+        if tp:
+            values["f16_dynamic_over_bf16"] = (tp["float16"]["tokens_per_s"]
+                                               / tp["bfloat16"]["tokens_per_s"])
+            values["bf16_mfu"] = tp["bfloat16"]["mfu"]
+        peaks = {k: (v or {}).get("peak_memory_in_bytes") for k, v in mem.items()}
+        if peaks.get("float32") and peaks.get("bfloat16"):
+            values["bf16_peak_memory_vs_f32"] = peaks["bfloat16"] / peaks["float32"]
+    out = {}
+    for key, what, target in GPU_TARGETS:
+        v = values[key]
+        op, bound = target.split()
+        met = None if v is None else (v >= float(bound) if op == ">=" else v <= float(bound))
+        out[key] = {"what": what, "target": target, "value": v, "met": met,
+                    "status": "pending a Hopper GPU run" if v is None
+                    else ("met" if met else "MISSED"), "command": GPU_COMMAND}
+    return out
+
+
+def verdict(key: str, value: float) -> str:
+    if key in TARGETS:
+        return "met" if value <= TARGETS[key] else "MISSED"
+    return ""
