@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -535,9 +534,6 @@ def _linen_apply_module(fn) -> nn.Module | None:
     return None
 
 
-_trace_lock = threading.RLock()
-
-
 def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=float16,"
              "output=float32", *, overrides: Mapping[Any, str | jmp.Policy] | None = None,
              op_rules: OpRules = DEFAULT_OP_RULES) -> Callable:
@@ -592,9 +588,8 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
             with nn.intercept_methods(regions.interceptor):
                 return fn(*a, **k)
 
-        with _trace_lock:
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
-                *[leaves[i] for i in dyn])
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[leaves[i] for i in dyn])
         _warn_unmatched(rules, regions)
         evaluator = _Evaluator(regions.policies, op_rules)
         dyn_vals = [leaves[i] for i in dyn]
