@@ -393,3 +393,18 @@ def test_precision_table_reports_dtypes_per_module():
     assert rows[-1] == {"module": "(output)", "op": "output", "forward": "float32",
                         "backward": "-"}
     assert "| TestNet/head | matmul | float16 | float16 |" in jaxamp.format_precision_table(rows)
+
+
+def test_fused_attention_runs_in_compute_dtype_with_f32_softmax():
+    # jax.nn.dot_product_attention is treated like torch's scaled_dot_product_attention:
+    # its matmuls run in the compute dtype, its softmax in float32.
+    q = jax.random.normal(jax.random.key(0), (2, 8, 2, 16))
+    fn = jaxamp.autocast(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                         F16)
+    jaxpr = jax.make_jaxpr(fn)(q, q, q)
+    dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 and all(_dt(e.invars[0]) == _dt(e.invars[1]) == "float16" for e in dots)
+    exps = [e for e in iter_eqns(jaxpr) if e.primitive.name == "exp"]
+    assert exps and all(_dt(e.invars[0]) == "float32" for e in exps)
+    ref = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_allclose(jax.jit(fn)(q, q, q), ref, atol=5e-3)
