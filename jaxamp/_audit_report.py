@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any
 
-from jaxamp._audit_trace import _low, _Trace
+from jaxamp._audit_trace import _low, _low_leaves, _Trace
 from jaxamp._seed_table import _seed_rows
 
 
@@ -46,6 +46,33 @@ def _group(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
         if detail not in entry[0]:
             entry[0].append(detail)
     return [Finding(k, m, " ".join(d), row) for (k, m), (d, row) in merged.items()]
+
+
+def _storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, str | None]]:
+    """Raw findings (for :func:`_group`) for params / optimizer state stored in float16/bf16."""
+    raw = []
+    param_low = _low_leaves(params) if params is not None else []
+    opt_low = _low_leaves(opt_state) if opt_state is not None else []
+
+    def listing(low):
+        more = f" and {len(low) - 4} more" if len(low) > 4 else ""
+        return ", ".join(f"{p} ({d})" for p, d in low[:4]) + more
+
+    if param_low:
+        raw.append(("params_low_precision", "(params)",
+                    f"{len(param_low)} parameter leaves are stored in low precision: "
+                    f"{listing(param_low)}. A model cast wholesale (.astype(jnp.float16)) loses "
+                    "small updates (lr * grad below half an ulp of the weight rounds away) and "
+                    "runs LayerNorm/softmax from float16 weights. Keep float32 master weights "
+                    "(params=float32 in the policy) and let autocast cast per use.",
+                    "Parameter update"))
+    if opt_low:
+        raw.append(("opt_state_low_precision", "(opt_state)",
+                    f"{len(opt_low)} optimizer-state leaves are in low precision: "
+                    f"{listing(opt_low)}. Adam's second moment (grad**2) underflows float16 and "
+                    "its updates round away; keep the optimizer state float32 (create it from "
+                    "float32 params).", "Parameter update"))
+    return raw
 
 
 def format_precision_table(rows: list[dict[str, str]]) -> str:

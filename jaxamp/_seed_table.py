@@ -52,22 +52,23 @@ def _last(path: str) -> str:
     return path.rsplit("/", 1)[-1].split(".")[0]
 
 
-def _is_norm(key: str, modules: dict[str, _Module]) -> bool:
+def _has_role(key: str, modules: dict[str, _Module], classes: tuple[type, ...], word: str,
+              name_re: re.Pattern[str]) -> bool:
+    """A module plays a role by its class (or class name); an unrecorded one by its name."""
     if not key:
         return False
     m = modules.get(key)
-    if m is not None and (issubclass(m.cls, FP32_MODULES) or "Norm" in m.cls.__name__):
+    if m is not None and (issubclass(m.cls, classes) or word in m.cls.__name__):
         return True
-    return m is None and bool(_NORM_NAME.search(_last(key)))
+    return m is None and bool(name_re.search(_last(key)))
+
+
+def _is_norm(key: str, modules: dict[str, _Module]) -> bool:
+    return _has_role(key, modules, FP32_MODULES, "Norm", _NORM_NAME)
 
 
 def _is_embed(key: str, modules: dict[str, _Module]) -> bool:
-    if not key:
-        return False
-    m = modules.get(key)
-    if m is not None and (issubclass(m.cls, EMBED_MODULES) or "Embed" in m.cls.__name__):
-        return True
-    return m is None and bool(_EMBED_NAME.search(_last(key)))
+    return _has_role(key, modules, EMBED_MODULES, "Embed", _EMBED_NAME)
 
 
 def _is_attention(key: str, modules: dict[str, _Module]) -> bool:

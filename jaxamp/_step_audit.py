@@ -18,13 +18,12 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._audit_report import AuditReport, Finding, _group
+from jaxamp._audit_report import AuditReport, Finding, _group, _storage_findings
 from jaxamp._audit_trace import (
     _clean_path,
     _collect,
     _dce,
     _float_dtypes,
-    _low_leaves,
     _rows,
     _sub_io,
 )
@@ -239,17 +238,5 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
                            "gather": "gather", "output": "output",
                            "reduction": "reduction"}.get(row["op"], "elementwise")
     findings = _clip_findings(jaxpr)
-    raw = []
-    if params is not None and _low_leaves(params):
-        pl = _low_leaves(params)
-        raw.append(Finding("params_low_precision", "(params)",
-                           f"{len(pl)} parameter leaves are stored in low precision (e.g. "
-                           f"{pl[0][0]}: {pl[0][1]}); keep float32 master weights.",
-                           "Parameter update"))
-    if opt_state is not None and _low_leaves(opt_state):
-        ol = _low_leaves(opt_state)
-        raw.append(Finding("opt_state_low_precision", "(opt_state)",
-                           f"{len(ol)} optimizer-state leaves are in low precision (e.g. "
-                           f"{ol[0][0]}: {ol[0][1]}); keep the optimizer state float32.",
-                           "Parameter update"))
-    return AuditReport(rows, raw + findings, "(train step)", None)
+    storage = _group(_storage_findings(params, opt_state))
+    return AuditReport(rows, storage + findings, "(train step)", None)

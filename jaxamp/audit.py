@@ -65,7 +65,13 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._audit_report import AuditReport, Finding, _group, format_precision_table
+from jaxamp._audit_report import (
+    AuditReport,
+    Finding,
+    _group,
+    _storage_findings,
+    format_precision_table,
+)
 from jaxamp._audit_trace import (
     _ACCUM,
     _EXPLOG,
@@ -76,7 +82,6 @@ from jaxamp._audit_trace import (
     _Eqn,
     _join,
     _low,
-    _low_leaves,
     _rows,
     _Trace,
     _trace,
@@ -157,7 +162,7 @@ def _prims(recs: Sequence[_Eqn]) -> str:
     return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
-def _findings(t: _Trace, param_low, opt_low) -> list[Finding]:
+def _findings(t: _Trace, params, opt_state) -> list[Finding]:
     mods = t.modules
     low_default = _dt(t.policy.compute_dtype) in _LOW
     raw: list[tuple[str, str, str, str | None]] = []
@@ -246,24 +251,7 @@ def _findings(t: _Trace, param_low, opt_low) -> list[Finding]:
                     f"the same value is cast to {_dt(b.params['new_dtype'])} twice "
                     f"({_pass(r)}); the second cast is redundant work (seed §3: cast "
                     "elimination).", None))
-    if param_low:
-        names = ", ".join(f"{p} ({d})" for p, d in param_low[:4])
-        more = f" and {len(param_low) - 4} more" if len(param_low) > 4 else ""
-        raw.append(("params_low_precision", "(params)",
-                    f"{len(param_low)} parameter leaves are stored in low precision: "
-                    f"{names}{more}. A model cast wholesale (.astype(jnp.float16)) loses "
-                    "small updates (lr * grad below half an ulp of the weight rounds away) and "
-                    "runs LayerNorm/softmax from float16 weights. Keep float32 master weights "
-                    "(params=float32 in the policy) and let autocast cast per use.",
-                    "Parameter update"))
-    if opt_low:
-        names = ", ".join(f"{p} ({d})" for p, d in opt_low[:4])
-        more = f" and {len(opt_low) - 4} more" if len(opt_low) > 4 else ""
-        raw.append(("opt_state_low_precision", "(opt_state)",
-                    f"{len(opt_low)} optimizer-state leaves are in low precision: {names}"
-                    f"{more}. Adam's second moment (grad**2) underflows float16 and its "
-                    "updates round away; keep the optimizer state float32 (create it from "
-                    "float32 params).", "Parameter update"))
+    raw += _storage_findings(params, opt_state)
     order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
              "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
              "matmul_f32_in_low_precision_region", "lossy_round_trip", "duplicate_cast"]
@@ -314,9 +302,7 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
         row["category"] = _category(row["module"], row["op"], keys.get(row["module"], ""),
                                     t.modules, explog, t.out_scalar)
     params = args[argnums] if argnums is not None else None
-    param_low = _low_leaves(params) if params is not None else []
-    opt_low = _low_leaves(opt_state) if opt_state is not None else []
-    findings = _findings(t, param_low, opt_low)
+    findings = _findings(t, params, opt_state)
     return AuditReport(rows, findings, policy_to_str(t.policy), t,
                        _float_leaf_dtypes(params) if params is not None else [],
                        _float_leaf_dtypes(opt_state) if opt_state is not None else [])
