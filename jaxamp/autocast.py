@@ -114,6 +114,10 @@ class _Val:
         return _Val(self.val if val is None else val, self.stored, self.const, self.region)
 
 
+def _spec(x, dtype=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x) if dtype is None else dtype)
+
+
 def _saturating(x, dtype: np.dtype):
     info = jnp.finfo(dtype)
     if isinstance(x, jax.core.Tracer):
@@ -385,8 +389,8 @@ class _Evaluator:
         args = [m.fresh(x) for m, x in zip(metas, vals)]
         return self.eval(closed, None, args, region, out_wants)
 
-    def out_dtypes(self, closed, metas, region, vals) -> list:
-        shapes = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in vals]
+    def out_dtypes(self, closed, metas, region, shapes) -> list:
+        """The output dtypes of a sub-jaxpr run on ``shapes`` (abstract: nothing computed)."""
         outs = jax.eval_shape(
             lambda *xs: [o.val for o in self.run_body(closed, metas, region, xs)], *shapes)
         return [o.dtype for o in outs]
@@ -422,17 +426,11 @@ class _Evaluator:
         body = p["jaxpr"]
         live = [dataclasses.replace(v, stored=False, const=False, casts={}) for v in init]
 
-        def x_slice(x):
-            return jax.ShapeDtypeStruct(np.shape(x)[1:], _dtype_of(x))
-
         def body_dtypes(dtypes):
-            shapes = ([jax.ShapeDtypeStruct(np.shape(v.val), v.dtype) for v in consts]
-                      + [jax.ShapeDtypeStruct(np.shape(v.val), d) for v, d in zip(init, dtypes)]
-                      + [x_slice(v.val) for v in xs])
-            outs = jax.eval_shape(
-                lambda *a: [o.val for o in self.run_body(body, consts + live + xs, region, a)],
-                *shapes)
-            return [o.dtype for o in outs[:nk]]
+            shapes = ([_spec(v.val) for v in consts]
+                      + [_spec(v.val, d) for v, d in zip(init, dtypes)]
+                      + [jax.ShapeDtypeStruct(np.shape(v.val)[1:], v.dtype) for v in xs])
+            return self.out_dtypes(body, consts + live + xs, region, shapes)[:nk]
 
         dtypes = self._carry_dtypes(init, body_dtypes)
         const_vals = [v.val for v in consts]
@@ -456,10 +454,9 @@ class _Evaluator:
         cvals = [v.val for v in cconsts]
 
         def body_dtypes(dtypes):
-            shapes = [jax.ShapeDtypeStruct(np.shape(v.val), d) for v, d in zip(init, dtypes)]
-            outs = jax.eval_shape(lambda *c: [o.val for o in self.run_body(
-                p["body_jaxpr"], bconsts + live, region, [*bvals, *c])], *shapes)
-            return [o.dtype for o in outs]
+            shapes = ([_spec(v.val) for v in bconsts]
+                      + [_spec(v.val, d) for v, d in zip(init, dtypes)])
+            return self.out_dtypes(p["body_jaxpr"], bconsts + live, region, shapes)
 
         dtypes = self._carry_dtypes(init, body_dtypes)
 
@@ -478,7 +475,8 @@ class _Evaluator:
         index, ops = ins[0], ins[1:]
         branches = eqn.params["branches"]
         vals = [v.val for v in ops]
-        per_branch = [self.out_dtypes(br, ops, region, vals) for br in branches]
+        per_branch = [self.out_dtypes(br, ops, region, [_spec(x) for x in vals])
+                      for br in branches]
         dtypes = [_widest(list(ds)) if all(_is_float(d) for d in ds) else ds[0]
                   for ds in zip(*per_branch)]
 
