@@ -30,15 +30,12 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp._compat import dce_jaxpr
 from jaxamp._jaxpr import as_jaxpr
-from jaxamp.autocast import autocast
+from jaxamp.autocast import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
 from jaxamp.rules import STRUCTURAL_PRIMITIVES, ModuleRules, OpRules
 
-try:  # dead-code elimination of jaxprs (internal API; the audit works without it)
-    from jax._src.interpreters import partial_eval as _pe
-except ImportError:  # pragma: no cover
-    _pe = None
 
 _OP_CLASSES = {
     "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
@@ -47,7 +44,7 @@ _OP_CLASSES = {
     "reduce_prod": "reduction", "cumsum": "reduction", "argmax": "reduction",
     "rsqrt": "rsqrt/sqrt", "sqrt": "rsqrt/sqrt", "convert_element_type": "cast",
 }
-_NOISE = re.compile(r"jaxamp<\d+>|rematted_computation|checkpoint|remat")
+_NOISE = re.compile(REGION_MARKER.pattern + "|rematted_computation|checkpoint|remat")
 _TRANSFORM = re.compile(r"^(jvp|transpose|vmap|pjit|jit)\((.*)\)$")
 _SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
 _TOP = "(top level)"
@@ -180,12 +177,11 @@ def _float_dtypes(vs) -> list[str]:
 
 def _dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
     """The jaxpr without dead equations, and which inputs it still uses."""
-    if _pe is not None:
-        try:
-            new, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-            return new, list(used)
-        except Exception:  # pragma: no cover - internal API moved
-            pass
+    try:
+        new, used = dce_jaxpr(jaxpr)
+        return new, list(used)
+    except Exception:  # pragma: no cover - internal API moved
+        pass
     return jaxpr, [True] * len(jaxpr.invars)
 
 

@@ -8,11 +8,13 @@ from typing import Any
 import jax.extend.core as jcore
 import numpy as np
 
+from jaxamp._compat import open_jaxpr
+
 LOW_PRECISION = (np.dtype("float16"), np.dtype("bfloat16"))
 
 
 def as_jaxpr(j: Any) -> jcore.Jaxpr:
-    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+    return open_jaxpr(j)[0]
 
 
 def iter_jaxprs(j: Any) -> Iterator[jcore.Jaxpr]:

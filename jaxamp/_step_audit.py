@@ -18,6 +18,7 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
+from jaxamp._compat import scan_counts
 from jaxamp._audit_report import AuditReport, Finding, _group, _storage_findings
 from jaxamp._audit_trace import (
     _clean_path,
@@ -59,10 +60,10 @@ class _Graph:
                         if o is not None:
                             self._edge(o, [v])
                     if eqn.primitive.name in ("scan", "while"):  # loop-carried values
-                        nc = eqn.params.get("num_carry", 0) if eqn.primitive.name == "scan" \
-                            else len(sub.outvars)
-                        first = (eqn.params["num_consts"] if eqn.primitive.name == "scan"
-                                 else len(sub.invars) - len(sub.outvars))
+                        if eqn.primitive.name == "scan":
+                            first, nc = scan_counts(eqn.params)
+                        else:
+                            first, nc = len(sub.invars) - len(sub.outvars), len(sub.outvars)
                         for k in range(nc):
                             if first + k < len(sub.invars) and k < len(sub.outvars):
                                 self._edge(sub.invars[first + k], [sub.outvars[k]])

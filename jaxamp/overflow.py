@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
 from jaxamp._audit_trace import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
 from jaxamp.autocast import autocast
 from jaxamp.policy import get_policy, policy_to_str
@@ -196,9 +197,8 @@ class _Evaluator:
         return [read(v) for v in jaxpr.outvars]
 
     def sub(self, closed, vals, full):
-        if isinstance(closed, jcore.ClosedJaxpr):
-            return self.run(closed.jaxpr, closed.consts, vals, full)
-        return self.run(closed, [], vals, full)
+        jaxpr, consts = open_jaxpr(closed)
+        return self.run(jaxpr, consts or [], vals, full)
 
     def eqn(self, eqn, vals, full):
         name = eqn.primitive.name
@@ -221,21 +221,12 @@ class _Evaluator:
         return outs
 
     def bind(self, eqn, vals):
-        params = eqn.params
-        try:
-            bp = eqn.primitive.get_bind_params(params)
-        except Exception:  # noqa: BLE001
-            bp = params
-        if isinstance(bp, tuple):
-            subfuns, bp = bp
-            out = eqn.primitive.bind(*subfuns, *vals, **bp)
-        else:
-            out = eqn.primitive.bind(*vals, **bp)
+        out = bind_with_params(eqn, vals)
         return list(out) if eqn.primitive.multiple_results else [out]
 
     def scan(self, eqn, vals, full):
         p = eqn.params
-        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        (nc, nk), length = scan_counts(p), p["length"]
         consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
         ys = []
         steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
@@ -256,7 +247,7 @@ class _Evaluator:
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _interpret(closed: jcore.ClosedJaxpr, flat_args, modules, scale: float):
+def _interpret(closed, flat_args, modules, scale: float):
     """Runs ``closed`` (dead code removed) once under jit, keeping every value; returns the
     outputs, per-(module, pass) accumulators in first-seen order, and the equations that made
     non-finite values out of finite inputs (in execution order)."""
@@ -300,7 +291,7 @@ def _interpret(closed: jcore.ClosedJaxpr, flat_args, modules, scale: float):
 
 
 def _open(j):
-    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+    return open_jaxpr(j)[0]
 
 
 # ---------------------------------------------------------------------------------------------

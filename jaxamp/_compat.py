@@ -1,0 +1,88 @@
+"""Every use of JAX internals in jaxamp, in one place: what to fix when JAX moves.
+
+jaxamp re-evaluates jaxprs, so it reads equation parameters that JAX does not document. The
+public ``jax.extend`` API covers most of it (``jax.extend.core``, ``jax.extend.source_info_util``);
+what it does not cover is here, checked on jax 0.10.2, 0.11.x and 0.12.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+from jax.extend import source_info_util
+
+__all__ = [
+    "Tracer",
+    "bind_with_params",
+    "close_jaxpr",
+    "dce_jaxpr",
+    "open_jaxpr",
+    "scan_counts",
+    "source_context",
+]
+
+#: JAX's tracer base class (``jax.core.Tracer``; public, but its home has moved before).
+Tracer = jax.core.Tracer
+
+# jax >= 0.11 merged ClosedJaxpr into Jaxpr: a Jaxpr carries its own consts.
+_CLOSED_IS_OPEN = jcore.ClosedJaxpr is jcore.Jaxpr
+
+
+def open_jaxpr(j: Any) -> tuple[jcore.Jaxpr, list | None]:
+    """``(jaxpr, consts)`` of a closed jaxpr; ``consts`` is None for an open one (whose
+    constvars, if any, the caller binds)."""
+    if _CLOSED_IS_OPEN:
+        consts = getattr(j, "consts", None)
+        return j, (list(consts) if consts is not None else None)
+    if isinstance(j, jcore.ClosedJaxpr):
+        return j.jaxpr, list(j.consts)
+    return j, None
+
+
+def close_jaxpr(jaxpr: jcore.Jaxpr, consts=()) -> Any:
+    """A closed jaxpr of ``jaxpr`` and its ``consts`` (what ``jaxprs_in_params`` yields)."""
+    if _CLOSED_IS_OPEN:
+        return jaxpr if not consts else jaxpr.with_consts(list(consts))
+    return jcore.ClosedJaxpr(jaxpr, list(consts))
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+    jax <= 0.10 stores them as ``num_consts``/``num_carry``; jax >= 0.11 stores the flat
+    argument groups ``ft_in = (consts, carry, xs)``.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # a jax._src.flattree.FlatTree
+    return len(consts), len(carry)
+
+
+def bind_with_params(eqn, vals):
+    """Binds ``eqn``'s primitive on ``vals`` with its equation params (as ``eval_jaxpr`` does:
+    higher-order primitives turn their jaxpr params back into callables)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # (subfuns, params)
+        subfuns, params = params
+        return eqn.primitive.bind(*subfuns, *vals, **params)
+    return eqn.primitive.bind(*vals, **params)
+
+
+def source_context(eqn):
+    """A context that gives the equations bound inside it ``eqn``'s source info and name
+    stack (so module paths survive the rewrite, for audits and profiles)."""
+    try:
+        stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
+    except Exception:  # pragma: no cover - internal API moved: paths are lost, nothing else
+        return contextlib.nullcontext()
+
+
+def dce_jaxpr(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
+    """Dead-code elimination keeping every output: ``(jaxpr, used_inputs)``."""
+    from jax._src.interpreters import partial_eval as pe  # no public equivalent
+
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
