@@ -34,9 +34,9 @@ exactly as traced (float32): correct, not accelerated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import itertools
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -50,25 +50,26 @@ import jmp
 import numpy as np
 from jax import lax
 
+from jaxamp._compat import (Tracer, bind_with_params, close_jaxpr, open_jaxpr, scan_counts,
+                            source_context)
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
 
-try:  # keeps module paths in the rewritten jaxpr (for audits and profiles); optional
-    from jax._src import source_info_util as _siu
-except ImportError:  # pragma: no cover
-    _siu = None
-
-__all__ = ["autocast"]
+__all__ = ["REGION_MARKER", "autocast"]
 
 _F32 = np.dtype(np.float32)
-_MARKER = re.compile(r"jaxamp<(\d+)>")
+#: The name-scope marker of a module region: ``jaxamp<call.region>``. Each autocast call has its
+#: own ``call`` number, so an autocast function traced inside another keeps its regions apart.
+REGION_MARKER = re.compile(r"jaxamp<(\d+)\.(\d+)>")
+_CALLS = itertools.count(1)
 _INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMAT = frozenset({"remat2", "checkpoint", "remat"})
+# "promote" primitives whose operands are not broadcast elementwise to the output's shape.
+_NOT_ELEMENTWISE = frozenset({"concatenate", "pad", "dynamic_update_slice", "select_n", "clamp"})
 
 
 def _is_float(dtype) -> bool:
-    dtype = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
-    try:
-        return jnp.issubdtype(dtype, jnp.floating)
+    try:  # jax's issubdtype knows extended dtypes (PRNG keys): not floating
+        return bool(jax.dtypes.issubdtype(dtype, jnp.floating))
     except TypeError:
         return False
 
@@ -120,7 +121,7 @@ def _spec(x, dtype=None) -> jax.ShapeDtypeStruct:
 
 def _saturating(x, dtype: np.dtype):
     info = jnp.finfo(dtype)
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         return lax.convert_element_type(jnp.clip(x, info.min, info.max), dtype)
     return np.asarray(np.clip(np.asarray(x, np.float32), float(info.min), float(info.max)),
                       dtype)
@@ -144,6 +145,18 @@ def _cast(v: _Val, dtype) -> Any:
     return v.casts[dtype]
 
 
+def _computes_f32(eqn, op_rules: OpRules, wants: set) -> bool:
+    """Whether ``eqn`` computes in float32 whatever its operands' dtypes: an ``fp32`` op, or
+    a promote/structural op whose every float output is wanted in float32."""
+    kind = op_rules.classify(eqn.primitive.name)
+    if kind == "fp32":
+        return True
+    if kind in ("promote", "structural") or eqn.primitive.name in _INLINE:
+        outs = [o for o in eqn.outvars if _is_float(o.aval.dtype)]
+        return bool(outs) and all(o in wants for o in outs)
+    return False
+
+
 def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) -> set:
     """Vars whose every consumer computes in float32 (so they are best computed in float32)."""
     consumers: dict[Any, list] = {}
@@ -154,34 +167,14 @@ def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool])
     wants: set = {v for v, w in zip(jaxpr.outvars, out_wants)
                   if w and isinstance(v, jcore.Var)}
     blocked = {v for v, w in zip(jaxpr.outvars, out_wants) if not w and isinstance(v, jcore.Var)}
-
-    def eqn_wants(eqn) -> bool:
-        kind = op_rules.classify(eqn.primitive.name)
-        if kind == "fp32":
-            return True
-        if kind in ("promote", "structural") or eqn.primitive.name in _INLINE:
-            outs = [o for o in eqn.outvars if _is_float(o.aval.dtype)]
-            return bool(outs) and all(o in wants for o in outs)
-        return False
-
     for eqn in reversed(jaxpr.eqns):
         for out in eqn.outvars:
             if out in blocked or out in wants:
                 continue
             uses = consumers.get(out, [])
-            if uses and all(eqn_wants(u) for u in uses):
+            if uses and all(_computes_f32(u, op_rules, wants) for u in uses):
                 wants.add(out)
     return wants
-
-
-def _source_context(eqn):
-    if _siu is None:
-        return contextlib.nullcontext()
-    try:
-        stack = _siu.current_name_stack() + eqn.source_info.name_stack
-        return _siu.user_context(eqn.source_info.traceback, name_stack=stack)
-    except Exception:  # pragma: no cover - internal API moved
-        return contextlib.nullcontext()
 
 
 class _Regions:
@@ -193,6 +186,7 @@ class _Regions:
         self.paths: list[str] = ["<root>"]
         self.matched_patterns: set[str] = set()
         self.stack: list[nn.Module] = []
+        self.call = next(_CALLS)  # this call's number in its region markers
 
     def interceptor(self, next_fun, args, kwargs, context):
         module = context.module
@@ -207,7 +201,7 @@ class _Regions:
                 return next_fun(*args, **kwargs)
             self.policies.append(policy)
             self.paths.append("/".join(str(p) for p in module.path))
-            with jax.named_scope(f"jaxamp<{len(self.policies) - 1}>"):
+            with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
                 return next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
@@ -216,22 +210,25 @@ class _Regions:
 class _Evaluator:
     """Re-evaluates a traced jaxpr with each equation in its autocast dtype."""
 
-    def __init__(self, policies: Sequence[jmp.Policy], op_rules: OpRules):
+    def __init__(self, policies: Sequence[jmp.Policy], op_rules: OpRules, call: int = 0):
         self.policies = policies
         self.op_rules = op_rules
+        self.call = call  # region markers of other autocast calls (nested ones) are ignored
+        self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
 
     # ---- regions -------------------------------------------------------------------------
     def compute_dtype(self, region: tuple[int, ...]) -> np.dtype:
         return np.dtype(self.policies[region[-1] if region else 0].compute_dtype)
 
     def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
-        ids = [int(m) for m in _MARKER.findall(str(eqn.source_info.name_stack))]
+        ids = [int(k) for c, k in REGION_MARKER.findall(str(eqn.source_info.name_stack))
+               if int(c) == self.call]
         return base + tuple(i for i in ids if i not in base)
 
-    def operand(self, v: _Val, region: tuple[int, ...]) -> _Val:
-        """``v`` as an eqn in ``region`` sees it: cast on leaving/entering a matched module."""
+    def crossing(self, v: _Val, region: tuple[int, ...]) -> np.dtype | None:
+        """The dtype ``v`` is cast to on its way into ``region``, or None if it is not."""
         if v.region == region or not v.is_float:
-            return v
+            return None
         cut = 0
         while cut < min(len(v.region), len(region)) and v.region[cut] == region[cut]:
             cut += 1
@@ -242,21 +239,52 @@ class _Evaluator:
             stored = False
         if len(region) > cut and not stored:  # entering a module region
             target = self.compute_dtype(region)
-        if target is None or target == v.dtype:
-            return v if target is None else _Val(v.val, False, v.const, region, v.casts)
-        return _Val(_cast(v, target), False, False, region)
+        return target
+
+    def computes_f32(self, eqn, raw: Sequence[_Val], region, wants: set) -> bool:
+        """Whether ``eqn`` computes in float32 whatever the region crossings of its operands
+        do: an fp32 op, an op whose outputs are wanted in float32, or a promote op with a
+        float32 activation among its operands after their crossings."""
+        if _computes_f32(eqn, self.op_rules, wants):
+            return True
+        if self.op_rules.classify(eqn.primitive.name) != "promote":
+            return False
+        for v in raw:
+            if v.is_float and not v.stored:
+                dtype = self.crossing(v, region) or v.dtype
+                if dtype == _F32:
+                    return True
+        return False
+
+    def operand(self, v: _Val, region: tuple[int, ...], f32_use: bool = False) -> _Val:
+        """``v`` as an eqn in ``region`` sees it: cast on leaving/entering a matched module.
+
+        The crossing is cached on ``v`` (every consumer in ``region`` shares one cast and its
+        own casts). A value leaving a module wider than the module's output dtype stays wide
+        for a consumer that computes in float32 anyway (``f32_use``): casting it down there
+        would only round it (f32 -> f16 -> f32).
+        """
+        target = self.crossing(v, region)
+        if target is None:
+            return v
+        if f32_use and target != v.dtype and v.dtype == _F32:
+            target = _F32
+        key = ("region", region, target)
+        if key not in v.casts:
+            if target == v.dtype:
+                v.casts[key] = _Val(v.val, False, v.const, region, v.casts)
+            else:
+                v.casts[key] = _Val(_cast(v, target), False, False, region)
+        return v.casts[key]
 
     # ---- the interpreter ------------------------------------------------------------------
     def eval(self, closed: jcore.ClosedJaxpr | jcore.Jaxpr, consts: Sequence[_Val] | None,
              args: Sequence[_Val], base: tuple[int, ...],
              out_wants: Sequence[bool] | None = None) -> list[_Val]:
-        if isinstance(closed, jcore.ClosedJaxpr):
-            jaxpr = closed.jaxpr
-            if consts is None:
-                consts = [_Val(c, True, not isinstance(c, jax.core.Tracer), base)
-                          for c in closed.consts]
-        else:
-            jaxpr, consts = closed, consts or []
+        jaxpr, closed_consts = open_jaxpr(closed)
+        if consts is None:
+            consts = [_Val(c, True, not isinstance(c, Tracer), base)
+                      for c in closed_consts or []]
         out_wants = out_wants or [False] * len(jaxpr.outvars)
         wants = _wants_f32(jaxpr, self.op_rules, out_wants)
         env: dict[Any, _Val] = {}
@@ -272,9 +300,11 @@ class _Evaluator:
 
         for eqn in jaxpr.eqns:
             region = self.region_of(eqn, base)
-            ins = [self.operand(read(v), region) for v in eqn.invars]
+            raw = [read(v) for v in eqn.invars]
+            f32_use = self.computes_f32(eqn, raw, region, wants)
+            ins = [self.operand(v, region, f32_use) for v in raw]
             want32 = [o in wants for o in eqn.outvars]
-            with _source_context(eqn):
+            with source_context(eqn):
                 outs = self.eqn(eqn, ins, region, want32)
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
@@ -298,6 +328,8 @@ class _Evaluator:
         if name == "convert_element_type":
             return self.convert(eqn, ins, region)
         kind = self.op_rules.classify(name)
+        if kind == "opaque" and name not in self.op_rules.as_traced:
+            self.unknown.add(name)
         if any(jcore.jaxprs_in_params(eqn.params)):
             kind = "opaque"
         floats = [v for v in ins if v.is_float]
@@ -310,7 +342,7 @@ class _Evaluator:
             outs = self.bind(eqn, vals, region, stored=all(v.stored for v in floats),
                              const=all_const)
             if all_const and name == "broadcast_in_dim" and np.ndim(ins[0].val) == 0 \
-                    and not isinstance(ins[0].val, jax.core.Tracer) and ins[0].is_float:
+                    and not isinstance(ins[0].val, Tracer) and ins[0].is_float:
                 outs[0].splat = float(ins[0].val)
             return outs
         if kind in ("promote", "matmul", "fp32") and all_const:
@@ -340,7 +372,9 @@ class _Evaluator:
         out_shape = eqn.outvars[0].aval.shape
         shape = np.shape(v.val)
         if (v.stored and not v.const and v.is_float and v.dtype != np.dtype(dtype)
-                and len(shape) == len(out_shape) and shape != out_shape):
+                and eqn.primitive.name not in _NOT_ELEMENTWISE
+                and len(shape) == len(out_shape) and shape != out_shape
+                and all(a in (1, b) for a, b in zip(shape, out_shape))):
             key = ("broadcast", out_shape, np.dtype(dtype))
             if key not in v.casts:
                 wide = jnp.broadcast_to(v.val, out_shape)
@@ -358,12 +392,7 @@ class _Evaluator:
         """Runs an equation exactly as traced (its original input dtypes)."""
         vals = [_cast(v, var.aval.dtype) if v.is_float and _is_float(var.aval.dtype) else v.val
                 for v, var in zip(ins, eqn.invars)]
-        params = eqn.primitive.get_bind_params(eqn.params)
-        if isinstance(params, tuple):  # older jax: (subfuns, params)
-            subfuns, params = params
-            out = eqn.primitive.bind(*subfuns, *vals, **params)
-        else:
-            out = eqn.primitive.bind(*vals, **params)
+        out = bind_with_params(eqn, vals)
         outs = out if eqn.primitive.multiple_results else [out]
         floats = [v for v in ins if v.is_float]
         return [_Val(o, all(v.stored for v in floats), all(v.const for v in ins), region)
@@ -397,7 +426,7 @@ class _Evaluator:
 
     def remat(self, eqn, ins, region) -> list[_Val]:
         p = eqn.params
-        closed = jcore.ClosedJaxpr(p["jaxpr"], ())
+        closed = close_jaxpr(p["jaxpr"])
         metas: list[_Val] = []
 
         def body(*xs):
@@ -421,7 +450,7 @@ class _Evaluator:
 
     def scan(self, eqn, ins, region) -> list[_Val]:
         p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = scan_counts(p)
         consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         body = p["jaxpr"]
         live = [dataclasses.replace(v, stored=False, const=False, casts={}) for v in init]
@@ -507,7 +536,7 @@ class _Evaluator:
             nz = [t for t, z in zip(tangents, zeros) if not z]
             metas = list(ins) + [dataclasses.replace(v, stored=False, const=False, casts={})
                                  for v, z in zip(ins, zeros) if not z]
-            outs = self.run_body(jcore.ClosedJaxpr(jaxpr, consts), metas, region,
+            outs = self.run_body(close_jaxpr(jaxpr, consts), metas, region,
                                  [*primals, *nz])
             n = len(out_zeros)
             p_out = [_cast(o, d) for o, d in zip(outs[:n], out_dtypes)]
@@ -522,7 +551,7 @@ class _Evaluator:
 
 
 def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, Tracer))
 
 
 def _linen_apply_module(fn) -> nn.Module | None:
@@ -589,11 +618,12 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[leaves[i] for i in dyn])
         _warn_unmatched(rules, regions)
-        evaluator = _Evaluator(regions.policies, op_rules)
+        evaluator = _Evaluator(regions.policies, op_rules, regions.call)
         dyn_vals = [leaves[i] for i in dyn]
-        consts = [_Val(c, True, not isinstance(c, jax.core.Tracer), (0,)) for c in closed.consts]
+        consts = [_Val(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [_Val(x, True, False, ()) for x in dyn_vals]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
+        _warn_unknown(evaluator.unknown)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         cast_mask = [True] * len(out_leaves)
         if apply_module is not None and kwargs.get("mutable"):
@@ -608,6 +638,15 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
         return jax.tree_util.tree_unflatten(out_tree, result)
 
     return wrapped
+
+
+def _warn_unknown(names: set[str]) -> None:
+    if names:
+        warnings.warn(
+            f"jaxamp.autocast: primitive(s) {sorted(names)} are in no list of the op_rules; "
+            "they run exactly as traced (float32). Classify them with "
+            "op_rules=jaxamp.DEFAULT_OP_RULES.extend(promote={...}) (or matmul=, fp32=, "
+            "structural=, as_traced=) to silence this.", stacklevel=3)
 
 
 def _warn_unmatched(rules: ModuleRules, regions: _Regions) -> None:

@@ -22,8 +22,10 @@ class             JAX primitives (defaults)                                   to
                   follow it; with only params/constants, the compute dtype)
 ================  ==========================================================  ====================
 
-Any primitive in none of the lists runs exactly as traced (float32 inputs), which is always safe:
-that covers typed sub-computations such as ``scatter-add``, ``sort`` and ``reduce``.
+``as_traced`` primitives run exactly as traced (float32 inputs), which is always safe: integer
+and bit operations, random numbers, typed sub-computations such as ``scatter-add``, ``sort`` and
+``reduce``. A primitive in no list (one that a newer JAX adds) runs as traced too, and autocast
+warns with its name, so it never goes unnoticed; classify it with :meth:`OpRules.extend`.
 
 Softmax, log-softmax and logsumexp need no entry of their own: they are built from ``exp``,
 ``log`` and ``reduce_sum``, and a value whose every consumer wants float32 is computed in
@@ -70,23 +72,54 @@ __all__ = [
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 FP32_PRIMITIVES = frozenset({
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "tan", "acos", "asin", "acosh",
-    "asinh", "atanh", "cosh", "sinh", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "logistic_cross_entropy",
+    # exponentials, logarithms and the functions built on them (softmax, logsumexp, sigmoid)
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "rsqrt", "logistic", "tan", "acos",
+    "asin", "acosh", "asinh", "atanh", "cosh", "sinh", "logistic_cross_entropy", "polynomial",
+    # special functions
+    "erf_inv", "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
+    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "random_gamma",
+    # sums (reductions, cumulative sums, average pooling, cross-device sums)
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+    "psum",
+    # linear algebra and transforms (no float16 kernels; conditioning needs float32)
+    "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
+    "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
 })
 
 STRUCTURAL_PRIMITIVES = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
     "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_max", "reduce_min", "argmax",
     "argmin", "stop_gradient", "sharding_constraint", "split", "real", "imag",
+    # max/min pooling and running maxima, top-k: they select values, rounding nothing
+    "reduce_window_max", "reduce_window_min", "cummax", "cummin", "top_k", "approx_top_k",
+    # data movement between devices
+    "device_put", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "pmax", "pmin",
 })
 
 PROMOTE_PRIMITIVES = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor",
     "ceil", "round", "nextafter", "atan2", "sqrt", "cbrt", "square", "integer_pow", "tanh",
-    "logistic", "sin", "cos", "atan", "erf", "erfc", "is_finite", "select_n", "clamp",
+    "one_minus_square", "sin", "cos", "atan", "erf", "erfc", "is_finite", "select_n", "clamp",
     "concatenate", "pad", "dynamic_update_slice", "eq", "ne", "lt", "le", "gt", "ge",
     "optimization_barrier", "reduce_precision",
+})
+
+#: Primitives known to run exactly as traced: integer and bit operations, random numbers,
+#: typed sub-computations (scatter, sort, generic reduce), effects and references, and the
+#: higher-order primitives that autocast re-evaluates itself (jit, scan, cond, ...).
+AS_TRACED_PRIMITIVES = frozenset({
+    "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical",
+    "population_count", "clz", "bitcast_convert_type", "iota", "eq_to", "le_to", "lt_to",
+    "random_bits", "random_fold_in", "random_seed", "random_split", "random_wrap",
+    "random_unwrap", "threefry2x32", "rng_bit_generator", "rng_uniform",
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+    "scatter_min", "scatter-max", "scatter_max", "sort", "reduce", "reduce_and", "reduce_or",
+    "reduce_xor", "reduce_window", "select_and_gather_add", "select_and_scatter",
+    "select_and_scatter_add", "complex", "conj", "after_all", "create_token", "axis_index",
+    "empty2", "get", "swap", "name", "convert_element_type", "custom_lin",
+    "custom_linear_solve", "jit", "pjit", "closed_call", "core_call", "call", "remat2",
+    "checkpoint", "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call",
+    "custom_vjp_call_jaxpr", "eval_jaxpr", "shard_map",
 })
 
 
@@ -99,6 +132,9 @@ class OpRules:
       fp32: run in float32 (inputs cast up); the output stays float32.
       structural: keep the operand's dtype and do not commit a stored value to a dtype.
       promote: run in the widest activation dtype among the inputs.
+      as_traced: known to run exactly as traced (float32 inputs): integer/bit operations,
+        random numbers, typed sub-computations. A primitive in no list runs as traced too,
+        with a warning that names it.
 
     Example:
       >>> rules = DEFAULT_OP_RULES.extend(fp32={"tanh"})   # run tanh in float32 too
@@ -110,6 +146,7 @@ class OpRules:
     fp32: frozenset[str] = FP32_PRIMITIVES
     structural: frozenset[str] = STRUCTURAL_PRIMITIVES
     promote: frozenset[str] = PROMOTE_PRIMITIVES
+    as_traced: frozenset[str] = AS_TRACED_PRIMITIVES
 
     def extend(self, **lists: Iterable[str]) -> OpRules:
         """Returns rules with primitives moved into the named lists (and out of the others)."""
@@ -130,7 +167,8 @@ class OpRules:
         return OpRules(**{k: frozenset(v) for k, v in fields.items()})
 
     def classify(self, name: str) -> str:
-        """Returns 'matmul', 'fp32', 'structural', 'promote' or 'opaque' for a primitive name."""
+        """Returns 'matmul', 'fp32', 'structural', 'promote' or 'opaque' (run as traced: in
+        ``as_traced``, or in no list) for a primitive name."""
         for kind in ("matmul", "fp32", "structural", "promote"):
             if name in getattr(self, kind):
                 return kind

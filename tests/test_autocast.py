@@ -14,6 +14,7 @@ from models import HandAttention, init_testnet
 
 import jaxamp
 from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp.autocast import REGION_MARKER
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -29,7 +30,7 @@ def _dt(var) -> str:
 
 def _module_path(eqn) -> str:
     stack = str(eqn.source_info.name_stack)
-    return re.sub(r"/?jaxamp<\d+>", "", stack)
+    return re.sub("/?" + REGION_MARKER.pattern, "", stack)
 
 
 def _forward_and_grad(policy, overrides=None, train=True):

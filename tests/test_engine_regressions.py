@@ -1,0 +1,225 @@
+"""autocast on shapes real models have, each one a failure users hit (issue: real architectures).
+
+Every test here failed on the first engine: stored operands of concatenate / pad /
+dynamic_update_slice broadcast like a bias, PRNG keys in the trace, autocast inside autocast,
+region exits that cast a float32 value down for a float32 consumer, primitives no list knew.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+
+F16 = "params=float32,compute=float16,output=float32"
+BF16 = "params=float32,compute=bfloat16,output=float32"
+
+
+class ClassToken(nn.Module):
+    """ViT/DeiT: a learned class token concatenated to patch embeddings, plus positions."""
+
+    d: int = 16
+    n: int = 4
+
+    @nn.compact
+    def __call__(self, patches):
+        b = patches.shape[0]
+        x = nn.Dense(self.d)(patches)
+        cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, self.d))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.d)), x], axis=1)
+        return x + self.param("pos", nn.initializers.normal(1.0), (1, self.n + 1, self.d))
+
+
+@pytest.mark.parametrize("policy", [F16, BF16])
+def test_class_token_concatenate(policy):
+    model = ClassToken()
+    x = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    v = model.init(jax.random.key(1), x)
+    out = jax.jit(jaxamp.autocast(model.apply, policy))(v, x)
+    ref = model.apply(v, x)
+    assert out.shape == ref.shape == (2, 5, 16)
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_stored_operands_of_shape_changing_ops_are_not_broadcast():
+    """pad / dynamic_update_slice / concatenate with a param operand keep float32 semantics."""
+
+    def fn(p, x):
+        h = x @ p["w"]                                      # an activation in the compute dtype
+        padded = jnp.pad(p["row"], ((0, 0), (0, 3)))        # stored operand of pad
+        upd = jax.lax.dynamic_update_slice(h, p["row"], (0, 0))  # param written into row 0
+        cat = jnp.concatenate([p["row"], h], axis=0)        # param rows before activations
+        return padded.sum() + upd, cat
+
+    p = {"w": jnp.eye(4) * 2.0, "row": jnp.array([[7.0, 8.0, 9.0, 10.0]])}
+    x = jnp.arange(12.0).reshape(3, 4)
+    out_upd, out_cat = jaxamp.autocast(fn, F16)(p, x)
+    ref_upd, ref_cat = fn(p, x)
+    assert out_upd.shape == ref_upd.shape and out_cat.shape == ref_cat.shape
+    # Only row 0 takes the param's values; every other row is x @ w (+ the pad's sum).
+    np.testing.assert_array_equal(np.asarray(out_upd), np.asarray(ref_upd))
+    np.testing.assert_array_equal(np.asarray(out_cat), np.asarray(ref_cat))
+
+
+def test_float_input_concatenated_with_activations_keeps_its_shape():
+    def fn(w, x, extra):
+        return jnp.concatenate([x @ w, extra], axis=-1)
+
+    w, x, extra = jnp.ones((3, 4)), jnp.ones((2, 3)), jnp.full((2, 1), 5.0)
+    out = jaxamp.autocast(fn, F16)(w, x, extra)
+    assert out.shape == (2, 5)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(fn(w, x, extra)))
+
+
+class Dropper(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(8)(x)
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(2)(x)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_dropout_keys_flow_through(make_key):
+    model = Dropper()
+    x = jnp.ones((4, 3))
+    v = model.init(jax.random.key(0), x, False)
+    key = make_key(3)
+    fwd = jax.jit(jaxamp.autocast(model.apply, F16), static_argnums=2)
+    out = fwd(v, x, True, rngs={"dropout": key})
+    ref = model.apply(v, x, True, rngs={"dropout": key})
+    np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-2)  # the same mask
+    other = fwd(v, x, True, rngs={"dropout": make_key(4)})
+    assert not np.allclose(out, other)
+
+
+def test_keys_as_inputs_and_outputs():
+    def fn(key, x):
+        k1, k2 = jax.random.split(key)
+        return k2, x @ jax.random.normal(k1, (3, 3))
+
+    key = jax.random.key(0)
+    k_out, y = jaxamp.autocast(fn, F16)(key, jnp.ones((2, 3)))
+    k_ref, y_ref = fn(key, jnp.ones((2, 3)))
+    assert jax.random.key_data(k_out).tolist() == jax.random.key_data(k_ref).tolist()
+    np.testing.assert_allclose(y, y_ref, rtol=1e-2, atol=1e-2)
+
+
+class Inner(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.LayerNorm()(nn.Dense(8)(x))
+
+
+def test_autocast_inside_autocast():
+    model = Inner()
+    x = jnp.ones((2, 4))
+    v = model.init(jax.random.key(0), x)
+    inner = jaxamp.autocast(model.apply, F16, overrides={nn.Dense: BF16})
+    outer = jaxamp.autocast(lambda v, x: inner(v, x).sum(), F16)
+    jaxpr = jax.make_jaxpr(outer)(v, x)
+    dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert [str(e.outvars[0].aval.dtype) for e in dots] == ["float16"]
+    np.testing.assert_allclose(outer(v, x), model.apply(v, x).sum(), rtol=1e-2, atol=1e-2)
+    # The audit and the precision table accept an autocast forward too, as the README says.
+    table = jaxamp.precision_table(inner, v, x)
+    assert table
+
+
+def _rms_after_embed(ids):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(16, 8)(ids)
+            var = jnp.mean(jnp.square(x), -1, keepdims=True)
+            return nn.Dense(4)(x / jnp.sqrt(var + 1e-6))
+
+    return Net()
+
+
+def test_region_exit_feeding_float32_statistics_is_not_cast_down():
+    ids = jnp.arange(6).reshape(2, 3)
+    model = _rms_after_embed(ids)
+    v = model.init(jax.random.key(0), ids)
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(model.apply, F16))(v, ids)
+    assert lossy_round_trips(jaxpr) == []
+    assert duplicate_casts(jaxpr) == []
+    dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert {str(e.invars[0].aval.dtype) for e in dots} == {"float16"}
+    sums = [e for e in iter_eqns(jaxpr) if e.primitive.name == "reduce_sum"]
+    assert sums and {str(e.invars[0].aval.dtype) for e in sums} == {"float32"}
+
+
+class NormPoolResidual(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(8, (3, 3))(x)
+        y = nn.BatchNorm(use_running_average=not train)(x)
+        y = nn.max_pool(y, (2, 2), strides=(2, 2))
+        z = nn.Conv(8, (1, 1))(nn.max_pool(x, (2, 2), strides=(2, 2)))
+        return (y + z).mean()
+
+
+def test_batchnorm_max_pool_residual_has_no_round_trip():
+    model = NormPoolResidual()
+    x = jnp.ones((2, 8, 8, 3))
+    v = model.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(model.apply, F16))(v, x)
+    assert lossy_round_trips(jaxpr) == []
+    assert duplicate_casts(jaxpr) == []
+    pools = [e for e in iter_eqns(jaxpr) if e.primitive.name == "reduce_window_max"]
+    assert len(pools) == 2
+    # max pooling keeps its operand's dtype: the conv output pools in float16.
+    assert "float16" in {str(e.invars[0].aval.dtype) for e in pools}
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("log2", lambda x: jnp.log2(x)),
+    ("exp2", lambda x: jnp.exp2(x)),
+    ("logistic", lambda x: jax.nn.sigmoid(x)),
+])
+def test_sensitive_primitives_run_in_float32(name, fn):
+    def f(w, x):
+        return fn(jnp.abs(x @ w) + 1.0)
+
+    w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f, F16))(w, x)
+    ops = [e for e in iter_eqns(jaxpr) if e.primitive.name == name]
+    if not ops:
+        pytest.skip(f"{name} is not a primitive in jax {jax.__version__}")
+    assert {str(e.invars[0].aval.dtype) for e in ops} == {"float32"}
+
+
+def test_every_jax_primitive_is_classified():
+    """No primitive of this JAX falls silently into 'run as traced'."""
+    rules = jaxamp.DEFAULT_OP_RULES
+    import jax.extend.core.primitives as prims
+
+    names = {p.name for p in vars(prims).values() if isinstance(p, jax.extend.core.Primitive)}
+    assert len(names) > 100
+    unknown = sorted(n for n in names if rules.classify(n) == "opaque"
+                     and n not in rules.as_traced)
+    assert unknown == [], f"primitives in no op list of jaxamp.rules: {unknown}"
+
+
+def test_unclassified_primitive_warns_once():
+    rules = jaxamp.DEFAULT_OP_RULES.extend(promote=set())
+    rules = jaxamp.OpRules(matmul=rules.matmul, fp32=rules.fp32 - {"sin"},
+                           structural=rules.structural, promote=rules.promote - {"sin"},
+                           as_traced=rules.as_traced - {"sin"})
+
+    def f(w, x):
+        return jnp.sin(x @ w) + jnp.sin(x @ w * 2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jaxamp.autocast(f, F16, op_rules=rules)(jnp.ones((3, 3)), jnp.ones((2, 3)))
+    msgs = [str(w.message) for w in caught if "sin" in str(w.message)]
+    assert len(msgs) == 1 and "op_rules" in msgs[0], msgs
