@@ -301,8 +301,14 @@ class _Evaluator:
         for eqn in jaxpr.eqns:
             region = self.region_of(eqn, base)
             raw = [read(v) for v in eqn.invars]
-            f32_use = self.computes_f32(eqn, raw, region, wants)
-            ins = [self.operand(v, region, f32_use) for v in raw]
+            if eqn.primitive.name in _INLINE:
+                # An inlined call (jax.nn.silu, any @jax.jit helper) crosses no boundary of
+                # its own: its equations take each operand across as they use it, so a
+                # float32 value leaving a module stays float32 for an inner float32 consumer.
+                ins = raw
+            else:
+                f32_use = self.computes_f32(eqn, raw, region, wants)
+                ins = [self.operand(v, region, f32_use) for v in raw]
             want32 = [o in wants for o in eqn.outvars]
             with source_context(eqn):
                 outs = self.eqn(eqn, ins, region, want32)
@@ -358,11 +364,20 @@ class _Evaluator:
             return self.bind(eqn, [_cast(v, _F32) for v in ins], region)
         if kind == "promote":
             float_wants = [w for w, o in zip(want32, eqn.outvars) if _is_float(o.aval.dtype)]
+            live = [v.dtype for v in floats if not v.stored]
             if float_wants and all(float_wants):
                 dtype = _F32
+            elif live:
+                dtype = _widest(live)
             else:
-                live = [v.dtype for v in floats if not v.stored]
-                dtype = _widest(live) if live else self.compute_dtype(region)
+                # Only stored operands (params, float inputs, int inputs made float): no
+                # activation decides yet, so the op runs as traced and its result stays
+                # stored, cast where an activation or a matmul first uses it. Committing to
+                # the compute dtype here would round what precision depends on: a diffusion
+                # timestep x frequency fed to sin/cos, a squared weight in an L2 penalty.
+                return self.bind(eqn, [_cast(v, var.aval.dtype) if v.is_float else v.val
+                                       for v, var in zip(ins, eqn.invars)], region,
+                                 stored=True)
             return self.bind(eqn, [self.promoted(v, dtype, eqn) for v in ins], region)
         return self.opaque(eqn, ins, region)
 

@@ -19,7 +19,8 @@ class             JAX primitives (defaults)                                   to
                   rows *then* casts them
 ``promote``       elementwise arithmetic, ``select_n``, ``concatenate``, ...  "promote" list
                   -> the widest activation dtype (params and constants
-                  follow it; with only params/constants, the compute dtype)
+                  follow it; with only params/inputs, as traced, left
+                  un-cast until an activation or a matmul uses the result)
 ================  ==========================================================  ====================
 
 ``as_traced`` primitives run exactly as traced (float32 inputs), which is always safe: integer

@@ -223,3 +223,53 @@ def test_unclassified_primitive_warns_once():
         jaxamp.autocast(f, F16, op_rules=rules)(jnp.ones((3, 3)), jnp.ones((2, 3)))
     msgs = [str(w.message) for w in caught if "sin" in str(w.message)]
     assert len(msgs) == 1 and "op_rules" in msgs[0], msgs
+
+
+class NormThenSilu(nn.Module):
+    """Diffusion UNets: GroupNorm -> SiLU -> Conv. ``jax.nn.silu`` is a jitted function whose
+    ``logistic`` computes in float32: the norm's float32 output must reach it as float32."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Conv(8, (3, 3))(x)
+        return nn.Conv(4, (3, 3))(nn.silu(nn.GroupNorm(4)(h)))
+
+
+@pytest.mark.parametrize("policy", [F16, BF16])
+def test_module_output_into_a_jitted_helper_has_no_round_trip(policy):
+    model = NormThenSilu()
+    x = jax.random.normal(jax.random.key(0), (2, 6, 6, 3))
+    v = model.init(jax.random.key(1), x)
+    fwd = jaxamp.autocast(model.apply, policy)
+    jaxpr = jax.make_jaxpr(fwd)(v, x)
+    assert lossy_round_trips(jaxpr) == []
+    logistic = [e for e in iter_eqns(jaxpr) if e.primitive.name == "logistic"]
+    assert logistic and all(e.invars[0].aval.dtype == jnp.float32 for e in logistic)
+    convs = [e for e in iter_eqns(jaxpr) if e.primitive.name == "conv_general_dilated"]
+    low = jnp.dtype(jaxamp.get_policy(policy).compute_dtype)
+    assert len(convs) == 2 and all(v.aval.dtype == low for e in convs for v in e.invars)
+    np.testing.assert_allclose(jax.jit(fwd)(v, x), model.apply(v, x), rtol=3e-2, atol=3e-2)
+
+
+def test_ops_on_stored_values_alone_keep_their_precision():
+    """Timestep embeddings (an int input x frequencies, then sin/cos) and an L2 penalty on the
+    weights: no activation is involved, so nothing may be rounded to the compute dtype."""
+
+    def fn(p, t, x):
+        freqs = jnp.exp(-jnp.log(10000.0) * jnp.arange(8) / 8)
+        args = t[:, None].astype(jnp.float32) * freqs[None]
+        temb = jnp.concatenate([jnp.sin(args), jnp.cos(args)], axis=-1)
+        penalty = jnp.sum(jnp.square(p["w"]))
+        return temb, penalty, x @ p["w"]
+
+    p = {"w": jnp.full((4, 4), 300.0)}
+    t, x = jnp.array([1, 333, 777, 999]), jnp.ones((2, 4))
+    for policy in (F16, BF16):
+        temb, penalty, y = jax.jit(jaxamp.autocast(fn, policy))(p, t, x)
+        ref_temb, ref_penalty, _ = fn(p, t, x)
+        np.testing.assert_allclose(temb, ref_temb, atol=1e-5)
+        assert float(penalty) == float(ref_penalty) == 16 * 300.0 ** 2
+        matmul = [e for e in iter_eqns(jax.make_jaxpr(jaxamp.autocast(fn, policy))(p, t, x))
+                  if e.primitive.name == "dot_general"]
+        low = jnp.dtype(jaxamp.get_policy(policy).compute_dtype)
+        assert all(v.aval.dtype == low for e in matmul for v in e.invars)
