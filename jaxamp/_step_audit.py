@@ -37,7 +37,15 @@ class _Graph:
         self.preds: dict = {}
         self.producer: dict = {}
         self.eqns: list[tuple[Any, str]] = []
+        self.outer: dict = {}  # a sub-jaxpr's input var -> the caller's var it is bound to
         self._build(jaxpr, "")
+
+    def canonical(self, v):
+        """The outermost var a sub-jaxpr input stands for (a loss scale passed into a
+        micro-batch scan is the same scalar inside and outside)."""
+        while isinstance(v, jcore.Var) and v in self.outer:
+            v = self.outer[v]
+        return v
 
     def _edge(self, dst, srcs):
         self.preds.setdefault(dst, []).extend(s for s in srcs if isinstance(s, jcore.Var))
@@ -56,6 +64,7 @@ class _Graph:
                             self._edge(v, eqn.invars)
                         else:
                             self._edge(v, [o])
+                            self.outer[v] = o
                     for v, o in zip(sub.outvars, sout):
                         if o is not None:
                             self._edge(o, [v])
@@ -97,8 +106,10 @@ def _is_float_var(v) -> bool:
     return bool(_float_dtypes([v]))
 
 
-def _scalar_key(v):
-    """A hashable identity for a scalar operand: the Var, or ('lit', value) for a literal."""
+def _scalar_key(v, g: _Graph):
+    """A hashable identity for a scalar operand: the (outermost) Var, or ('lit', value)."""
+    if isinstance(v, jcore.Var):
+        v = g.canonical(v)
     if isinstance(v, jcore.Literal):
         try:
             return ("lit", float(np.asarray(v.val)))
@@ -134,7 +145,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
         if eqn.primitive.name == "mul" and len(eqn.invars) == 2 and \
                 all(_shape(v) == () for v in eqn.invars):
             for a in eqn.invars:
-                key = _scalar_key(a)
+                key = _scalar_key(a, g)
                 if key is not None and key not in (("lit", 1.0), ("lit", 0.0)) and \
                         not (isinstance(a, jcore.Var) and a in norm_desc):
                     scalar_mul.add(key)
@@ -153,7 +164,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
         if name == "div" and len(eqn.invars) == 2:
             x, s = eqn.invars
             s = through(s)
-            if _shape(x) != () and _shape(s) == () and _scalar_key(s) in scalar_mul:
+            if _shape(x) != () and _shape(s) == () and _scalar_key(s, g) in scalar_mul:
                 unscale.append((eqn, x))
         elif name == "mul" and len(eqn.invars) == 2:
             for x, r in (eqn.invars, eqn.invars[::-1]):
@@ -163,7 +174,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 pe = g.producer.get(r)
                 if pe is not None and pe.primitive.name == "div" and \
                         _shape(pe.invars[1]) == () and \
-                        _scalar_key(through(pe.invars[1])) in scalar_mul:
+                        _scalar_key(through(pe.invars[1]), g) in scalar_mul:
                     unscale.append((eqn, x))
     if not unscale:
         return []

@@ -229,3 +229,38 @@ def test_audit_step_passes_jaxamps_own_step(step_setup):
     assert report.findings == []
     assert report.seed_rows() == []
     assert any(r["op"] == "matmul" and r["forward"] == "float16" for r in report.rows)
+
+
+def test_audit_step_reads_a_micro_batched_step(step_setup):
+    """Micro-batches put the backward inside a scan: audit_step follows it there (jax 0.12
+    scan equations carry ft_in/ft_out, not num_consts/num_carry)."""
+    model, params, x, _ = step_setup
+    tx = optax.adam(1e-3)
+    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
+    step = jaxamp.make_train_step(model, lambda apply, p, b: jnp.mean(apply({"params": p},
+                                                                            b["x"]) ** 2),
+                                  tx, policy=F16, clip_norm=1.0, micro_batches=2)
+    report = jaxamp.audit_step(step, state, {"x": jnp.ones((4, 3))}, params=state.params,
+                               opt_state=state.opt_state)
+    assert report.findings == []
+    assert any(r["op"] == "matmul" and r["forward"] == "float16" for r in report.rows)
+
+
+def test_audit_step_flags_clipping_scaled_micro_batch_gradients(step_setup):
+    _, params, x, amp = step_setup
+    tx, clip = optax.adam(1e-3), optax.clip_by_global_norm(1.0)
+
+    def accumulate_clip_unscale(params, opt_state, x, ls):
+        def body(acc, xb):
+            g = jax.grad(lambda p: ls.scale(amp(p, xb)))(params)
+            return jax.tree.map(jnp.add, acc, g), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(body, zeros, x.reshape(2, -1, x.shape[-1]))
+        grads, _ = clip.update(grads, clip.init(params))  # on scaled grads: wrong
+        updates, opt_state = tx.update(ls.unscale(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    ls, opt_state = jaxamp.DynamicLossScale(), tx.init(params)
+    report = jaxamp.audit_step(accumulate_clip_unscale, params, opt_state, jnp.ones((4, 3)), ls)
+    assert [f.kind for f in report.findings] == ["clip_before_unscale"]
