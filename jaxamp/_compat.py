@@ -71,6 +71,14 @@ def bind_with_params(eqn, vals):
     return eqn.primitive.bind(*vals, **params)
 
 
+def custom_vjp_name(eqn) -> str:
+    """The Python name of the function behind a ``custom_vjp_call`` equation ('' if unknown)."""
+    call = eqn.params.get("call_jaxpr")
+    info = getattr(getattr(call, "jaxpr", call), "debug_info", None)
+    src = getattr(info, "func_src_info", None) or ""
+    return src.split(" ", 1)[0]
+
+
 def source_context(eqn):
     """A context that gives the equations bound inside it ``eqn``'s source info and name
     stack (so module paths survive the rewrite, for audits and profiles)."""

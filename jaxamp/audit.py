@@ -18,7 +18,7 @@ Findings :func:`audit` reports (``Finding.kind``):
     a ``dot_general``/``conv`` with float32 operands in a module whose policy computes in
     float16/bfloat16 (module policies are recomputed from ``policy``/``overrides`` with the same
     rules autocast applies; a module that a rule sets to float32 is not flagged). Typical cause:
-    a ``custom_vjp`` function (autocast runs those exactly as traced, in float32) or another
+    a ``custom_vjp`` function in ``OpRules.custom_vjp_as_traced`` (run as traced) or another
     primitive autocast does not rewrite. (A manual ``.astype(jnp.float32)`` before a matmul does
     not cause it: autocast casts matmul operands to the region's compute dtype regardless.)
 ``softmax_low_precision``
@@ -197,10 +197,11 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
     explain = {
         "matmul_f32_in_low_precision_region": (
             "matmul(s) ran in float32 although this module's policy computes in {low}: {ops}. "
-            "Usually a jax.custom_vjp function (autocast runs those exactly as traced, in "
-            "float32) or another operation autocast does not rewrite: write it without "
-            "custom_vjp, cast its inputs to the compute dtype inside it, or give the module a "
-            "float32 rule in overrides= if float32 is intended.", None),
+            "Usually a jax.custom_vjp function in op_rules.custom_vjp_as_traced (run exactly "
+            "as traced, in float32) or another operation autocast does not rewrite (an unknown "
+            "higher-order primitive): drop it from custom_vjp_as_traced, cast its inputs to "
+            "the compute dtype inside it, or give the module a float32 rule in overrides= if "
+            "float32 is intended.", None),
         "softmax_low_precision": (
             "softmax exp/log and its sums ran in low precision: {ops}. exp overflows float16 "
             "above ~11 and the normaliser loses small probabilities; keep exp/log/reduce_sum in "

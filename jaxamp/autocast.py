@@ -27,9 +27,10 @@ Value bookkeeping that keeps casts minimal:
 Control flow keeps its structure: ``jit`` bodies are inlined, ``checkpoint``/``remat`` is
 re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the widest of the
 initial value and what the body returns, so float32 accumulators stay float32), ``cond``
-branches agree on the widest output dtype, ``custom_jvp`` functions keep their custom rule
-(re-evaluated in the new dtypes). ``custom_vjp`` functions and unknown higher-order primitives run
-exactly as traced (float32): correct, not accelerated.
+branches agree on the widest output dtype, ``custom_jvp`` and ``custom_vjp`` functions keep
+their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
+``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
+traced (float32): correct, not accelerated.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import (Tracer, bind_with_params, close_jaxpr, open_jaxpr, scan_counts,
-                            source_context)
+from jaxamp._compat import (
+    Tracer,
+    bind_with_params,
+    close_jaxpr,
+    custom_vjp_name,
+    open_jaxpr,
+    scan_counts,
+    source_context,
+)
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
 
 __all__ = ["REGION_MARKER", "autocast"]
@@ -331,6 +339,9 @@ class _Evaluator:
             return self.cond(eqn, ins, region)
         if name == "custom_jvp_call":
             return self.custom_jvp(eqn, ins, region)
+        if name == "custom_vjp_call" and not self.op_rules.runs_custom_vjp_as_traced(
+                custom_vjp_name(eqn)):
+            return self.custom_vjp(eqn, ins, region)
         if name == "convert_element_type":
             return self.convert(eqn, ins, region)
         kind = self.op_rules.classify(name)
@@ -564,6 +575,63 @@ class _Evaluator:
         outs = fn(*[v.val for v in ins])
         return [_Val(o, False, all(v.const for v in ins), region) for o in outs]
 
+    def custom_vjp(self, eqn, ins, region) -> list[_Val]:
+        """A ``jax.custom_vjp`` function keeps its custom rule, and both of its halves run
+        under the region's policy. Its forward and backward rules are traced (as written, in
+        the traced dtypes) through the public ``jax.vjp`` into two plain jaxprs, the forward
+        returning the residuals the backward reads; each is then re-evaluated like any other
+        program, so the matmuls of a hand-written attention kernel and of its backward run in
+        the compute dtype and its softmax in float32."""
+        floats = [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
+        specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        n_out = len(eqn.outvars)
+        pullback = []
+
+        def traced_fwd(*xs):
+            def on_floats(*fs):
+                full = list(xs)
+                for i, f in zip(floats, fs):
+                    full[i] = f
+                out = bind_with_params(eqn, full)
+                return list(out) if eqn.primitive.multiple_results else [out]
+
+            outs, vjp = jax.vjp(on_floats, *[xs[i] for i in floats])
+            res, tree = jax.tree.flatten(vjp)
+            pullback[:] = [tree]
+            return outs, res
+
+        fwd_jaxpr, (out_specs, res_specs) = jax.make_jaxpr(traced_fwd, return_shape=True)(
+            *specs)
+        bwd_jaxpr = jax.make_jaxpr(
+            lambda res, cts: pullback[0].unflatten(res)(cts))(res_specs, out_specs)
+
+        def activations(n):
+            return [_Val(None, False, False, region) for _ in range(n)]
+
+        def primal(*xs):
+            return [o.val for o in self.run_body(eqn.params["call_jaxpr"], ins, region, xs)]
+
+        fn = jax.custom_vjp(primal)
+
+        def fwd(*xs):
+            outs = self.run_body(fwd_jaxpr, ins, region, xs)
+            # the primal outputs must have the dtypes the primal function gives them here
+            dtypes = [o.dtype for o in jax.eval_shape(primal, *xs)]
+            return ([_cast(o, d) for o, d in zip(outs[:n_out], dtypes)],
+                    [o.val for o in outs[n_out:]])
+
+        def bwd(res, cts):
+            outs = self.run_body(bwd_jaxpr, activations(len(res) + len(cts)), region,
+                                 [*res, *cts])
+            cts_in = [None] * len(ins)
+            for i, o in zip(floats, outs):
+                cts_in[i] = _cast(o, ins[i].dtype)
+            return tuple(cts_in)
+
+        fn.defvjp(fwd, bwd)
+        outs = fn(*[v.val for v in ins])
+        return [_Val(o, False, all(v.const for v in ins), region) for o in outs]
+
 
 def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, Tracer))
@@ -595,7 +663,11 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
       overrides: per-module rules ``{module class or path pattern: policy}``; see
         :mod:`jaxamp.rules` for matching and precedence. Normalisation layers compute in
         float32 unless a rule says otherwise.
-      op_rules: which primitives run in which dtype (:data:`jaxamp.DEFAULT_OP_RULES`).
+      op_rules: which primitives run in which dtype (:data:`jaxamp.DEFAULT_OP_RULES`), and
+        which ``jax.custom_vjp`` functions run exactly as traced instead of under the policy
+        (``DEFAULT_OP_RULES.extend(custom_vjp_as_traced={"flash_attention"})``; ``"*"``: all).
+        Opt a whole module out with a module rule (``overrides={"blocks_*/attn":
+        "float32"}``).
 
     Returns:
       A function with ``fn``'s signature; it traces ``fn`` on each call (``jax.jit`` it).

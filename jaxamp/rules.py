@@ -136,11 +136,16 @@ class OpRules:
       as_traced: known to run exactly as traced (float32 inputs): integer/bit operations,
         random numbers, typed sub-computations. A primitive in no list runs as traced too,
         with a warning that names it.
+      custom_vjp_as_traced: Python names of ``jax.custom_vjp`` functions that run exactly as
+        traced, forward and backward (``"*"``: all of them). Every other ``custom_vjp``
+        function keeps its rules and runs both of them under the region's policy.
 
     Example:
       >>> rules = DEFAULT_OP_RULES.extend(fp32={"tanh"})   # run tanh in float32 too
       >>> "tanh" in rules.fp32
       True
+      >>> sorted(DEFAULT_OP_RULES.extend(custom_vjp_as_traced={"flash"}).custom_vjp_as_traced)
+      ['flash']
     """
 
     matmul: frozenset[str] = MATMUL_PRIMITIVES
@@ -148,24 +153,34 @@ class OpRules:
     structural: frozenset[str] = STRUCTURAL_PRIMITIVES
     promote: frozenset[str] = PROMOTE_PRIMITIVES
     as_traced: frozenset[str] = AS_TRACED_PRIMITIVES
+    custom_vjp_as_traced: frozenset[str] = frozenset()
 
     def extend(self, **lists: Iterable[str]) -> OpRules:
-        """Returns rules with primitives moved into the named lists (and out of the others)."""
+        """Returns rules with primitives moved into the named lists (and out of the others);
+        ``custom_vjp_as_traced=`` adds function names to that list."""
         fields = {f.name: set(getattr(self, f.name)) for f in dataclasses.fields(self)}
         for key, names in lists.items():
             if key not in fields:
                 raise ValueError(
                     f"OpRules.extend: unknown list {key!r}. Allowed: {sorted(fields)}. "
                     "Example: DEFAULT_OP_RULES.extend(fp32={'tanh'}).")
-            if isinstance(names, str):
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                fix = f"{{{names!r}}}" if isinstance(names, str) else "{'name', ...}"
                 raise TypeError(
-                    f"OpRules.extend: {key}= must be a collection of primitive names, got the "
-                    f"string {names!r}. Write {key}={{{names!r}}}.")
+                    f"OpRules.extend: {key}= must be a collection of names (strings), got "
+                    f"{names!r}. Write {key}={fix}.")
+            if key == "custom_vjp_as_traced":  # function names, not primitives
+                fields[key].update(names)
+                continue
             for name in names:
-                for other in fields.values():
+                for other in (v for k, v in fields.items() if k != "custom_vjp_as_traced"):
                     other.discard(name)
                 fields[key].add(name)
         return OpRules(**{k: frozenset(v) for k, v in fields.items()})
+
+    def runs_custom_vjp_as_traced(self, name: str) -> bool:
+        """Whether the ``custom_vjp`` function called ``name`` runs exactly as traced."""
+        return "*" in self.custom_vjp_as_traced or name in self.custom_vjp_as_traced
 
     def classify(self, name: str) -> str:
         """Returns 'matmul', 'fp32', 'structural', 'promote' or 'opaque' (run as traced: in

@@ -147,7 +147,7 @@ fused_matmul.defvjp(lambda a, b: (a @ b, (a, b)), lambda r, g: (g @ r[1].T, r[0]
 
 
 class FusedHead(nn.Module):
-    """A model with a hand-written custom_vjp matmul (autocast runs it as traced: float32)."""
+    """A model with a hand-written custom_vjp matmul (run as traced, float32, when opted out)."""
 
     @nn.compact
     def __call__(self, x):
@@ -164,13 +164,19 @@ def test_float32_matmul_in_a_low_precision_region_is_flagged():
     def fwd(p, x):
         return model.apply({"params": p}, x)
 
-    report = jaxamp.audit(fwd, params, x, policy=F16)
+    # by default both rules of the custom_vjp run under the policy: nothing to flag
+    assert "matmul_f32_in_low_precision_region" not in jaxamp.audit(
+        fwd, params, x, policy=F16).kinds()
+    # opted out, it runs as traced, and the audit sees what autocast did (same OpRules)
+    as_traced = jaxamp.DEFAULT_OP_RULES.extend(custom_vjp_as_traced={"fused_matmul"})
+    report = jaxamp.audit(fwd, params, x, policy=F16, op_rules=as_traced)
     (f,) = [f for f in report.findings if f.kind == "matmul_f32_in_low_precision_region"]
     assert f.module == "FusedHead" and "float16" in f.detail and "custom_vjp" in f.detail
     # the Dense child ran in float16 and is not flagged
     assert not any(f.module == "FusedHead/fc" for f in report.findings)
     # a module deliberately given a float32 rule is not flagged
-    ok = jaxamp.audit(fwd, params, x, policy=F16, overrides={FusedHead: "float32"})
+    ok = jaxamp.audit(fwd, params, x, policy=F16, overrides={FusedHead: "float32"},
+                      op_rules=as_traced)
     assert "matmul_f32_in_low_precision_region" not in ok.kinds()
 
 
