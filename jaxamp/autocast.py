@@ -51,6 +51,7 @@ import jmp
 import numpy as np
 from jax import lax
 
+from jaxamp import _attention
 from jaxamp._compat import (
     Tracer,
     bind_with_params,
@@ -195,6 +196,7 @@ class _Regions:
         self.matched_patterns: set[str] = set()
         self.stack: list[nn.Module] = []
         self.call = next(_CALLS)  # this call's number in its region markers
+        self.attention = _attention.Recorder(self.call)  # its fused-attention calls
 
     def interceptor(self, next_fun, args, kwargs, context):
         module = context.module
@@ -218,9 +220,11 @@ class _Regions:
 class _Evaluator:
     """Re-evaluates a traced jaxpr with each equation in its autocast dtype."""
 
-    def __init__(self, policies: Sequence[jmp.Policy], op_rules: OpRules, call: int = 0):
+    def __init__(self, policies: Sequence[jmp.Policy], op_rules: OpRules, call: int = 0,
+                 attention_calls: Sequence = ()):
         self.policies = policies
         self.op_rules = op_rules
+        self.attention_calls = attention_calls  # jax.nn.dot_product_attention calls recorded
         self.call = call  # region markers of other autocast calls (nested ones) are ignored
         self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
 
@@ -328,6 +332,11 @@ class _Evaluator:
     def eqn(self, eqn, ins: list[_Val], region, want32: list[bool]) -> list[_Val]:
         name = eqn.primitive.name
         if name in _INLINE:
+            recorded = _attention.CALL_NAME.fullmatch(str(eqn.params.get("name", "")))
+            if recorded and int(recorded[1]) == self.call:
+                outs = self.attention(ins, region, int(recorded[2]))
+                if outs is not None:
+                    return outs
             return self.eval(eqn.params["jaxpr"], None, ins, region, want32)
         if name in _REMAT:
             return self.remat(eqn, ins, region)
@@ -575,6 +584,23 @@ class _Evaluator:
         outs = fn(*[v.val for v in ins])
         return [_Val(o, False, all(v.const for v in ins), region) for o in outs]
 
+    def attention(self, ins, region, index: int) -> list[_Val] | None:
+        """A recorded ``jax.nn.dot_product_attention`` call bound again as cuDNN's fused
+        kernel in the region's compute dtype, or None: re-evaluate its traced XLA path (see
+        :mod:`jaxamp._attention`)."""
+        names, static = self.attention_calls[index]
+        dtype = self.compute_dtype(region)
+        if not _attention.wants_cudnn(static) or dtype == _F32:
+            return None
+        vals = [self.operand(v, region).val for v in ins]
+        try:
+            out = _attention.redispatch(names, static, vals, dtype)
+        except Exception:
+            if static.get("implementation") == "cudnn":
+                raise  # asked for explicitly: JAX's own error says what cuDNN refused
+            return None
+        return [_Val(o, False, False, region) for o in jax.tree.leaves(out)]
+
     def custom_vjp(self, eqn, ins, region) -> list[_Val]:
         """A ``jax.custom_vjp`` function keeps its custom rule, and both of its halves run
         under the region's policy. Its forward and backward rules are traced (as written, in
@@ -699,13 +725,15 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
             for i, x in zip(dyn, dyn_vals):
                 full[i] = x
             a, k = jax.tree_util.tree_unflatten(treedef, full)
-            with nn.intercept_methods(regions.interceptor):
+            with nn.intercept_methods(regions.interceptor), \
+                    _attention.recording(regions.attention):
                 return fn(*a, **k)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[leaves[i] for i in dyn])
         _warn_unmatched(rules, regions)
-        evaluator = _Evaluator(regions.policies, op_rules, regions.call)
+        evaluator = _Evaluator(regions.policies, op_rules, regions.call,
+                               regions.attention.calls)
         dyn_vals = [leaves[i] for i in dyn]
         consts = [_Val(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [_Val(x, True, False, ()) for x in dyn_vals]
