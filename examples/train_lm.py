@@ -10,11 +10,17 @@ Run it with no flags to train the ``tiny`` preset on the Python standard library
 The model (``lm_model.py``) has no dtype code at all: ``jaxamp.make_train_step`` runs it under
 the ``--policy``. Everything lands in ``--out``: ``metrics.jsonl`` (one line per step),
 ``summary.json``, ``precision.json`` (which dtype every op ran in), ``curves.png`` and orbax
-checkpoints in ``checkpoints/`` (``--resume`` continues from the latest one, bit-identically).
+checkpoints in ``checkpoints/`` with a sha256 of every array (``lm_checkpoint.py``;
+``--resume`` continues from the latest one, bit-identically; ``--resume latest-intact`` from
+the newest one that passes its checksums). The script lists what it wrote in
+``train_lm.manifest.json`` and never deletes or overwrites anything else (``lm_files.py``): a
+new run in an ``--out`` holding a previous run needs ``--overwrite``; without ``--out`` it goes
+to ``runs/<preset>-<dtype>``, or ``-2``, ``-3``, ... when that holds an earlier run.
 
-Bad input (unknown preset, malformed policy, unusable data, unwritable --out, unreadable
-checkpoint) prints one ``error: ...`` line to stderr and exits with status 2, before anything
-is compiled.
+Bad input (unknown preset, malformed policy, out-of-range numbers, unusable or special data
+files, an --out that is unwritable, holds a previous run or files the script did not write, a
+missing or corrupted checkpoint) prints one ``error: ...`` line to stderr and exits with status
+2, before anything is compiled or any file is touched.
 """
 
 from __future__ import annotations
