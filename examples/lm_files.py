@@ -161,8 +161,8 @@ def _check(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
         raise FolderError(
             f"--out {folder.path} holds {', '.join(foreign[:4])}"
             f"{' ...' if len(foreign) > 4 else ''}, which train_lm.py did not write (they are "
-            f"not in its {MANIFEST}) and will not replace; move them away or choose another "
-            "--out")
+            f"not in its {MANIFEST}: another tool's, yours, or from a train_lm.py older than "
+            "the manifest) and will not replace; move them away or choose another --out")
     if not resume and not overwrite and folder.holds_run():
         raise FolderError(
             f"--out {folder.path} holds a previous run ({folder.describe()}); pass --resume to "

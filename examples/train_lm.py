@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
+import jaxamp.review  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 
@@ -822,6 +823,11 @@ def train(s: Setup) -> int:
     (out / "summary.json").write_text(lm_files.dumps(summary, indent=2) + "\n")
     (out / "precision.json").write_text(lm_files.dumps(rows_table, indent=2) + "\n")
     all_rows = read_metrics(metrics_path)
+    diverged = [f for f in jaxamp.review.review_metrics(all_rows, summary).findings
+                if f.code == "loss_diverged"]
+    if diverged:  # exit 0 (the run did what was asked), but never silently
+        console.print(f"[bold red]warning[/bold red]: {esc(diverged[0].explanation)} "
+                      f"(python -m jaxamp.review {esc(str(out))})")
     if all_rows:
         plot_curves(all_rows, out / "curves.png",
                     f"{args.preset} | {s.policy_str} | loss scale: {s.loss_scale_kind}",

@@ -24,17 +24,17 @@ import sys
 import time
 from pathlib import Path
 
-import lm_data  # noqa: E402
 import pytest
-import train_lm  # noqa: E402
 from test_example import (  # noqa: F401 - compilation_cache: the module's autouse fixture
     EXAMPLES,
     assert_same_metrics,
     assert_same_state,
     compilation_cache,
+    lm_data,
     metrics,
     restore_state,
     run_error,
+    train_lm,
 )
 
 STEPS = 20
@@ -169,11 +169,12 @@ def test_new_run_in_a_previous_runs_folder_needs_overwrite(part, capsys):
     (["--steps", str(2**31)], "--steps"),
     (["--eval-batches", "100000000"], "--eval-batches"),
 ])
-def test_bad_input_is_one_line_and_deletes_nothing(part, capsys, bad, flag):
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_bad_input_is_one_line_and_deletes_nothing(part, capsys, bad, flag, overwrite):
     """Before: the previous run's checkpoints and outputs were deleted first, then these
     crashed with a traceback (or, for --lr 1e300, trained to NaN with exit 0)."""
     before = snapshot(part)
-    line = run_error(capsys, args(part, STEPS, "--overwrite", *bad))
+    line = run_error(capsys, args(part, STEPS, *overwrite, *bad))
     assert line.startswith(f"error: {flag} "), line
     assert snapshot(part) == before
 
@@ -221,7 +222,8 @@ def test_a_users_own_files_are_never_overwritten(tmp_path, capsys, flags):
     before = snapshot(out)
     line = run_error(capsys, args(out, STEPS, *flags))
     assert line == (f"error: --out {out} holds checkpoints/7, summary.json, which train_lm.py "
-                    "did not write (they are not in its train_lm.manifest.json) and will not "
+                    "did not write (they are not in its train_lm.manifest.json: another tool's, "
+                    "yours, or from a train_lm.py older than the manifest) and will not "
                     "replace; move them away or choose another --out")
     assert snapshot(out) == before
 
@@ -310,7 +312,8 @@ def test_diverged_run_writes_strict_json_and_reviews_as_diverged(tmp_path, capsy
     _strict_json((out / "train_lm.manifest.json").read_text())
     assert rows[-1]["loss"] is None and rows[-1]["val_loss"] is None
     assert sm["final_val_loss"] is None
-    capsys.readouterr()
+    assert "warning: the run diverged: the training loss is non-finite from step" in flat(
+        capsys.readouterr().out)
     assert review.main([str(out)]) == 1
     assert "loss_diverged" in capsys.readouterr().out
 
