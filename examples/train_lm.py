@@ -393,15 +393,15 @@ def save_checkpoint(manager, state, meta: dict,
     lm_checkpoint.save(manager, int(meta["step"]), state, lm_files.strict(meta))
 
 
-def restore_checkpoint(s: Setup, abstract_state, notes: list[str] | None = None):
+def restore_checkpoint(s: Setup, abstract_state, skipped: list | None = None):
     """(state, meta) from the latest checkpoint in --out; UsageError if none or unusable.
 
     Orbax writes a checkpoint into a temporary folder and renames it when complete, so a run
     killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*`` folder, which orbax does not
     list as a step: the latest *complete* checkpoint is the one restored. Every checkpoint
     carries a sha256 of each array and of its meta (``lm_checkpoint``): one that fails them is
-    an error, or with ``--resume latest-intact`` is passed over for the next older one (noted
-    in ``notes``).
+    an error, or with ``--resume latest-intact`` is passed over for the next older one
+    (appended to ``skipped`` as ``lm_checkpoint.CorruptCheckpoint``).
     """
     folder = s.out / CHECKPOINT_DIR
     no_checkpoint = UsageError(f"--resume: no checkpoints in {folder}; start a new run there "
@@ -446,15 +446,8 @@ def restore_checkpoint(s: Setup, abstract_state, notes: list[str] | None = None)
             raise UsageError(f"--resume latest-intact: every checkpoint in {folder} is "
                              f"corrupted (steps {', '.join(map(str, steps))}; newest: "
                              f"{bad[0].reason}); start again with --overwrite") from None
-    if bad:
-        # Orbax skips saving a step at or below its latest one: the corrupted newer ones go
-        # (they were written by this script: the manifest check in validate() ensured it).
-        removed = (s.folder or lm_files.RunFolder(s.out)).remove_steps({e.step for e in bad})
-        if notes is not None:
-            notes.append(f"note: --resume latest-intact: checkpoint(s) "
-                         f"{', '.join(str(e.step) for e in bad)} corrupted ({bad[0].reason}); "
-                         f"removed {len(removed)} of them, resuming from the newest intact "
-                         f"checkpoint, step {step}")
+    if skipped is not None:
+        skipped.extend(bad)
     restored = _strong(jax.tree.map(jnp.asarray, restored))
     jax.block_until_ready(restored)
     return restored, meta
@@ -627,9 +620,9 @@ def train(s: Setup) -> int:
                                         policy=policy)
 
     abstract_state = abstract_train_state(model, config, tx, loss_scale, policy)
-    start_step, meta, notes = 0, None, []
+    start_step, meta, corrupted = 0, None, []
     if args.resume:
-        state, meta = restore_checkpoint(s, abstract_state, notes)
+        state, meta = restore_checkpoint(s, abstract_state, corrupted)
         start_step = int(meta["step"])
         if start_step > args.steps:
             raise UsageError(f"--steps {args.steps} is below the step of the latest checkpoint "
@@ -637,8 +630,16 @@ def train(s: Setup) -> int:
                              f">= {start_step}")
     # ---- from here on, input is valid: build and run ----
     folder = s.folder or lm_files.RunFolder(out)
-    for note in ([s.out_note] if s.out_note else []) + notes:
-        console.print(esc(note))
+    if s.out_note:
+        console.print(esc(s.out_note))
+    if corrupted:
+        # Orbax skips saving a step at or below its latest one: the corrupted newer ones go
+        # (this script wrote them: validate() refused an --out holding steps it did not list).
+        removed = folder.remove_steps({e.step for e in corrupted})
+        console.print(esc(f"note: --resume latest-intact: checkpoint(s) "
+                          f"{', '.join(str(e.step) for e in corrupted)} corrupted "
+                          f"({corrupted[0].reason}); removed {len(removed)} of them, resuming "
+                          f"from the newest intact checkpoint, step {start_step}"))
     if args.overwrite and folder.holds_run():
         removed = folder.remove_recorded()
         console.print(f"note: --overwrite: removed the previous run's {len(removed)} files and "

@@ -129,6 +129,15 @@ def test_latest_intact_falls_back_and_says_which(run, part, capsys):
     assert_same_metrics(metrics(part), metrics(run))
 
 
+def test_latest_intact_with_bad_input_removes_nothing(part, capsys):
+    """The corrupted checkpoint is only removed once the run really continues."""
+    flip_bytes(part / "checkpoints" / "20")
+    before = snapshot(part)
+    line = run_error(capsys, args(part, 5, "--resume", "latest-intact"))
+    assert line.startswith("error: --steps 5 is below the step of the latest checkpoint"), line
+    assert snapshot(part) == before
+
+
 def test_latest_intact_with_every_checkpoint_corrupted(part, capsys):
     for step in (10, 20):
         flip_bytes(part / "checkpoints" / str(step))
