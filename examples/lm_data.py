@@ -89,17 +89,24 @@ def _files_under(folder: Path, suffixes, skip=frozenset(_SKIP_DIRS)) -> list[Pat
     return sorted(out, key=lambda p: p.relative_to(folder).as_posix())
 
 
+def _read_head(path: Path, limit: int | None) -> bytes:
+    """The first ``limit`` bytes of a regular file (all of it for ``None``), without reading
+    the rest: a 30 GiB file costs what the cap allows, not 30 GiB of memory."""
+    with open(path, "rb") as f:
+        return f.read() if limit is None else f.read(limit)
+
+
 def _read_capped(files: list[Path], max_bytes: int | None) -> tuple[bytes, int]:
     chunks, total, used = [], 0, 0
     for path in files:
+        if not path.is_file():  # a FIFO or device among the files: reading it would block
+            continue
         try:
-            data = path.read_bytes()
+            data = _read_head(path, None if max_bytes is None else max_bytes - total)
         except OSError:
             continue  # an unreadable file in the stdlib (permissions) is simply skipped
         if not data:
             continue
-        if max_bytes is not None and total + len(data) > max_bytes:
-            data = data[: max_bytes - total]
         chunks.append(data)
         total += len(data)
         used += 1
@@ -117,11 +124,13 @@ def load_corpus(path: str | os.PathLike | None = None, *, block_size: int,
         text files (by suffix, see :data:`TEXT_SUFFIXES`) are read recursively in sorted order.
       block_size: the model's context; each split must hold at least one batch window
         (``block_size + 1`` tokens).
-      max_bytes: cap on the bytes read (``None``: no cap). A file given explicitly is read in
-        full up to this cap as well.
+      max_bytes: cap on the bytes read (``None``: no cap). Only that many bytes are read, from
+        a file given explicitly as from a folder's files; special files (FIFOs, devices,
+        sockets) are refused, or skipped inside a folder, since reading them may block.
 
     Raises:
-      DataError: missing path, empty file or folder, or a split shorter than one window.
+      DataError: missing path, a special file, empty file or folder, or a split shorter than
+        one window.
     """
     if path is None:
         folder = stdlib_dir()
@@ -149,12 +158,13 @@ def load_corpus(path: str | os.PathLike | None = None, *, block_size: int,
             data, used = _read_capped(files, max_bytes)
             source = f"{len(files)} text files under {shown}"
         else:
+            if not p.is_file():  # checked before opening: opening a FIFO blocks
+                raise DataError(f"--data {shown}: not a regular file (a FIFO, socket or "
+                                f"device); {hint}.")
             try:
-                data = p.read_bytes()
+                data = _read_head(p, max_bytes)
             except OSError as e:
                 raise DataError(f"--data {shown}: cannot read it ({e.strerror}); {hint}.") from e
-            if max_bytes is not None:
-                data = data[:max_bytes]
             used = 1
             source = f"file {shown}"
     if not data:

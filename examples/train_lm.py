@@ -10,11 +10,17 @@ Run it with no flags to train the ``tiny`` preset on the Python standard library
 The model (``lm_model.py``) has no dtype code at all: ``jaxamp.make_train_step`` runs it under
 the ``--policy``. Everything lands in ``--out``: ``metrics.jsonl`` (one line per step),
 ``summary.json``, ``precision.json`` (which dtype every op ran in), ``curves.png`` and orbax
-checkpoints in ``checkpoints/`` (``--resume`` continues from the latest one, bit-identically).
+checkpoints in ``checkpoints/`` with a sha256 of every array (``lm_checkpoint.py``;
+``--resume`` continues from the latest one, bit-identically; ``--resume latest-intact`` from
+the newest one that passes its checksums). The script lists what it wrote in
+``train_lm.manifest.json`` and never deletes or overwrites anything else (``lm_files.py``): a
+new run in an ``--out`` holding a previous run needs ``--overwrite``; without ``--out`` it goes
+to ``runs/<preset>-<dtype>``, or ``-2``, ``-3``, ... when that holds an earlier run.
 
-Bad input (unknown preset, malformed policy, unusable data, unwritable --out, unreadable
-checkpoint) prints one ``error: ...`` line to stderr and exits with status 2, before anything
-is compiled.
+Bad input (unknown preset, malformed policy, out-of-range numbers, unusable or special data
+files, an --out that is unwritable, holds a previous run or files the script did not write, a
+missing or corrupted checkpoint) prints one ``error: ...`` line to stderr and exits with status
+2, before anything is compiled or any file is touched.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,19 +43,28 @@ if _HERE not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
+import lm_files  # noqa: E402
 import lm_model  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
+import jaxamp.review  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 
 EXIT_USAGE = 2
-CHECKPOINT_DIR = "checkpoints"
-#: Files this script owns in --out (removed when a new run starts there without --resume).
-OUTPUT_FILES = ("metrics.jsonl", "summary.json", "precision.json", "curves.png")
+CHECKPOINT_DIR = lm_files.CHECKPOINT_DIR
+#: Files this script writes in --out (``--overwrite`` removes them if its manifest lists them).
+OUTPUT_FILES = lm_files.OUTPUT_FILES
+#: Upper bounds of flags that end up in int32 device counters or in host memory.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**32 - 1
+#: Tokens per step (batch size x context) and per evaluation: far beyond any single-device
+#: run of these presets, low enough that a typo cannot allocate the host's memory for indices.
+MAX_BATCH_TOKENS = 2**22
 #: ``summary.json``'s ``final_train_loss`` is the mean over this many last steps.
 FINAL_LOSS_WINDOW = 10
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -126,9 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validation batches per evaluation (always the same batches)")
     r.add_argument("--checkpoint-interval", type=int, default=100,
                    help="save an orbax checkpoint every this many steps (0: only at the end)")
-    r.add_argument("--resume", action="store_true",
+    r.add_argument("--resume", nargs="?", const="latest", default=None,
+                   choices=("latest", "latest-intact"),
                    help="continue from the latest checkpoint in --out (same flags as the "
-                        "original run; --steps may be larger)")
+                        "original run; --steps may be larger); a corrupted latest checkpoint is "
+                        "an error, unless '--resume latest-intact': then the newest checkpoint "
+                        "that passes its checksums is used, and the script says which")
+    r.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --out that holds a previous one: removes only "
+                        "the files this script wrote there (listed in its "
+                        f"{lm_files.MANIFEST})")
     r.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or a folder of text files (byte-level tokens); default: "
                         "the Python standard library's .py sources (first "
@@ -138,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory the policy saves; --no-compare-f32 skips that compile")
     r.add_argument("--out", default=None, metavar="DIR",
                    help="output folder (default: runs/<preset>-<compute dtype>, e.g. "
-                        "runs/tiny-f16)")
+                        "runs/tiny-f16, or runs/tiny-f16-2, -3, ... when it holds an earlier "
+                        "run; --resume continues the newest of them)")
     return p
 
 
@@ -153,15 +175,31 @@ class Setup:
     loss_scale_kind: str
     out: Path
     corpus: lm_data.Corpus
+    folder: lm_files.RunFolder | None = None  # --out and the manifest of what was written
+    out_note: str | None = None  # e.g. "runs/tiny-f16 holds an earlier run; ... -2"
 
 
-def _check_number(name: str, value, *, minimum=None, positive=False):
+def _check_number(name: str, value, *, minimum=None, positive=False, maximum=None,
+                  float32=False, why=""):
+    """``float32``: the value is stored as float32 (optax's learning rate, the clip norm), so
+    it must stay finite there, and a positive one must stay a normal number (not 0 or
+    subnormal)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"{name} must be a finite number, got {value}")
     if positive and not value > 0:
         raise UsageError(f"{name} must be > 0, got {value}")
     if minimum is not None and value < minimum:
         raise UsageError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise UsageError(f"{name} must be <= {maximum}, got {value}{why}")
+    if float32 and value != 0:
+        fi = np.finfo(np.float32)
+        if not float(fi.tiny) <= abs(value) <= float(fi.max):
+            with np.errstate(over="ignore", under="ignore"):
+                stored = float(np.float32(value))
+            raise UsageError(f"{name} {value:g} is not representable in float32, the dtype it "
+                             f"is stored in (it would be {stored!r}); use a value in "
+                             f"[{float(fi.tiny):g}, {float(fi.max):g}]")
 
 
 def validate(args: argparse.Namespace) -> Setup:
@@ -180,15 +218,25 @@ def validate(args: argparse.Namespace) -> Setup:
     if kind == "auto":
         kind = "dynamic" if compute == "float16" else "none"
     _check_number("--init-scale", args.init_scale, positive=True)
-    _check_number("--growth-interval", args.growth_interval, minimum=1)
-    _check_number("--lr", args.lr, positive=True)
-    _check_number("--warmup", args.warmup, minimum=0)
-    _check_number("--clip-norm", args.clip_norm, minimum=0)
-    _check_number("--batch-size", args.batch_size, minimum=1)
+    _check_number("--growth-interval", args.growth_interval, minimum=1, maximum=MAX_INT32)
+    _check_loss_scale(kind, args)
+    _check_number("--lr", args.lr, positive=True, float32=True)
+    if args.schedule == "cosine":  # decays to lr/10, which must stay a float32 number too
+        _check_number("--lr", args.lr / 10, float32=True)
+    _check_number("--warmup", args.warmup, minimum=0, maximum=MAX_INT32)
+    _check_number("--clip-norm", args.clip_norm, minimum=0, float32=True)
+    _check_number("--batch-size", args.batch_size, minimum=1,
+                  maximum=MAX_BATCH_TOKENS // config.block_size,
+                  why=f" (at most {MAX_BATCH_TOKENS} tokens per step with the "
+                      f"{args.preset} preset's context of {config.block_size})")
     _check_number("--micro-batches", args.micro_batches, minimum=1)
-    _check_number("--steps", args.steps, minimum=1)
+    _check_number("--seed", args.seed, minimum=0, maximum=MAX_SEED, why=" (a uint32)")
+    _check_number("--steps", args.steps, minimum=1, maximum=MAX_INT32,
+                  why=" (the step counter is an int32)")
     _check_number("--eval-interval", args.eval_interval, minimum=0)
-    _check_number("--eval-batches", args.eval_batches, minimum=1)
+    _check_number("--eval-batches", args.eval_batches, minimum=1,
+                  maximum=max(1, MAX_BATCH_TOKENS // (config.block_size * args.batch_size)),
+                  why=f" (at most {MAX_BATCH_TOKENS} validation tokens, held in memory)")
     _check_number("--checkpoint-interval", args.checkpoint_interval, minimum=0)
     if args.batch_size % args.micro_batches:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --micro-batches "
@@ -197,10 +245,31 @@ def validate(args: argparse.Namespace) -> Setup:
         corpus = lm_data.load_corpus(args.data, block_size=config.block_size)
     except lm_data.DataError as e:
         raise UsageError(str(e)) from None
-    out = Path(args.out if args.out is not None
-               else os.path.join("runs", f"{args.preset}-{_SHORT.get(compute, compute)}"))
-    _check_writable(out)
-    return Setup(args, config, policy, policy_str, kind, out, corpus)
+    default = Path("runs", f"{args.preset}-{_SHORT.get(compute, compute)}")
+    try:
+        folder, note = lm_files.choose_out(args.out, default, resume=bool(args.resume),
+                                           overwrite=args.overwrite)
+    except lm_files.FolderError as e:
+        raise UsageError(str(e)) from None
+    # Every input is valid: only now is the disk touched (the folder created, if new).
+    _check_writable(folder.path)
+    return Setup(args, config, policy, policy_str, kind, folder.path, corpus, folder, note)
+
+
+def _check_loss_scale(kind: str, args) -> None:
+    """Builds the loss scale once here, so its own validation (in float32, its dtype) speaks
+    before anything runs, as one line naming the flag."""
+    try:
+        make_loss_scale(kind, args)
+    except (ValueError, TypeError) as e:
+        flag = "--growth-interval" if "growth_interval" in str(e) else "--init-scale"
+        value = args.growth_interval if flag == "--growth-interval" else args.init_scale
+        hint = ""
+        if kind == "dynamic" and flag == "--init-scale":
+            d = jaxamp.DynamicLossScale()
+            hint = (f"; dynamic scaling needs --init-scale in [{float(d.min_loss_scale):g}, "
+                    f"{float(d.max_loss_scale):g}] (or use --loss-scale static)")
+        raise UsageError(f"{flag} {value}: {e}{hint}") from None
 
 
 def _check_writable(out: Path) -> None:
@@ -312,35 +381,31 @@ _FLAG_OF = {"preset": "--preset", "model": "--preset", "policy": "--policy",
 
 
 def _checkpoint_manager(out: Path, *, create=True):
-    import orbax.checkpoint as ocp
-
-    # Synchronous saves: the train step donates the state's buffers right after a save.
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=3, create=create, enable_async_checkpointing=False)
-    return ocp.CheckpointManager((out / CHECKPOINT_DIR).resolve(), options=options,
-                                 item_names=("state", "meta"))
+    return lm_checkpoint.manager(out / CHECKPOINT_DIR, create=create)
 
 
-def save_checkpoint(manager, state, meta: dict) -> None:
-    import orbax.checkpoint as ocp
+def save_checkpoint(manager, state, meta: dict,
+                    folder: lm_files.RunFolder | None = None) -> None:
+    """Saves ``state`` and ``meta`` with their checksums (``lm_checkpoint.save``), recording
+    the step in the manifest first."""
+    if folder is not None:
+        folder.record(step=int(meta["step"]))
+    lm_checkpoint.save(manager, int(meta["step"]), state, lm_files.strict(meta))
 
-    manager.save(int(meta["step"]), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    manager.wait_until_finished()
 
-
-def restore_checkpoint(s: Setup, abstract_state):
-    """(state, meta) from the latest checkpoint in --out; UsageError if none or unreadable.
+def restore_checkpoint(s: Setup, abstract_state, skipped: list | None = None):
+    """(state, meta) from the latest checkpoint in --out; UsageError if none or unusable.
 
     Orbax writes a checkpoint into a temporary folder and renames it when complete, so a run
     killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*`` folder, which orbax does not
-    list as a step: the latest *complete* checkpoint is the one restored.
+    list as a step: the latest *complete* checkpoint is the one restored. Every checkpoint
+    carries a sha256 of each array and of its meta (``lm_checkpoint``): one that fails them is
+    an error, or with ``--resume latest-intact`` is passed over for the next older one
+    (appended to ``skipped`` as ``lm_checkpoint.CorruptCheckpoint``).
     """
-    import orbax.checkpoint as ocp
-
     folder = s.out / CHECKPOINT_DIR
-    no_checkpoint = UsageError(f"--resume: no checkpoints in {folder}; run without --resume to "
-                               "start a new run there")
+    no_checkpoint = UsageError(f"--resume: no checkpoints in {folder}; start a new run there "
+                               "with --overwrite instead of --resume")
     if not folder.is_dir():
         raise no_checkpoint
     try:
@@ -348,49 +413,56 @@ def restore_checkpoint(s: Setup, abstract_state):
     except Exception as e:  # noqa: BLE001 - any orbax failure means an unusable folder
         raise UsageError(f"--resume: cannot read checkpoints in {folder} "
                          f"({type(e).__name__}: {_first_line(e)})") from None
+    fallback = s.args.resume == "latest-intact"
     with manager:
-        step = manager.latest_step()
-        if step is None:
+        steps = sorted(manager.all_steps(), reverse=True)
+        if not steps:
             raise no_checkpoint
-        where = folder / str(step)
-
-        def corrupted(e: Exception) -> UsageError:
-            return UsageError(
-                f"--resume: checkpoint {where} is unreadable or corrupted ({type(e).__name__}: "
-                f"{_first_line(e)}); delete that folder to resume from an earlier checkpoint, "
-                "or start without --resume")
-
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
-            if not isinstance(meta, dict) or "run_config" not in meta:
-                raise ValueError("its meta item is not from train_lm.py")
-        except Exception as e:  # noqa: BLE001
-            raise corrupted(e) from None
-        now = _run_config(s)
-        mismatch = [k for k, v in now.items() if meta["run_config"].get(k) != v]
-        if mismatch:
-            old = meta["run_config"]
-            detail = "; ".join(f"{_FLAG_OF[k]}: checkpoint has {_show(old.get(k))}, now "
-                               f"{_show(now[k])}" for k in mismatch)
-            raise UsageError(f"--resume: the checkpoint in {folder} was made with other "
-                             f"settings ({detail}); pass the original flags or choose another "
-                             "--out")
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))["state"]
-            # Through host memory: orbax returns arrays committed to a device, which would
-            # add sharding annotations to the lowered step (a different program from a fresh
-            # run's, so no compilation-cache hit and no guarantee of identical numerics).
-            restored = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored)
-            restored = _strong(restored)
-            jax.block_until_ready(restored)
-        except Exception as e:  # noqa: BLE001
-            raise corrupted(e) from None
-    if int(restored.step) != step or int(meta.get("step", -1)) != step:
-        raise UsageError(f"--resume: checkpoint {where} holds step {int(restored.step)}, not "
-                         f"{step}; delete that folder or start without --resume")
+        bad = []
+        for step in steps:
+            where = folder / str(step)
+            try:
+                meta, integrity = lm_checkpoint.restore_meta(manager, step, where)
+                if "run_config" not in meta:
+                    raise lm_checkpoint.CorruptCheckpoint(
+                        step, where, "its meta item is not from train_lm.py")
+                _check_same_settings(s, meta, folder)
+                restored = lm_checkpoint.restore_state(manager, step, where, abstract_state,
+                                                       integrity)
+                if int(restored.step) != step or int(meta.get("step", -1)) != step:
+                    raise lm_checkpoint.CorruptCheckpoint(
+                        step, where, f"it holds step {int(restored.step)}, not {step}")
+            except lm_checkpoint.CorruptCheckpoint as e:
+                if not fallback:
+                    older = (f"pass --resume latest-intact to resume from the newest intact "
+                             f"earlier checkpoint (steps {', '.join(map(str, steps[1:]))})"
+                             if len(steps) > 1 else "no earlier checkpoint exists")
+                    raise UsageError(f"--resume: checkpoint {where} is corrupted ({e.reason}); "
+                                     f"{older}, or start again with --overwrite") from None
+                bad.append(e)
+                continue
+            break
+        else:
+            raise UsageError(f"--resume latest-intact: every checkpoint in {folder} is "
+                             f"corrupted (steps {', '.join(map(str, steps))}; newest: "
+                             f"{bad[0].reason}); start again with --overwrite") from None
+    if skipped is not None:
+        skipped.extend(bad)
+    restored = _strong(jax.tree.map(jnp.asarray, restored))
+    jax.block_until_ready(restored)
     return restored, meta
+
+
+def _check_same_settings(s: Setup, meta: dict, folder: Path) -> None:
+    now = _run_config(s)
+    old = meta["run_config"]
+    mismatch = [k for k, v in now.items() if old.get(k) != v]
+    if mismatch:
+        detail = "; ".join(f"{_FLAG_OF[k]}: checkpoint has {_show(old.get(k))}, now "
+                           f"{_show(now[k])}" for k in mismatch)
+        raise UsageError(f"--resume: the checkpoint in {folder} was made with other "
+                         f"settings ({detail}); pass the original flags or choose another "
+                         "--out")
 
 
 def _first_line(e: BaseException) -> str:
@@ -425,7 +497,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def write_metrics(path: Path, rows: list[dict]) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.write_text("".join(lm_files.dumps(r) + "\n" for r in rows))
     os.replace(tmp, path)
 
 
@@ -488,7 +560,7 @@ def _finite(x) -> float | None:
 
 
 def _fmt(x, digits=3) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
 def _fmt_bytes(n) -> str:
@@ -548,24 +620,31 @@ def train(s: Setup) -> int:
                                         policy=policy)
 
     abstract_state = abstract_train_state(model, config, tx, loss_scale, policy)
-    start_step, meta = 0, None
+    start_step, meta, corrupted = 0, None, []
     if args.resume:
-        state, meta = restore_checkpoint(s, abstract_state)
+        state, meta = restore_checkpoint(s, abstract_state, corrupted)
         start_step = int(meta["step"])
         if start_step > args.steps:
             raise UsageError(f"--steps {args.steps} is below the step of the latest checkpoint "
                              f"in {out / CHECKPOINT_DIR} ({start_step}); pass --steps "
                              f">= {start_step}")
     # ---- from here on, input is valid: build and run ----
-    if not args.resume:
-        ckpt = out / CHECKPOINT_DIR
-        if ckpt.exists() or any((out / f).exists() for f in OUTPUT_FILES):
-            console.print(f"note: starting a new run in {esc(str(out))}; removing the "
-                          "previous run's checkpoints and outputs there (use --resume to "
-                          "continue it)")
-            shutil.rmtree(ckpt, ignore_errors=True)
-            for f in OUTPUT_FILES:
-                (out / f).unlink(missing_ok=True)
+    folder = s.folder or lm_files.RunFolder(out)
+    if s.out_note:
+        console.print(esc(s.out_note))
+    if corrupted:
+        # Orbax skips saving a step at or below its latest one: the corrupted newer ones go
+        # (this script wrote them: validate() refused an --out holding steps it did not list).
+        removed = folder.remove_steps({e.step for e in corrupted})
+        console.print(esc(f"note: --resume latest-intact: checkpoint(s) "
+                          f"{', '.join(str(e.step) for e in corrupted)} corrupted "
+                          f"({corrupted[0].reason}); removed {len(removed)} of them, resuming "
+                          f"from the newest intact checkpoint, step {start_step}"))
+    if args.overwrite and folder.holds_run():
+        removed = folder.remove_recorded()
+        console.print(f"note: --overwrite: removed the previous run's {len(removed)} files and "
+                      f"checkpoints in {esc(str(out))} (only what train_lm.py wrote there)")
+    folder.record(*OUTPUT_FILES[:1])  # metrics.jsonl, before it is (re)written
 
     backend = jax.default_backend()
     devices = jax.devices()
@@ -638,7 +717,7 @@ def train(s: Setup) -> int:
     run_config = _run_config(s)
 
     def checkpoint(state, step):
-        save_checkpoint(manager, state, {
+        save_checkpoint(manager, state, folder=folder, meta={
             "step": step, "run_config": run_config, "initial_val_loss": initial_val,
             "data": {"next_step": step, "seed": args.seed,
                      "sampler": "np.random.default_rng([seed, 0, step])",
@@ -676,7 +755,7 @@ def train(s: Setup) -> int:
                     "grad_norm": _finite(m["grad_norm"]),  # None: inf/nan (a skipped step)
                     "grads_finite": bool(m["grads_finite"]), "skipped": bool(m["skipped"]),
                     "skipped_steps": int(m["skipped_steps"]),
-                    "tokens_per_s": tokens_per_step / dt,
+                    "tokens_per_s": tokens_per_step / dt if dt > 0 else None,
                 }
                 if (args.eval_interval and step % args.eval_interval == 0) or \
                         step == args.steps:
@@ -685,7 +764,7 @@ def train(s: Setup) -> int:
                     if live:
                         progress.console.print(f"step {step}: validation loss {last_val:.4f}")
                 rows.append(row)
-                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.write(lm_files.dumps(row) + "\n")
                 metrics_file.flush()
                 if (args.checkpoint_interval and step % args.checkpoint_interval == 0) or \
                         step == args.steps:
@@ -741,9 +820,15 @@ def train(s: Setup) -> int:
         "data": {"source": corpus.source, "train_tokens": int(corpus.train.size),
                  "val_tokens": int(corpus.val.size), "fingerprint": corpus.fingerprint},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "precision.json").write_text(json.dumps(rows_table, indent=2) + "\n")
+    folder.record(*OUTPUT_FILES)
+    (out / "summary.json").write_text(lm_files.dumps(summary, indent=2) + "\n")
+    (out / "precision.json").write_text(lm_files.dumps(rows_table, indent=2) + "\n")
     all_rows = read_metrics(metrics_path)
+    diverged = [f for f in jaxamp.review.review_metrics(all_rows, summary).findings
+                if f.code == "loss_diverged"]
+    if diverged:  # exit 0 (the run did what was asked), but never silently
+        console.print(f"[bold red]warning[/bold red]: {esc(diverged[0].explanation)} "
+                      f"(python -m jaxamp.review {esc(str(out))})")
     if all_rows:
         plot_curves(all_rows, out / "curves.png",
                     f"{args.preset} | {s.policy_str} | loss scale: {s.loss_scale_kind}",
@@ -765,7 +850,7 @@ def train(s: Setup) -> int:
     ratio = (memory.get("total") / ref_memory["total"]
              if memory.get("total") and ref_memory.get("total") else None)
     for k, v in (
-            ("validation loss", f"{initial_val:.4f} -> {final_val:.4f}"),
+            ("validation loss", f"{_fmt(initial_val, 4)} -> {_fmt(final_val, 4)}"),
             (f"train loss (last {len(tail)} steps)",
              f"{summary['final_train_loss']:.4f}" if tail else "n/a"),
             ("skipped steps", f"{summary['skipped_steps']}"),

@@ -95,11 +95,36 @@ def _number(cls: str, name: str, value: Any, hint: str) -> float | None:
     return float(arr)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+
+
+def _as_float32(cls: str, name: str, x: float, hint: str) -> float:
+    """``x`` as the float32 it will be stored as; ValueError if that is inf, or 0/subnormal
+    while ``x`` is not 0 (a scale of 1e39 would be stored as inf, 1e-46 as 0.0)."""
+    allowed = f"the allowed magnitudes are [{_F32_TINY:g}, {_F32_MAX:g}]"
+    with np.errstate(over="ignore", under="ignore"):
+        f = float(np.float32(x))
+    if math.isfinite(x) and not math.isfinite(f):
+        raise ValueError(
+            f"{cls}: {name}={x!r} overflows float32, the dtype it is stored in ({allowed}). "
+            f"{hint}"
+        )
+    if x != 0 and math.isfinite(x) and abs(f) < _F32_TINY:
+        raise ValueError(
+            f"{cls}: {name}={x!r} underflows float32, the dtype it is stored in (it would be "
+            f"{f!r}; {allowed}). {hint}"
+        )
+    return f
+
+
 def _positive_finite(cls: str, name: str, value: Any, hint: str) -> float | None:
+    """A finite, > 0 value that stays finite and normal in float32; returns the float32 value
+    (comparisons between fields must use what is stored)."""
     x = _number(cls, name, value, hint)
     if x is not None and not (math.isfinite(x) and x > 0):
         raise ValueError(f"{cls}: {name} must be finite and > 0, got {x!r}. {hint}")
-    return x
+    return None if x is None else _as_float32(cls, name, x, hint)
 
 
 def _integer(cls: str, name: str, value: Any, hint: str) -> int | None:
@@ -421,12 +446,28 @@ class DynamicLossScale(_LossScaleBase):
             raise ValueError(
                 f"{c}: growth_factor must be > 1, got {gf!r}. Use e.g. growth_factor=2.0."
             )
+        if gf is not None:
+            gf32 = _as_float32(c, "growth_factor", gf, "Use e.g. growth_factor=2.0.")
+            if not gf32 > 1:  # 1 + 1e-9 is stored as 1.0: the scale would never grow
+                raise ValueError(
+                    f"{c}: growth_factor must be > 1 in float32, the dtype it is stored in; "
+                    f"got {gf!r}, which rounds to {gf32!r}. Use e.g. growth_factor=2.0."
+                )
         bf = _number(c, "backoff_factor", backoff_factor, "Use e.g. backoff_factor=0.5.")
         if bf is not None and not 0 < bf < 1:
             raise ValueError(
                 f"{c}: backoff_factor must be in the open interval (0, 1), got {bf!r}. "
                 "Use e.g. backoff_factor=0.5."
             )
+        if bf is not None:
+            with np.errstate(under="ignore"):
+                bf32 = float(np.float32(bf))
+            if not (_F32_TINY <= bf32 < 1):  # 1 - 1e-9 is stored as 1.0, 1e-46 as 0.0
+                raise ValueError(
+                    f"{c}: backoff_factor must be in the open interval (0, 1) in float32, the "
+                    f"dtype it is stored in (at least {_F32_TINY:g}); got {bf!r}, which rounds "
+                    f"to {bf32!r}. Use e.g. backoff_factor=0.5."
+                )
         gi = _integer(c, "growth_interval", growth_interval, "Use e.g. growth_interval=2000.")
         if gi is not None and gi < 1:
             raise ValueError(

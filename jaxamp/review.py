@@ -14,7 +14,13 @@ code                            what it means
 ``grad_norm_tiny``              (c) gradient norm implausibly small (or == clip / loss scale)
 ``grad_norm_at_clip``           (c) gradient norm equal to the clip threshold at nearly every step
 ``memory_not_reduced``          (d) compiled step memory not smaller than the float32 step's
+``loss_diverged``               the loss went non-finite and stayed so, or a validation loss did
 =============================== =================================================================
+
+Non-finite numbers are read as ``null`` (strict JSON: what jaxamp and ``train_lm.py`` write) or
+as the non-standard ``NaN``/``Infinity`` tokens of older files. A line that is not a JSON object
+with a whole-number ``step`` is an error (exit 2, naming the line); a value of the wrong type
+only disables the checks that need it.
 
 Command line::
 
@@ -65,7 +71,8 @@ class RunFinding:
 
     Attributes:
       code: ``loss_spike_at_scale_change``, ``scale_at_floor``, ``consecutive_skips``,
-        ``grad_norm_tiny``, ``grad_norm_at_clip`` or ``memory_not_reduced``.
+        ``grad_norm_tiny``, ``grad_norm_at_clip``, ``memory_not_reduced`` or
+        ``loss_diverged``.
       steps: the steps involved (for memory: empty).
       explanation: what was seen, what it means and the likely fix (plain English).
     """
@@ -189,6 +196,8 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], dict]:
         step = row.get("step")
         if isinstance(step, bool) or not isinstance(step, (int, float)):
             raise ReviewError(f"{mpath} line {n}: missing or non-numeric 'step'")
+        if not (math.isfinite(step) and step == int(step)):
+            raise ReviewError(f"{mpath} line {n}: 'step' must be a whole number, got {step!r}")
         rows[int(step)] = row
     if not rows:
         raise ReviewError(f"{mpath}: no steps logged")
@@ -221,6 +230,47 @@ def _runs(flags: Sequence[bool], steps: Sequence[int]) -> list[list[int]]:
     if cur:
         out.append(cur)
     return out
+
+
+def _nonfinite(row: Mapping, key: str) -> bool:
+    """Whether ``row[key]`` is logged as non-finite: ``null`` (strict JSON, as train_lm.py and
+    jaxamp write inf/nan) or a NaN/Infinity float (non-standard JSON). Absent keys and values
+    of other types (malformed) are not."""
+    if key not in row:
+        return False
+    v = row[key]
+    return v is None or (isinstance(v, float) and not math.isfinite(v))
+
+
+def _diverged(steps, rows, summary: Mapping) -> RunFinding | None:
+    """The loss non-finite from some step to the last logged one, or a non-finite validation
+    loss: the run diverged (params or optimizer state hold inf/nan)."""
+    tail = []
+    for s, r in zip(reversed(steps), reversed(rows)):
+        if not _nonfinite(r, "loss"):
+            break
+        tail.append(s)
+    tail.reverse()
+    val = [s for s, r in zip(steps, rows) if _nonfinite(r, "val_loss")]
+    final_val = _nonfinite(summary, "final_val_loss")
+    if not (tail or val or final_val):
+        return None
+    seen = []
+    if tail:
+        seen.append(f"the training loss is non-finite from step {tail[0]} to the last logged "
+                    f"step ({len(tail)} steps)")
+    if val:
+        seen.append(f"the validation loss non-finite at step {_steps_text(val)}")
+    elif final_val:
+        seen.append("summary.json's final validation loss is non-finite")
+    return RunFinding(
+        "loss_diverged", tuple(sorted(set(tail) | set(val))),
+        f"the run diverged: {'; '.join(seen)}. The parameters or optimizer state hold inf/NaN, "
+        "so every later step is skipped or applies garbage, whatever the loss scale. Typical "
+        "causes: a learning rate too high for this model, a NaN/inf in the data, a corrupted "
+        "checkpoint that was resumed, or an op overflowing in float16. Fix: resume from the "
+        "last checkpoint before it with a lower learning rate (or a longer warmup), check the "
+        "data, and run jaxamp.locate_overflow on the first bad step's batch.")
 
 
 def _skipped(row: Mapping) -> bool:
@@ -259,12 +309,13 @@ def _spikes(steps, loss, skipped, cfg) -> list[int]:
 
 def _clip_norm(summary: Mapping, override: float | None) -> float | None:
     if override is not None:
-        return override if override > 0 else None
+        return override if math.isfinite(override) and override > 0 else None
     for src in (summary, summary.get("run_config") or {}, summary.get("args") or {},
                 summary.get("config") or {}):
         if isinstance(src, Mapping):
             v = src.get("clip_norm", src.get("clip_grad_norm"))
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                    math.isfinite(v) and v > 0:
                 return float(v)
     return None
 
@@ -427,6 +478,11 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 "the scale that produced them (jaxamp.make_train_step does both), lengthen the "
                 "growth interval (DynamicLossScale(growth_interval=2000)) or lower the growth "
                 "factor, or train in bfloat16 (no loss scaling)."))
+
+    # divergence: a non-finite loss that never recovered, or a non-finite validation loss
+    diverged = _diverged(steps, rows, summary)
+    if diverged is not None:
+        findings.append(diverged)
 
     # (b) scale stuck at its floor; many consecutive skips
     mode = str(summary.get("loss_scale_mode", summary.get("loss_scale_kind", ""))).lower()

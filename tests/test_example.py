@@ -232,6 +232,40 @@ def test_data_errors(tmp_path):
     assert issubclass(lm_data.DataError, ValueError)
 
 
+def test_large_data_file_is_read_only_up_to_the_cap(tmp_path):
+    """A data file far larger than the cap is not read whole (issue #13: a 30 GiB --data file
+    was a MemoryError): at most the cap plus small change is allocated."""
+    import tracemalloc
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.write(b"abcdefgh" * 1000)
+        f.truncate(64 * 2**20)  # sparse: 64 MiB on paper
+    for path in (big, tmp_path):  # the file itself, and a folder holding it
+        tracemalloc.start()
+        corpus = lm_data.load_corpus(path, block_size=8, max_bytes=2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert corpus.num_tokens == 2**20
+        assert corpus.train[:8].tobytes() == b"abcdefgh"
+        assert peak < 8 * 2**20, peak  # reading the whole file would allocate >= 64 MiB
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs os.mkfifo")
+def test_special_files_are_refused(tmp_path):
+    """A FIFO as --data used to hang (reading a pipe nobody writes); special files are refused
+    before they are opened, and skipped inside a folder."""
+    import os
+
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(lm_data.DataError, match=r"--data .*pipe.txt: not a regular file"):
+        lm_data.load_corpus(fifo, block_size=8)
+    (tmp_path / "real.txt").write_text("r" * 400)
+    corpus = lm_data.load_corpus(tmp_path, block_size=8)  # the FIFO in the folder: skipped
+    assert corpus.num_files == 1 and corpus.num_tokens == 400
+
+
 # ------------------------------------------------------------------------------------------
 # training runs
 # ------------------------------------------------------------------------------------------

@@ -489,3 +489,58 @@ def test_valid_edge_values_accepted():
     )
     assert bool(s.at_min) and int(s.hysteresis_counter) == 5
     assert int(DynamicLossScale(growth_interval=2000.0).growth_interval) == 2000
+
+
+# --------------------------------------------------------------------------
+# Validation in float32, the dtype every scale and factor is stored in (issue #13)
+# --------------------------------------------------------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        # finite in float64, inf once stored as float32
+        (lambda: StaticLossScale(1e39), r"StaticLossScale: loss_scale=1e\+39 overflows float32"),
+        (lambda: DynamicLossScale(1.0, max_loss_scale=1e39),
+         r"DynamicLossScale: max_loss_scale=1e\+39 overflows float32"),
+        (lambda: DynamicLossScale(1e39, max_loss_scale=1e40), "loss_scale=1e\\+39 overflows"),
+        # 0.0 or subnormal once stored as float32
+        (lambda: DynamicLossScale(1.0, min_loss_scale=1e-46),
+         r"DynamicLossScale: min_loss_scale=1e-46 underflows float32"),
+        (lambda: DynamicLossScale(1.0, min_loss_scale=1e-40), "min_loss_scale=1e-40 underflows"),
+        (lambda: StaticLossScale(1e-40), "StaticLossScale: loss_scale=1e-40 underflows float32"),
+        # factors that round to exactly 1 (never grow / never back off) or to 0
+        (lambda: DynamicLossScale(growth_factor=1 + 1e-9),
+         r"growth_factor must be > 1 in float32, .*rounds to 1.0"),
+        (lambda: DynamicLossScale(backoff_factor=1 - 1e-9),
+         r"backoff_factor must be in the open interval \(0, 1\) in float32"),
+        (lambda: DynamicLossScale(backoff_factor=1e-46),
+         r"backoff_factor must be in the open interval \(0, 1\) in float32"),
+        (lambda: DynamicLossScale(growth_factor=1e39), "growth_factor=1e\\+39 overflows float32"),
+    ],
+)
+def test_values_are_validated_in_float32(make, match):
+    with pytest.raises(ValueError, match=match) as info:
+        make()
+    msg = str(info.value)
+    if "overflows" in msg:
+        assert f"{F32_MAX:g}" in msg  # names the allowed range
+    if "underflows" in msg:
+        assert f"{F32_TINY:g}" in msg
+
+
+def test_float32_extremes_that_fit_are_kept_exactly():
+    """The largest and smallest normal float32 values are accepted and stored unchanged; the
+    scale then stays inside [min, max] when it backs off/grows past them (never 0 or inf)."""
+    s = DynamicLossScale(F32_TINY, min_loss_scale=F32_TINY, max_loss_scale=F32_MAX,
+                         growth_interval=1)
+    assert s.loss_scale.dtype == jnp.float32 and float(s.loss_scale) == F32_TINY
+    down = jax.jit(lambda s: s.adjust(False))(s)
+    assert float(down.loss_scale) == F32_TINY  # floor holds: not 0.0
+    top = DynamicLossScale(F32_MAX, min_loss_scale=1.0, max_loss_scale=F32_MAX, growth_interval=1)
+    up = jax.jit(lambda s: s.adjust(True))(top)
+    assert float(up.loss_scale) == F32_MAX  # ceiling holds: not inf
+    assert float(StaticLossScale(F32_MAX).loss_scale) == F32_MAX

@@ -199,3 +199,75 @@ def test_cli_exit_codes(tmp_path, capsys):
 def test_missing_metric_keys_only_disable_their_checks(field):
     rows = [{k: v for k, v in r.items() if k != field} for r in healthy_rows()]
     assert review_metrics(rows, healthy_summary()).ok
+
+
+# ------------------------------------------------------------------------------------------
+# issue #13: malformed lines never crash the review; a diverged run is a finding
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", ["NaN", "Infinity", "-Infinity", "1.5", "1e400", "true",
+                                  '"3"', "null"])
+def test_malformed_step_is_one_error_line(tmp_path, capsys, step):
+    run = write_run(tmp_path / "run", healthy_rows(20))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": ' + step + ', "loss": 1.0}\n')
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {run / 'metrics.jsonl'} line 21: ") and "'step'" in err, err
+
+
+def test_malformed_values_are_ignored_not_fatal(tmp_path):
+    rows = healthy_rows()
+    rows[10].update(loss="abc", grad_norm=[1, 2], loss_scale={"x": 1}, skipped="yes")
+    review = review_run(write_run(tmp_path / "run", rows, healthy_summary()))
+    assert review.num_steps == STEPS and review.ok, review.to_text()
+
+
+def diverged_rows(at: int, nan_token: bool) -> list[dict]:
+    """The last steps of a run whose params became NaN at step ``at``: from then on the loss
+    is NaN and every step is skipped (too few for consecutive_skips), and the final validation
+    loss is NaN. ``nan_token``: written as the non-standard NaN token (old metrics files)
+    instead of strict JSON's null."""
+    rows = healthy_rows()
+    bad = math.nan if nan_token else None
+    for r in rows:
+        if r["step"] >= at:
+            r.update(loss=bad, grad_norm=bad, grads_finite=False, skipped=True)
+    rows[-1]["val_loss"] = bad
+    rows[199]["val_loss"] = 2.5
+    return rows
+
+
+@pytest.mark.parametrize("nan_token", [False, True])
+def test_diverged_run_is_a_finding(tmp_path, capsys, nan_token):
+    rows = diverged_rows(STEPS - 4, nan_token)
+    summary = dict(healthy_summary(), final_val_loss=math.nan if nan_token else None)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps(summary))
+    review = review_run(run)
+    assert review.codes() == {"loss_diverged"}, review.to_text()
+    (finding,) = review.findings
+    assert finding.steps == (STEPS - 4, STEPS - 3, STEPS - 2, STEPS - 1, STEPS)
+    assert f"non-finite from step {STEPS - 4}" in finding.explanation
+    assert f"validation loss non-finite at step {STEPS}" in finding.explanation
+    assert main([str(run)]) == 1
+    assert "loss_diverged" in capsys.readouterr().out
+
+
+def test_validation_loss_alone_can_diverge():
+    rows = healthy_rows()
+    rows[99]["val_loss"] = 3.0
+    rows[199]["val_loss"] = None  # the eval diverged, the train loss did not (yet)
+    review = review_metrics(rows, healthy_summary())
+    assert review.codes() == {"loss_diverged"}
+    assert review.findings[0].steps == (200,)
+
+
+def test_a_recovered_overflow_is_not_divergence():
+    rows = healthy_rows()
+    rows[149].update(loss=None)  # step 150: the forward overflowed too; skipped, then fine
+    assert review_metrics(rows, healthy_summary()).ok

@@ -1,0 +1,210 @@
+"""The files train_lm.py writes in ``--out``: which folder, what it may replace, strict JSON.
+
+Rules (see examples/README.md, "What lands in --out"):
+
+* The script records every file and checkpoint step it writes in ``--out`` in
+  :data:`MANIFEST` (written atomically) *before* writing it. ``--overwrite`` removes exactly
+  those, nothing else: a file the script did not write (``checkpoints/my_model.pt``, a
+  ``notes.txt``) is never deleted or overwritten.
+* A folder holding a file with one of the script's names that the manifest does not list (a
+  user's own ``summary.json``, a run of another tool) is refused, with or without
+  ``--overwrite``.
+* A new run in an explicit ``--out`` that holds a previous run needs ``--overwrite`` (or
+  ``--resume`` to continue it). Without ``--out`` the default folder ``runs/<preset>-<dtype>``
+  is used when free, else the first free ``runs/<preset>-<dtype>-2``, ``-3``, ... so the
+  README's command keeps working; ``--resume`` without ``--out`` continues the newest of them.
+* Metrics, summary and manifest are strict JSON: non-finite floats are written as ``null``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+__all__ = ["MANIFEST", "OUTPUT_FILES", "RunFolder", "FolderError", "choose_out", "dumps",
+           "strict"]
+
+#: The list of what train_lm.py wrote in --out (the only files ``--overwrite`` removes).
+MANIFEST = "train_lm.manifest.json"
+CHECKPOINT_DIR = "checkpoints"
+#: The files train_lm.py writes in --out, besides checkpoints/ and the manifest.
+OUTPUT_FILES = ("metrics.jsonl", "summary.json", "precision.json", "curves.png")
+_STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp-.*)?$")
+_MAX_NUMBERED = 10_000
+
+
+class FolderError(Exception):
+    """--out cannot be used as asked; the message says why and what to pass instead."""
+
+
+def strict(obj):
+    """``obj`` with every non-finite float replaced by ``None`` (strict JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON (``null`` for inf/nan)."""
+    return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunFolder:
+    """``--out`` and the manifest of what train_lm.py wrote there."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.files: set[str] = set()
+        self.steps: set[int] = set()
+        m = self.path / MANIFEST
+        if m.is_file():
+            try:
+                data = json.loads(m.read_text())
+                self.files = {f for f in data["files"] if f in OUTPUT_FILES}
+                self.steps = {int(s) for s in data["checkpoint_steps"]}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise FolderError(f"--out {self.path}: its {MANIFEST} is unreadable "
+                                  f"({type(e).__name__}); it lists what train_lm.py wrote "
+                                  "there, so nothing is replaced: choose another --out") from None
+
+    def _step_entries(self) -> list[tuple[int, Path]]:
+        ckpt = self.path / CHECKPOINT_DIR
+        if not ckpt.is_dir():
+            return []
+        out = []
+        for p in ckpt.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return out
+
+    def foreign(self) -> list[str]:
+        """Entries with the script's names that the manifest does not list."""
+        names = [f for f in OUTPUT_FILES if (self.path / f).exists() and f not in self.files]
+        names += [f"{CHECKPOINT_DIR}/{p.name}" for s, p in self._step_entries()
+                  if s not in self.steps]
+        return sorted(names)
+
+    def holds_run(self) -> bool:
+        """Whether a file or checkpoint the manifest lists is still there."""
+        return any((self.path / f).exists() for f in self.files) or \
+            any(s in self.steps for s, _ in self._step_entries())
+
+    def is_free(self) -> bool:
+        return not self.path.exists() or not (self.holds_run() or self.foreign())
+
+    def describe(self) -> str:
+        steps = sorted(s for s, p in self._step_entries() if s in self.steps and
+                       _STEP_DIR.match(p.name).group(2) is None)
+        return f"checkpoints at steps {', '.join(map(str, steps))}" if steps else \
+            "its outputs, no checkpoint"
+
+    def record(self, *files: str, step: int | None = None) -> None:
+        """Adds ``files`` / checkpoint ``step`` to the manifest, before they are written."""
+        new_files = set(files) - self.files
+        if not new_files and (step is None or step in self.steps):
+            return
+        self.files |= new_files
+        if step is not None:
+            self.steps.add(int(step))
+        write_atomic(self.path / MANIFEST, dumps(
+            {"written_by": "examples/train_lm.py", "files": sorted(self.files),
+             "checkpoint_steps": sorted(self.steps)}, indent=1) + "\n")
+
+    def remove_steps(self, steps) -> list[str]:
+        """Deletes the listed checkpoint steps (only those the manifest records)."""
+        removed = []
+        for s, p in self._step_entries():
+            if s in steps and s in self.steps:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                removed.append(f"{CHECKPOINT_DIR}/{p.name}")
+        return removed
+
+    def remove_recorded(self) -> list[str]:
+        """Deletes what the manifest lists (files, checkpoint steps and their temporary
+        folders) and empties it; returns the removed names. Nothing else is touched."""
+        removed = []
+        for f in sorted(self.files):
+            p = self.path / f
+            if p.is_file():
+                p.unlink()
+                removed.append(f)
+        removed += self.remove_steps(self.steps)
+        self.files, self.steps = set(), set()
+        (self.path / MANIFEST).unlink(missing_ok=True)
+        return removed
+
+
+def _check(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
+    if folder.path.exists() and not folder.path.is_dir():
+        raise FolderError(f"--out {folder.path}: is a file, not a folder; choose a folder to "
+                          "write to")
+    foreign = folder.foreign()
+    if foreign:
+        raise FolderError(
+            f"--out {folder.path} holds {', '.join(foreign[:4])}"
+            f"{' ...' if len(foreign) > 4 else ''}, which train_lm.py did not write (they are "
+            f"not in its {MANIFEST}: another tool's, yours, or from a train_lm.py older than "
+            "the manifest) and will not replace; move them away or choose another --out")
+    if not resume and not overwrite and folder.holds_run():
+        raise FolderError(
+            f"--out {folder.path} holds a previous run ({folder.describe()}); pass --resume to "
+            "continue it, --overwrite to replace it (only the files train_lm.py wrote there "
+            "are removed), or choose another --out")
+
+
+def choose_out(out: str | None, default: Path, *, resume: bool, overwrite: bool) -> tuple[
+        RunFolder, str | None]:
+    """The run folder to use and a note to print (or None); FolderError if none fits.
+
+    Nothing is created or removed here.
+    """
+    if resume and overwrite:
+        raise FolderError("--resume continues the run in --out and --overwrite replaces it; "
+                          "pass one of them")
+    if out is not None:
+        if not out.strip():
+            raise FolderError(f"--out {out!r} is empty; pass a folder (--out . for the current "
+                              "folder)")
+        folder = RunFolder(Path(out).expanduser())
+        _check(folder, resume=resume, overwrite=overwrite)
+        return folder, None
+    numbered = [default] + [default.with_name(f"{default.name}-{n}")
+                            for n in range(2, _MAX_NUMBERED)]
+    if resume:  # the newest run among runs/<name>, runs/<name>-2, ...
+        last = default
+        for p in numbered:
+            if not p.exists():
+                break
+            if RunFolder(p).holds_run():
+                last = p
+        folder = RunFolder(last)
+        _check(folder, resume=True, overwrite=False)
+        return folder, None
+    first = RunFolder(default)
+    if overwrite or first.is_free():
+        _check(first, resume=False, overwrite=overwrite)
+        return first, None
+    for p in numbered[1:]:
+        if not p.exists():
+            return RunFolder(p), (f"note: {default} holds an earlier run; this one goes to {p} "
+                                  f"(--resume continues the newest, --overwrite replaces "
+                                  f"{default}, --out chooses the folder)")
+    raise FolderError(f"{default}-2 ... -{_MAX_NUMBERED - 1} all exist; pass --out")

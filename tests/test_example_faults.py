@@ -1,0 +1,386 @@
+"""examples/train_lm.py with bad input and faults (GitHub issue #13): nothing lost, nothing
+silently wrong.
+
+* a checkpoint with flipped bytes is a one-line error (its sha256s), ``--resume latest-intact``
+  falls back to the newest intact one and says which;
+* bad input never deletes anything, a new run never deletes or overwrites what the script did
+  not write, a folder holding a previous run needs ``--overwrite``;
+* every CLI failure is one ``error:`` line and exit 2, metrics are strict JSON;
+* kill -9 at random points of a run, then ``--resume``: bit-identical to an uninterrupted run.
+
+Every run uses the ``test`` preset and the compilation cache of tests/test_example.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_example import (  # noqa: F401 - compilation_cache: the module's autouse fixture
+    EXAMPLES,
+    assert_same_metrics,
+    assert_same_state,
+    compilation_cache,
+    lm_data,
+    metrics,
+    restore_state,
+    run_error,
+    train_lm,
+)
+
+STEPS = 20
+
+
+def args(out: Path, steps: int = STEPS, *extra: str) -> list[str]:
+    # constant schedule: a run resumed with another --steps follows the same trajectory
+    return ["--preset", "test", "--steps", str(steps), "--schedule", "constant", "--warmup",
+            "5", "--eval-interval", "10", "--checkpoint-interval", "10", "--no-compare-f32",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One finished 20-step run with checkpoints at steps 10 and 20."""
+    out = tmp_path_factory.mktemp("faults") / "run"
+    assert train_lm.main(args(out)) == 0
+    return out
+
+
+@pytest.fixture
+def part(run, tmp_path):
+    """A copy of ``run`` to damage."""
+    p = tmp_path / "part"
+    shutil.copytree(run, p)
+    return p
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def flip_bytes(ckpt: Path, n: int = 64) -> None:
+    """Flips ``n`` bytes in the middle of the checkpoint's largest array data file (no
+    truncation: the file still decodes, into wrong numbers)."""
+    data = [f for f in (ckpt / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    f = max(data, key=lambda f: f.stat().st_size)
+    b = bytearray(f.read_bytes())
+    mid = len(b) // 2
+    for i in range(mid, mid + n):
+        b[i] ^= 0xFF
+    f.write_bytes(bytes(b))
+
+
+def flat(text: str) -> str:
+    """Console output with rich's line wrapping undone."""
+    return " ".join(text.split())
+
+
+# ------------------------------------------------------------------------------------------
+# 1. checkpoint integrity
+# ------------------------------------------------------------------------------------------
+
+
+def test_flipped_bytes_in_a_checkpoint_are_one_error_line(part, capsys):
+    """Before: the flipped bytes decoded into NaNs in the optimizer state, step 21 was applied
+    and every parameter became NaN, exit 0."""
+    flip_bytes(part / "checkpoints" / "20")
+    before = snapshot(part)
+    line = run_error(capsys, args(part, 30, "--resume"))
+    ckpt = part / "checkpoints" / "20"
+    assert re.fullmatch(
+        rf"error: --resume: checkpoint {re.escape(str(ckpt))} is corrupted \(1 of 61 arrays "
+        r"fail their sha256 check, e\.g\. \.\S+\); pass --resume latest-intact to resume from "
+        r"the newest intact earlier checkpoint \(steps 10\), or start again with --overwrite",
+        line), line
+    assert snapshot(part) == before  # nothing written, nothing removed
+
+
+def test_real_process_reports_the_bit_flip(part):
+    flip_bytes(part / "checkpoints" / "20")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"),
+                           *args(part, 30, "--resume")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --resume: checkpoint "), proc.stderr
+    assert "sha256" in lines[0]
+
+
+def test_latest_intact_falls_back_and_says_which(run, part, capsys):
+    flip_bytes(part / "checkpoints" / "20")
+    assert train_lm.main(args(part, STEPS, "--resume", "latest-intact")) == 0
+    out = flat(capsys.readouterr().out)
+    assert re.search(r"note: --resume latest-intact: checkpoint\(s\) 20 corrupted \(1 of 61 "
+                     r"arrays fail their sha256 check, e\.g\. \S+\); removed 1 of them, "
+                     r"resuming from the newest intact checkpoint, step 10", out), out
+    assert "resuming from the checkpoint at step 10" in out
+    # steps 11-20 were trained again, the step-20 checkpoint rewritten: identical to the run's
+    assert_same_state(restore_state(part, STEPS), restore_state(run, STEPS))
+    assert_same_metrics(metrics(part), metrics(run))
+
+
+def test_latest_intact_with_bad_input_removes_nothing(part, capsys):
+    """The corrupted checkpoint is only removed once the run really continues."""
+    flip_bytes(part / "checkpoints" / "20")
+    before = snapshot(part)
+    line = run_error(capsys, args(part, 5, "--resume", "latest-intact"))
+    assert line.startswith("error: --steps 5 is below the step of the latest checkpoint"), line
+    assert snapshot(part) == before
+
+
+def test_latest_intact_with_every_checkpoint_corrupted(part, capsys):
+    for step in (10, 20):
+        flip_bytes(part / "checkpoints" / str(step))
+    line = run_error(capsys, args(part, 30, "--resume=latest-intact"))
+    assert line.startswith(f"error: --resume latest-intact: every checkpoint in "
+                           f"{part / 'checkpoints'} is corrupted (steps 20, 10; newest: 1 of 61 "
+                           "arrays fail their sha256 check"), line
+
+
+# ------------------------------------------------------------------------------------------
+# 2. nothing deleted that should not be
+# ------------------------------------------------------------------------------------------
+
+
+def test_new_run_in_a_previous_runs_folder_needs_overwrite(part, capsys):
+    before = snapshot(part)
+    line = run_error(capsys, args(part))
+    assert line == (f"error: --out {part} holds a previous run (checkpoints at steps 10, 20); "
+                    "pass --resume to continue it, --overwrite to replace it (only the files "
+                    "train_lm.py wrote there are removed), or choose another --out")
+    assert snapshot(part) == before
+
+
+@pytest.mark.parametrize("bad, flag", [
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--batch-size", "100000000"], "--batch-size"),
+    (["--init-scale", "0.5"], "--init-scale"),
+    (["--init-scale", "1e30"], "--init-scale"),
+    (["--growth-interval", "2147483648"], "--growth-interval"),
+    (["--lr", "1e300"], "--lr"),
+    (["--lr", "1e-46"], "--lr"),
+    (["--clip-norm", "1e39"], "--clip-norm"),
+    (["--steps", str(2**31)], "--steps"),
+    (["--eval-batches", "100000000"], "--eval-batches"),
+])
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_bad_input_is_one_line_and_deletes_nothing(part, capsys, bad, flag, overwrite):
+    """Before: the previous run's checkpoints and outputs were deleted first, then these
+    crashed with a traceback (or, for --lr 1e300, trained to NaN with exit 0)."""
+    before = snapshot(part)
+    line = run_error(capsys, args(part, STEPS, *overwrite, *bad))
+    assert line.startswith(f"error: {flag} "), line
+    assert snapshot(part) == before
+
+
+def test_bad_loss_scale_flags_name_the_range(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    line = run_error(capsys, ["--preset", "test", "--init-scale", "0.5", "--out", out])
+    assert line == ("error: --init-scale 0.5: DynamicLossScale: loss_scale must be within "
+                    "[min_loss_scale, max_loss_scale], got loss_scale=0.5 < min_loss_scale=1.0."
+                    "; dynamic scaling needs --init-scale in [1, 1.67772e+07] (or use "
+                    "--loss-scale static)")
+    line = run_error(capsys, ["--preset", "test", "--loss-scale", "static", "--init-scale",
+                              "1e39", "--out", out])
+    assert "StaticLossScale: loss_scale=1e+39 overflows float32" in line
+    line = run_error(capsys, ["--preset", "test", "--growth-interval", "2147483648",
+                              "--out", out])
+    assert line == "error: --growth-interval must be <= 2147483647, got 2147483648"
+    assert not (tmp_path / "out").exists()  # bad input: nothing created either
+
+
+def test_overwrite_removes_only_what_the_script_wrote(run, part):
+    """Before: a new run removed the whole checkpoints/ folder, my_model.pt included."""
+    mine = {"checkpoints/my_model.pt": os.urandom(1000), "notes.txt": b"my notes\n",
+            "checkpoints/README": b"keep\n"}
+    for name, data in mine.items():
+        (part / name).write_bytes(data)
+    old_metrics = (part / "metrics.jsonl").read_bytes()
+    assert train_lm.main(args(part, 10, "--overwrite")) == 0
+    for name, data in mine.items():
+        assert (part / name).read_bytes() == data, name
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [
+        "10", "README", "my_model.pt"]  # the old step-20 checkpoint is gone, step 10 is new
+    assert (part / "metrics.jsonl").read_bytes() != old_metrics
+    assert [r["step"] for r in metrics(part)] == list(range(1, 11))
+
+
+@pytest.mark.parametrize("flags", [[], ["--overwrite"]])
+def test_a_users_own_files_are_never_overwritten(tmp_path, capsys, flags):
+    """Before: a new run overwrote a user's summary.json in --out."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "summary.json").write_text('{"my": "results"}\n')
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "7").mkdir()  # some other tool's step folder
+    before = snapshot(out)
+    line = run_error(capsys, args(out, STEPS, *flags))
+    assert line == (f"error: --out {out} holds checkpoints/7, summary.json, which train_lm.py "
+                    "did not write (they are not in its train_lm.manifest.json: another tool's, "
+                    "yours, or from a train_lm.py older than the manifest) and will not "
+                    "replace; move them away or choose another --out")
+    assert snapshot(out) == before
+
+
+def test_empty_out_is_refused(tmp_path, capsys, monkeypatch):
+    """Before: --out '' was the current folder."""
+    monkeypatch.chdir(tmp_path)
+    line = run_error(capsys, ["--preset", "test", "--out", ""])
+    assert line == "error: --out '' is empty; pass a folder (--out . for the current folder)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_out_keeps_working_in_a_fresh_numbered_folder(tmp_path, capsys, monkeypatch):
+    """The README's command, run twice: the second run goes to runs/<name>-2 and says so; the
+    first run's files are untouched; --resume without --out continues the newest."""
+    monkeypatch.chdir(tmp_path)
+    short = ["--preset", "test", "--steps", "3", "--eval-interval", "0",
+             "--checkpoint-interval", "0", "--no-compare-f32", "--schedule", "constant"]
+    assert train_lm.main(short) == 0
+    first = snapshot(tmp_path / "runs" / "test-f16")
+    capsys.readouterr()
+    assert train_lm.main(short) == 0
+    out = flat(capsys.readouterr().out)
+    assert ("note: runs/test-f16 holds an earlier run; this one goes to runs/test-f16-2 "
+            "(--resume continues the newest, --overwrite replaces runs/test-f16, --out "
+            "chooses the folder)") in out
+    assert snapshot(tmp_path / "runs" / "test-f16") == first
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "test-f16-2")] == [1, 2, 3]
+    assert train_lm.main([*short[:2], "--steps", "5", *short[4:], "--resume"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "test-f16-2")] == [1, 2, 3, 4, 5]
+    assert snapshot(tmp_path / "runs" / "test-f16") == first
+
+
+# ------------------------------------------------------------------------------------------
+# 3. one error line: special and huge --data files
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_fifo_as_data_is_refused(tmp_path, capsys):
+    """Before: it hung, reading a pipe nobody writes."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    line = run_error(capsys, ["--preset", "test", "--data", str(fifo), "--out",
+                              str(tmp_path / "out")])
+    assert line.startswith(f"error: --data {fifo}: not a regular file (a FIFO, socket or "
+                           "device)"), line
+
+
+def test_30_gib_data_file_reads_only_the_cap(tmp_path, capsys):
+    """Before: MemoryError (the whole file was read to use 4 MiB). A sparse file: no disk."""
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.write(b"hello world\n" * 1000)
+        f.truncate(30 * 2**30)
+    corpus = lm_data.load_corpus(big, block_size=32)
+    assert corpus.num_tokens == lm_data.DEFAULT_MAX_BYTES
+    # and through the CLI, up to the first error that needs the data loaded
+    line = run_error(capsys, ["--preset", "test", "--data", str(big), "--resume", "--out",
+                              str(tmp_path / "out")])
+    assert "no checkpoints" in line
+
+
+# ------------------------------------------------------------------------------------------
+# 4-6. a diverged run: strict JSON, reviewed as diverged
+# ------------------------------------------------------------------------------------------
+
+
+def _strict_json(text: str):
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_diverged_run_writes_strict_json_and_reviews_as_diverged(tmp_path, capsys):
+    """--lr 1e30 is a float32 number, so it is accepted; the run diverges. Before: metrics and
+    summary held NaN tokens, and the review found nothing (too few skips for its checks)."""
+    from jaxamp import review
+
+    out = tmp_path / "nan"
+    assert train_lm.main(["--preset", "test", "--steps", "6", "--lr", "1e30", "--warmup", "0",
+                          "--schedule", "constant", "--eval-interval", "3", "--no-compare-f32",
+                          "--out", str(out)]) == 0
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sm = _strict_json((out / "summary.json").read_text())
+    _strict_json((out / "train_lm.manifest.json").read_text())
+    assert rows[-1]["loss"] is None and rows[-1]["val_loss"] is None
+    assert sm["final_val_loss"] is None
+    assert "warning: the run diverged: the training loss is non-finite from step" in flat(
+        capsys.readouterr().out)
+    assert review.main([str(out)]) == 1
+    assert "loss_diverged" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------
+# fault injection: kill -9 at random points, resume, bit-identical
+# ------------------------------------------------------------------------------------------
+
+KILL_STEPS = 24
+
+
+def _kill_args(out: Path, *extra: str) -> list[str]:
+    # a checkpoint every 3 steps (orbax keeps 3, so it deletes one at most saves too): a
+    # random kill often lands inside a save or a deletion
+    return [sys.executable, str(EXAMPLES / "train_lm.py"), "--preset", "test", "--steps",
+            str(KILL_STEPS), "--schedule", "constant", "--warmup", "5", "--eval-interval", "8",
+            "--checkpoint-interval", "3", "--no-compare-f32", "--out", str(out), *extra]
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return -1
+
+
+def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
+    """For each seed: a random step (0: during the first evaluation, KILL_STEPS: while the
+    summary and plots are written), then a random delay of up to about a step and a save;
+    SIGKILL there; then ``--resume`` (or ``--overwrite`` if no checkpoint was complete)."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla-cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+    def finish(cmd):
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    ref = tmp_path / "ref"
+    res = finish(_kill_args(ref))  # the uninterrupted run (and a warm compilation cache)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+    kills = []
+    for seed in range(3):
+        rnd = random.Random(seed)
+        target, delay = rnd.randint(0, KILL_STEPS), rnd.uniform(0, 0.15)
+        if target == KILL_STEPS:
+            delay = rnd.uniform(0, 0.5)
+        out = tmp_path / f"seed{seed}"
+        proc = subprocess.Popen(_kill_args(out), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while _lines(out / "metrics.jsonl") < target and proc.poll() is None:
+            time.sleep(0.002)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        kills.append((seed, target, round(delay, 3), proc.returncode))
+        res = finish(_kill_args(out, "--resume"))
+        if res.returncode == 2 and "no checkpoints" in res.stderr:  # killed before the first
+            res = finish(_kill_args(out, "--overwrite"))
+        assert res.returncode == 0, (kills[-1], res.stderr[-2000:])
+        assert_same_metrics(metrics(out), metrics(ref))
+        assert_same_state(restore_state(out, KILL_STEPS), restore_state(ref, KILL_STEPS))
+        assert _strict_json((out / "summary.json").read_text())["steps"] == KILL_STEPS
+    # every run was really killed (not finished before the signal)
+    assert all(rc == -signal.SIGKILL for *_, rc in kills), kills
