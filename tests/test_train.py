@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import flax.linen as nn
 import jax
@@ -57,7 +58,7 @@ def _poison(batch, value=jnp.inf, row=0):
 def test_unscale_then_clip_applies_clip_of_true_grads():
     model, params, batch = _setup()
     tx = optax.sgd(1.0)
-    state = jaxamp.TrainState.create(model, params, tx,
+    state = jaxamp.TrainState.create(model, params, tx, policy=F32,
                                      loss_scale=jaxamp.StaticLossScale(2.0**15))
     step = jaxamp.make_train_step(model, ce_loss, tx, policy=F32, clip_norm=1.0, donate=False)
     new_state, metrics = step(state, batch)
@@ -83,8 +84,9 @@ def test_f16_grads_above_256_are_clipped_without_overflow():
     params = model.init(jax.random.key(0), x)["params"]
     tx = optax.sgd(1.0)
     policy = "params=float16,compute=float16,output=float32"
-    state = jaxamp.TrainState.create(model, params, tx, policy=policy,
-                                     loss_scale=jaxamp.NoOpLossScale())
+    with pytest.warns(UserWarning, match="float16 gradients below ~6e-8 underflow"):
+        state = jaxamp.TrainState.create(model, params, tx, policy=policy,
+                                         loss_scale=jaxamp.NoOpLossScale())
     assert state.params["kernel"].dtype == jnp.float16
     step = jaxamp.make_train_step(model, loss_fn, tx, policy=policy, clip_norm=1.0)
     before = _copy(state.params)
@@ -151,7 +153,8 @@ def test_injected_overflows_skip_exactly_those_steps_and_scale_follows_reference
 def test_full_precision_no_op_equals_plain_optax():
     model, params, batch = _setup()
     tx = optax.adamw(1e-2)
-    state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.NoOpLossScale())
+    state = jaxamp.TrainState.create(model, params, tx, policy=F32,
+                                     loss_scale=jaxamp.NoOpLossScale())
     step = jaxamp.make_train_step(model, ce_loss, tx, policy=F32)
     p, o = params, tx.init(params)
 
@@ -184,7 +187,10 @@ def test_gradient_underflow_needs_loss_scaling():
     assert 0 < float(jnp.max(jnp.abs(grads))) < 6e-8
 
     def run(policy, loss_scale):
-        state = jaxamp.TrainState.create(model, params, tx, loss_scale=loss_scale)
+        with warnings.catch_warnings():  # float16 without scaling is this test's point
+            warnings.simplefilter("ignore", UserWarning)
+            state = jaxamp.TrainState.create(model, params, tx, policy=policy,
+                                             loss_scale=loss_scale)
         step = jaxamp.make_train_step(model, loss_fn, tx, policy=policy)
         for _ in range(20):
             state, m = step(state, batch)
