@@ -36,8 +36,15 @@ from flax.training import train_state
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxamp.amp import (AmpState, amp, check_clip_norm, check_loss_scale, check_opt_state,
-                        copy_tree, default_loss_scale)
+from jaxamp.amp import (
+    AmpState,
+    amp,
+    check_clip_norm,
+    check_loss_scale,
+    check_opt_state,
+    copy_tree,
+    default_loss_scale,
+)
 from jaxamp.autocast import autocast
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
