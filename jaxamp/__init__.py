@@ -6,7 +6,6 @@ numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
 AMP train step built on it (:func:`make_train_step`).
 """
 
-from jaxamp.amp import AmpState, amp, amp_state, scale_loss
 from jaxamp.audit import (
     AuditReport,
     Finding,
@@ -28,6 +27,7 @@ from jaxamp.train import (
     make_eval_step,
     make_train_step,
 )
+from jaxamp.transform import AmpState, amp, amp_state, scale_loss
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,10 @@ from flax.training import train_state
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxamp.amp import (
+from jaxamp.autocast import autocast
+from jaxamp.loss_scale import NoOpLossScale
+from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.transform import (
     AmpState,
     amp,
     check_clip_norm,
@@ -45,9 +48,6 @@ from jaxamp.amp import (
     copy_tree,
     default_loss_scale,
 )
-from jaxamp.autocast import autocast
-from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.policy import get_policy, policy_to_str
 
 __all__ = ["DEFAULT_POLICY", "TrainState", "default_loss_scale", "make_eval_step",
            "make_train_step"]

@@ -1,4 +1,4 @@
-"""``jaxamp.amp``: the AMP update recipe as an optax ``GradientTransformation``.
+"""``jaxamp.amp``: the AMP update as an optax ``GradientTransformation``.
 
 The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
 
