@@ -275,3 +275,38 @@ def test_docstring_examples_run():
     for t in tests:
         runner.run(t)
     assert runner.failures == 0
+
+
+def _readme_block(heading):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index(heading):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_hand_written_step_runs():
+    scope: dict = {}
+    exec(compile(_readme_block("## Usage"), "README.md", "exec"), scope)
+    exec(compile(_readme_block("## Your own train step"), "README.md", "exec"), scope)
+    amp = scope["amp"]
+    assert isinstance(amp, jaxamp.AmpState) and amp.grad_norm.dtype == jnp.float32
+    assert int(amp.skipped_steps) == 1 - int(amp.grads_finite)
+    assert scope["loss"].dtype == jnp.float32 and bool(jnp.isfinite(scope["loss"]))
+
+
+def test_readme_real_training_loop_snippet_runs():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            x = nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(x))
+            return nn.Dense(4)(nn.Dropout(0.2, deterministic=not train)(nn.relu(x)))
+
+    x = jax.random.normal(jax.random.key(0), (8, 5))
+    scope = {"jax": jax, "jnp": jnp, "jaxamp": jaxamp, "model": Net(), "x": x,
+             "tx": optax.sgd(0.1), "batch": {"x": x, "y": jnp.arange(8) % 4}}
+    exec(compile(_readme_block("What real training loops need"), "README.md", "exec"), scope)
+    state, metrics = scope["state"], scope["metrics"]
+    assert set(state.collections) == {"batch_stats"} and "acc" in metrics["aux"]
+    assert int(state.step) == 1
