@@ -94,6 +94,7 @@ STRUCTURAL_PRIMITIVES = frozenset({
     "reduce_window_max", "reduce_window_min", "cummax", "cummin", "top_k", "approx_top_k",
     # data movement between devices
     "device_put", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "pmax", "pmin",
+    "pvary",  # shard_map: marks a replicated value as varying, the value unchanged
 })
 
 PROMOTE_PRIMITIVES = frozenset({
