@@ -56,6 +56,18 @@ __all__ = ["DEFAULT_POLICY", "TrainState", "default_loss_scale", "make_eval_step
 DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
+def _positive_int(value: Any, name: str, where: str) -> int:
+    """A Python, NumPy or (concrete) JAX integer scalar >= 1, as an int."""
+    ok = not isinstance(value, bool | jax.core.Tracer)
+    if ok:
+        arr = np.asarray(value) if not isinstance(value, int) else np.asarray(value, np.int64)
+        ok = arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer) and int(arr) >= 1
+    if not ok:
+        raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}. "
+                         f"Example: {name}=4.")
+    return int(arr)
+
+
 def _apply_fn_of(model: Any) -> Callable:
     if isinstance(model, nn.Module):
         return model.apply
@@ -392,11 +404,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                         f"{type(tx).__name__}.")
     step_policy = None if policy is None else get_policy(policy)
     clip_norm = check_clip_norm(clip_norm, where)
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int | np.integer) \
-            or micro_batches < 1:
-        raise ValueError(f"{where}: micro_batches must be an integer >= 1, got "
-                         f"{micro_batches!r}.")
-    micro_batches = int(micro_batches)
+    micro_batches = _positive_int(micro_batches, "micro_batches", where)
     if not isinstance(has_aux, bool):
         raise TypeError(f"{where}: has_aux must be True or False, got {has_aux!r}.")
     if mutable is not None:

@@ -414,7 +414,7 @@ def test_inputs_stay_usable_and_a_donated_state_is_refused():
     step(new_state, batch)
 
 
-def test_foreign_opt_state_and_jax_scalar_clip_norm():
+def test_foreign_opt_state_and_jax_scalar_arguments():
     model, params, batch = _setup()
     tx = optax.sgd(0.1)
     state = jaxamp.TrainState.create(model, params, tx, policy=F32)
@@ -422,9 +422,10 @@ def test_foreign_opt_state_and_jax_scalar_clip_norm():
     foreign = state.replace(opt_state=optax.adam(1e-3).init(state.params))
     with pytest.raises(ValueError, match="optimizer state does not match the optimizer"):
         step(foreign, batch)
-    a, _ = jaxamp.make_train_step(model, ce_loss, clip_norm=0.5, donate=False)(state, batch)
-    b, _ = jaxamp.make_train_step(model, ce_loss, clip_norm=jnp.float32(0.5),
+    a, _ = jaxamp.make_train_step(model, ce_loss, clip_norm=0.5, micro_batches=2,
                                   donate=False)(state, batch)
+    b, _ = jaxamp.make_train_step(model, ce_loss, clip_norm=jnp.float32(0.5),
+                                  micro_batches=jnp.int32(2), donate=False)(state, batch)
     assert _bits_equal(a.params, b.params) and not _bits_equal(a.params, state.params)
     with pytest.raises(ValueError, match="has_aux=True"):
         jaxamp.make_train_step(model, lambda f, p, b: (ce_loss(f, p, b), 1.0))(state, batch)
