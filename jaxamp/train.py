@@ -20,6 +20,7 @@ learning-rate schedules) counts applied updates only, and ``skipped_steps`` coun
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -316,7 +317,7 @@ def _pvary(tree, axis):
     return jax.tree.map(lambda x: lax.pcast(x, axis, to="varying"), tree)
 
 
-def _reduce_aux(stacked, per_example: Any, axis: str | None):
+def _reduce_aux(stacked, per_example: Any):
     """Micro-batch outputs ``[M, ...]`` -> one value per leaf; see ``make_train_step``."""
     def leaf(x, per_ex):
         if per_ex:  # per-example values: the micro-batches back in batch order
@@ -498,7 +499,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                       _pvary(collections, axis))
             (grads, loss, coll), auxs = lax.scan(
                 body, carry0, (micro, jnp.arange(micro_batches)))
-            aux = None if auxs is None else _reduce_aux(auxs, per_example_aux, axis)
+            aux = None if auxs is None else _reduce_aux(auxs, per_example_aux)
             return loss / micro_batches, aux, coll, grads
 
         per_example_aux = aux_layout(state, batch, loss_of, use_rng)
@@ -586,11 +587,37 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
     return _Step(jitted, donate)
 
-def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy = DEFAULT_POLICY,
+
+def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | None = None,
                    overrides: dict | None = None) -> Callable:
-    """Builds a jitted ``eval_step(params, batch) -> float32 loss`` under the same policy."""
+    """Builds a jitted ``eval_step(params_or_state, batch) -> float32 loss`` under a policy.
+
+    Args:
+      model: a flax linen Module or an apply function.
+      loss_fn: ``loss_fn(apply_fn, params, batch) -> loss``, as for :func:`make_train_step`
+        (an ``rng`` parameter, if any, must have a default: evaluation passes none).
+      policy: the policy; ``None``: the state's when a :class:`TrainState` is passed, else
+        :data:`DEFAULT_POLICY`.
+      overrides: per-module rules for :func:`jaxamp.autocast`.
+
+    Given a :class:`TrainState`, its collections (BatchNorm's running statistics) are added to
+    the variables ``apply_fn`` receives, read-only.
+    """
     apply_fn = _apply_fn_of(model)
-    policy = get_policy(policy)
-    amp_loss = autocast(lambda params, batch: loss_fn(apply_fn, params, batch),
-                        policy.with_output_dtype(jnp.float32), overrides=overrides)
-    return jax.jit(lambda params, batch: amp_loss(params, batch).astype(jnp.float32))
+    fixed = None if policy is None else get_policy(policy)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(pol, params, collections, batch):
+        def loss(params, collections, batch):
+            bound = _BoundApply(apply_fn, collections, ()) if collections else apply_fn
+            return loss_fn(bound, params, batch)
+        amp_loss = autocast(loss, pol.with_output_dtype(jnp.float32), overrides=overrides)
+        return amp_loss(params, collections, batch).astype(jnp.float32)
+
+    def eval_step(params, batch):
+        if isinstance(params, TrainState):
+            pol = fixed or params.policy or get_policy(DEFAULT_POLICY)
+            return run(pol, params.params, params.collections, batch)
+        return run(fixed or get_policy(DEFAULT_POLICY), params, {}, batch)
+
+    return eval_step

@@ -566,6 +566,10 @@ def test_batchnorm_cnn_trains_with_micro_batches():
     logits = model.apply({"params": state.params, **state.collections}, batch["x"],
                          train=False)
     assert float(jnp.mean(jnp.argmax(logits, -1) == batch["y"])) > 0.6
+    eval_step = jaxamp.make_eval_step(model, lambda f, p, b: bn_loss(
+        lambda v, x: f(v, x, train=False), p, b))
+    np.testing.assert_allclose(eval_step(state, batch), jaxamp.softmax_cross_entropy(
+        logits, batch["y"]), rtol=1e-2)
 
 
 # ---- auxiliary outputs -------------------------------------------------------------------
