@@ -28,7 +28,8 @@ def measure_memory(cfg: GPTConfig, batch_size: int, known: dict) -> dict:
         if name in known:
             out[name] = known[name]
         else:
-            state = jaxamp.TrainState.create(model, params, tx, loss_scale=loss_scale)
+            state = jaxamp.TrainState.create(model, params, tx, policy=policy,
+                                             loss_scale=loss_scale)
             compiled = make_amp_step(model, tx, policy).lower(state, batch).compile()
             AMP_EXECUTABLES[(cfg, batch_size, name)] = (compiled, tx)
             ma = compiled.memory_analysis()

@@ -59,7 +59,7 @@ class AmpRunner:
 
     def __init__(self, model, params, tx, batch, policy, loss_scale, clip_norm=1.0):
         self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm)
-        self.state = jaxamp.TrainState.create(model, copy_tree(params), tx,
+        self.state = jaxamp.TrainState.create(model, copy_tree(params), tx, policy=policy,
                                               loss_scale=loss_scale)
         self.batch = batch
 

@@ -40,6 +40,8 @@ class GPTConfig:
       block_size: maximum sequence length (size of the positional embedding).
       tied: share the token embedding with the output head (``embed.attend``).
       remat: recompute each block's activations in the backward pass (``nn.remat``).
+      dropout: GPT-2's dropout rate (embeddings and each residual branch) when called with
+        ``train=True``; 0 disables it.
     """
 
     vocab_size: int = 256
@@ -49,6 +51,7 @@ class GPTConfig:
     block_size: int = 128
     tied: bool = True
     remat: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "block_size"):
@@ -58,6 +61,8 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} must be divisible by n_head={self.n_head}.")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -115,33 +120,39 @@ class Block(nn.Module):
 
     n_head: int
     n_layer: int
+    dropout: float = 0.0
+    deterministic: bool = True
 
     @nn.compact
     def __call__(self, x, _):
-        x = x + CausalSelfAttention(self.n_head, self.n_layer, name="attn")(
-            nn.LayerNorm(name="ln1")(x))
-        x = x + MLP(self.n_layer, name="mlp")(nn.LayerNorm(name="ln2")(x))
+        drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
+        x = x + drop(CausalSelfAttention(self.n_head, self.n_layer, name="attn")(
+            nn.LayerNorm(name="ln1")(x)))
+        x = x + drop(MLP(self.n_layer, name="mlp")(nn.LayerNorm(name="ln2")(x)))
         return x, None
 
 
 class GPT(nn.Module):
-    """The decoder: ``int32[B, T]`` token ids -> ``[B, T, vocab_size]`` logits."""
+    """The decoder: ``int32[B, T]`` token ids -> ``[B, T, vocab_size]`` logits.
+
+    ``train=True`` applies dropout (``config.dropout``), drawing from the ``"dropout"`` RNG.
+    """
 
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, ids):
+    def __call__(self, ids, train: bool = False):
         cfg = self.config
         t = ids.shape[-1]
         if t > cfg.block_size:
             raise ValueError(f"GPT: sequence length {t} exceeds block_size {cfg.block_size}.")
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_INIT, name="embed")
         pos = self.param("pos_embed", _INIT, (cfg.block_size, cfg.d_model))
-        x = embed(ids) + pos[:t]
+        x = nn.Dropout(cfg.dropout, deterministic=not train)(embed(ids) + pos[:t])
         block = nn.remat(Block) if cfg.remat else Block
-        blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         length=cfg.n_layer)
-        x, _ = blocks(cfg.n_head, cfg.n_layer, name="blocks")(x, None)
+        blocks = nn.scan(block, variable_axes={"params": 0},
+                         split_rngs={"params": True, "dropout": True}, length=cfg.n_layer)
+        x, _ = blocks(cfg.n_head, cfg.n_layer, cfg.dropout, not train, name="blocks")(x, None)
         x = nn.LayerNorm(name="ln_f")(x)
         if cfg.tied:
             return embed.attend(x)

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jaxamp/jmp policy string: params/compute/output dtypes, e.g. "
                         "'params=float32,compute=bfloat16,output=float32', 'c=f16' or "
                         "'float32' (full precision)")
+    m.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout rate (embeddings and residual branches), in [0, 1)")
     m.add_argument("--loss-scale", default="auto",
                    choices=("dynamic", "static", "none", "auto"),
                    help="loss scaling: dynamic (back off on overflow, grow after "
@@ -207,7 +209,9 @@ def validate(args: argparse.Namespace) -> Setup:
     if args.preset not in lm_model.PRESETS:
         raise UsageError(f"--preset {args.preset!r} is unknown; choose one of: "
                          f"{', '.join(lm_model.PRESETS)}")
-    config = lm_model.PRESETS[args.preset]
+    if not (math.isfinite(args.dropout) and 0 <= args.dropout < 1):
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    config = dataclasses.replace(lm_model.PRESETS[args.preset], dropout=args.dropout)
     try:
         policy = jaxamp.get_policy(args.policy)
     except (ValueError, TypeError) as e:
@@ -291,9 +295,13 @@ def _check_writable(out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def loss_fn(apply_fn, params, batch):
-    """The user's loss: mean next-byte cross-entropy (jaxamp computes it in float32)."""
-    logits = apply_fn({"params": params}, batch["inputs"])
+def loss_fn(apply_fn, params, batch, rng=None):
+    """The user's loss: mean next-byte cross-entropy (jaxamp computes it in float32).
+
+    ``rng`` is the train step's dropout key (the state's rng folded with the step); without
+    one (evaluation) dropout is off."""
+    logits = apply_fn({"params": params}, batch["inputs"], train=rng is not None,
+                      rngs=None if rng is None else {"dropout": rng})
     return jaxamp.softmax_cross_entropy(logits, batch["targets"])
 
 
@@ -336,10 +344,16 @@ def _strong(tree):
     return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), tree)
 
 
-def abstract_train_state(model, config, tx, loss_scale, policy):
+def dropout_rng(config, seed: int):
+    """The state's base dropout key (None without dropout: the state then holds none)."""
+    return jax.random.PRNGKey(seed) if config.dropout > 0 else None
+
+
+def abstract_train_state(model, config, tx, loss_scale, policy, rng=None):
     """The train state's structure with ``ShapeDtypeStruct`` leaves: no memory, no compile."""
     return jax.eval_shape(
-        lambda p: jaxamp.TrainState.create(model, p, tx, loss_scale=loss_scale, policy=policy),
+        lambda p: jaxamp.TrainState.create(model, p, tx, loss_scale=loss_scale, policy=policy,
+                                           rng=rng),
         lm_model.abstract_params(config))
 
 
@@ -615,11 +629,13 @@ def train(s: Setup) -> int:
     tx = make_optimizer(args)
     loss_scale = make_loss_scale(s.loss_scale_kind, args)
 
+    rng = dropout_rng(config, args.seed)
+
     def create_state(params):
         return jaxamp.TrainState.create(model, params, tx, loss_scale=loss_scale,
-                                        policy=policy)
+                                        policy=policy, rng=rng)
 
-    abstract_state = abstract_train_state(model, config, tx, loss_scale, policy)
+    abstract_state = abstract_train_state(model, config, tx, loss_scale, policy, rng)
     start_step, meta, corrupted = 0, None, []
     if args.resume:
         state, meta = restore_checkpoint(s, abstract_state, corrupted)
@@ -723,7 +739,8 @@ def train(s: Setup) -> int:
                      "sampler": "np.random.default_rng([seed, 0, step])",
                      "fingerprint": corpus.fingerprint, "source": corpus.source},
             "rng": {"seed": args.seed, "init": "jax.random.key(seed)",
-                    "note": "the model has no dropout; batches depend only on (seed, step)"},
+                    "dropout": "fold_in(state.rng = PRNGKey(seed), step), in the checkpoint",
+                    "note": "batches depend only on (seed, step)"},
             "steps": args.steps,
         })
 
@@ -893,7 +910,8 @@ def _f32_reference_memory(s: Setup, model, tx, batch, memory: dict) -> dict:
     ref_step = jaxamp.make_train_step(model, loss_fn, tx, policy=f32,
                                       clip_norm=s.args.clip_norm or None,
                                       micro_batches=s.args.micro_batches)
-    ref_state = abstract_train_state(model, s.config, tx, jaxamp.NoOpLossScale(), f32)
+    ref_state = abstract_train_state(model, s.config, tx, jaxamp.NoOpLossScale(), f32,
+                                     dropout_rng(s.config, s.args.seed))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     return _compiled_memory(ref_step.lower(ref_state, batch).compile())
 

@@ -2,7 +2,8 @@
 
 Per-module precision policies for unmodified Flax models (:func:`autocast`), float32 where the
 numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
-(:class:`DynamicLossScale`) and a jitted AMP train step (:func:`make_train_step`).
+(:class:`DynamicLossScale`), the AMP update as an optax transformation (:func:`amp`) and a jitted
+AMP train step built on it (:func:`make_train_step`).
 """
 
 from jaxamp.audit import (
@@ -19,13 +20,22 @@ from jaxamp.losses import softmax_cross_entropy
 from jaxamp.overflow import OverflowReport, locate_overflow
 from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
-from jaxamp.train import TrainState, default_loss_scale, make_eval_step, make_train_step
+from jaxamp.train import (
+    DEFAULT_POLICY,
+    TrainState,
+    default_loss_scale,
+    make_eval_step,
+    make_train_step,
+)
+from jaxamp.transform import AmpState, amp, amp_state, scale_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmpState",
     "AuditReport",
     "DEFAULT_OP_RULES",
+    "DEFAULT_POLICY",
     "DTYPE_NAMES",
     "DynamicLossScale",
     "EMBED_MODULES",
@@ -37,6 +47,8 @@ __all__ = [
     "OverflowReport",
     "StaticLossScale",
     "TrainState",
+    "amp",
+    "amp_state",
     "audit",
     "audit_step",
     "autocast",
@@ -48,5 +60,6 @@ __all__ = [
     "make_train_step",
     "policy_to_str",
     "precision_table",
+    "scale_loss",
     "softmax_cross_entropy",
 ]

@@ -430,8 +430,11 @@ class _Evaluator:
         out = bind_with_params(eqn, vals)
         outs = out if eqn.primitive.multiple_results else [out]
         floats = [v for v in ins if v.is_float]
-        return [_Val(o, all(v.stored for v in floats), all(v.const for v in ins), region)
-                for o in outs]
+        const = all(v.const for v in ins)
+        # A float made from no float input (random bits bitcast to a uniform) is computed, not
+        # stored: cast like an activation it would quantise dropout's uniforms to float16.
+        stored = all(v.stored for v in floats) if floats else const
+        return [_Val(o, stored, const, region) for o in outs]
 
     def convert(self, eqn, ins, region) -> list[_Val]:
         (v,), new = ins, np.dtype(eqn.params["new_dtype"])

@@ -95,6 +95,7 @@ STRUCTURAL_PRIMITIVES = frozenset({
     "reduce_window_max", "reduce_window_min", "cummax", "cummin", "top_k", "approx_top_k",
     # data movement between devices
     "device_put", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "pmax", "pmin",
+    "pvary",  # shard_map: marks a replicated value as varying, the value unchanged
 })
 
 PROMOTE_PRIMITIVES = frozenset({
@@ -111,7 +112,7 @@ PROMOTE_PRIMITIVES = frozenset({
 AS_TRACED_PRIMITIVES = frozenset({
     "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical",
     "population_count", "clz", "bitcast_convert_type", "iota", "eq_to", "le_to", "lt_to",
-    "random_bits", "random_fold_in", "random_seed", "random_split", "random_wrap",
+    "random_bits", "random_clone", "random_fold_in", "random_seed", "random_split", "random_wrap",
     "random_unwrap", "threefry2x32", "rng_bit_generator", "rng_uniform",
     "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
     "scatter_min", "scatter-max", "scatter_max", "sort", "reduce", "reduce_and", "reduce_or",

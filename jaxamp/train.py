@@ -4,15 +4,15 @@ One step, in the order the methodology prescribes:
 
 1. the loss runs under :func:`jaxamp.autocast` (the forward only; the backward follows the
    forward's dtypes), and is returned in float32;
-2. the float32 loss is multiplied by the loss scale and differentiated;
-3. the gradients are cast to float32 and divided by the scale (``unscale``);
-4. their global norm is taken once: it is the metric, the finite check and the clip's norm;
-5. the *unscaled* gradients are clipped with ``optax.clip_by_global_norm``'s rule and that
-   norm (clipping scaled ones would shrink the threshold by the scale); a clip chained
-   inside the user's optimizer also sees unscaled float32 gradients;
-6. if the norm is not finite the update is skipped under ``lax.cond``: params and the whole
-   optimizer state come back bit-identical, so schedules do not advance;
-7. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
+2. the float32 loss is multiplied by the loss scale and differentiated (micro-batches
+   accumulate float32 gradients under one scale; devices of a mesh each take their share);
+3. the update itself is :func:`jaxamp.amp`'s (one implementation of the recipe): the
+   gradients are cast to float32 and unscaled, their global norm taken once (metric, finite
+   check and clip), clipped after unscaling, and on a non-finite norm the update is skipped
+   (params and the whole optimizer state bit-identical, so schedules do not advance);
+4. the mutable collections (BatchNorm ``batch_stats``) take their new values on applied
+   steps only;
+5. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
 
 ``TrainState.step`` counts every step, skipped or not; the optimizer's own counter (which drives
 learning-rate schedules) counts applied updates only, and ``skipped_steps`` counts the rest.
@@ -20,8 +20,10 @@ learning-rate schedules) counts applied updates only, and ``skipped_steps`` coun
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -36,21 +38,35 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxamp.autocast import autocast
-from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxamp.policy import get_policy
+from jaxamp.loss_scale import NoOpLossScale
+from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.transform import (
+    AmpState,
+    amp,
+    check_clip_norm,
+    check_loss_scale,
+    check_opt_state,
+    copy_tree,
+    default_loss_scale,
+)
 
-__all__ = ["TrainState", "default_loss_scale", "make_eval_step", "make_train_step"]
+__all__ = ["DEFAULT_POLICY", "TrainState", "default_loss_scale", "make_eval_step",
+           "make_train_step"]
 
-_LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+#: The policy of a state created without ``policy=`` and of :func:`make_eval_step`.
+DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
-def default_loss_scale(policy: str | jmp.Policy) -> NoOpLossScale | DynamicLossScale:
-    """Dynamic loss scaling for float16 compute; none for bfloat16/float32 (same exponent
-    range as float32, so gradients do not underflow)."""
-    policy = get_policy(policy)
-    if np.dtype(policy.compute_dtype) == np.float16:
-        return DynamicLossScale()
-    return NoOpLossScale()
+def _positive_int(value: Any, name: str, where: str) -> int:
+    """A Python, NumPy or (concrete) JAX integer scalar >= 1, as an int."""
+    ok = not isinstance(value, bool | jax.core.Tracer)
+    if ok:
+        arr = np.asarray(value) if not isinstance(value, int) else np.asarray(value, np.int64)
+        ok = arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer) and int(arr) >= 1
+    if not ok:
+        raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}. "
+                         f"Example: {name}=4.")
+    return int(arr)
 
 
 def _apply_fn_of(model: Any) -> Callable:
@@ -72,51 +88,106 @@ def _check_float_params(params: Any, where: str) -> None:
                 "(e.g. in a separate argument or variable collection).")
 
 
+def _check_rng(rng: Any, where: str) -> None:
+    if rng is None:
+        return
+    dtype = getattr(rng, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == np.uint32 and np.shape(rng) == (2,)
+    if not (typed and np.shape(rng) == ()) and not raw:
+        raise TypeError(f"{where}: rng must be one PRNG key (jax.random.key(seed) or "
+                        f"jax.random.PRNGKey(seed)), got {type(rng).__name__} with "
+                        f"dtype={dtype}, shape={np.shape(rng)}.")
+
+
 class TrainState(train_state.TrainState):
-    """``flax.training.train_state.TrainState`` plus the loss-scale state and a skip counter.
+    """``flax.training.train_state.TrainState`` plus what an AMP step needs.
 
     Attributes:
       loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
         :class:`DynamicLossScale`; every field is a leaf, so it checkpoints with the state.
       skipped_steps: int32 count of steps whose update was skipped (non-finite gradients).
+      rng: the base PRNG key, or ``None``. It never changes: step ``s`` on device ``d``,
+        micro-batch ``m`` uses ``fold_in(fold_in(fold_in(rng, s), d), m)``, so a resumed run
+        draws the same dropout masks as an uninterrupted one.
+      collections: the model's variable collections other than ``params`` (e.g.
+        ``{"batch_stats": ...}``), updated by the step on applied steps only.
+      policy: the :class:`jmp.Policy` the state was created for (static). The step runs under
+        it; a step built with another policy refuses the state.
     """
 
     loss_scale: Any = None
     skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+    rng: Any = None
+    collections: Any = struct.field(default_factory=dict)
+    policy: Any = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, model: Any = None, params: Any = None, tx: optax.GradientTransformation
                | None = None, *, apply_fn: Callable | None = None, loss_scale: Any = None,
-               policy: str | jmp.Policy | None = None, **kwargs) -> TrainState:
-        """Creates a state; ``params`` are cast to the policy's ``param_dtype`` if one is given.
+               policy: str | jmp.Policy | None = None, rng: Any = None,
+               **kwargs) -> TrainState:
+        """Creates a state: one place for the policy, the loss scale, the RNG and collections.
+
+        Args:
+          model: a flax linen Module (its ``apply`` is used) or an apply function.
+          params: the params, or the variables ``model.init`` returned: ``{"params": ...}``
+            plus any other collections (``batch_stats``), which go to ``collections``. Cast to
+            the policy's ``param_dtype``.
+          tx: the optax optimizer.
+          apply_fn: instead of ``model``.
+          loss_scale: the initial loss scale; ``None`` picks
+            :func:`jaxamp.default_loss_scale` for the policy (dynamic for float16 compute).
+            ``NoOpLossScale()`` with float16 compute warns: small gradients underflow.
+          policy: the policy (string or :class:`jmp.Policy`); ``None`` is
+            :data:`DEFAULT_POLICY` (float16 compute), the default of ``make_train_step``.
+          rng: the base PRNG key for dropout (see ``rng`` above), or ``None``.
+          **kwargs: other fields.
+
+        Every array is copied: the step donates the state's buffers, and what you passed in
+        stays usable.
 
         Example:
           >>> state = TrainState.create(model, params, optax.adam(1e-3),
           ...                           loss_scale=jaxamp.DynamicLossScale())
         """
+        where = "TrainState.create"
         if apply_fn is None:
             if model is None:
-                raise TypeError("TrainState.create: pass the model (or apply_fn=...).")
+                raise TypeError(f"{where}: pass the model (or apply_fn=...).")
             apply_fn = _apply_fn_of(model)
         if params is None or tx is None:
-            raise TypeError("TrainState.create: params and tx are required, e.g. "
+            raise TypeError(f"{where}: params and tx are required, e.g. "
                             "TrainState.create(model, params, optax.adam(1e-3)).")
-        if isinstance(params, dict) and set(params) == {"params"}:
-            params = params["params"]  # accept model.init's {'params': ...} as flax users pass it
-        _check_float_params(params, "TrainState.create")
-        if policy is not None:
-            params = get_policy(policy).cast_to_param(params)
-        # The step donates the state's buffers: copy so the caller's params stay usable.
-        params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
+                            f"{type(tx).__name__}.")
+        collections = kwargs.pop("collections", {})
+        if isinstance(params, Mapping) and "params" in params:
+            # model.init's variables, as flax users pass them: params + other collections
+            if collections:
+                raise ValueError(f"{where}: pass the collections once: either inside the "
+                                 "variables dict or as collections=, not both.")
+            collections = {k: v for k, v in params.items() if k != "params"}
+            params = params["params"]
+        _check_float_params(params, where)
+        _check_rng(rng, where)
+        policy = get_policy(DEFAULT_POLICY if policy is None else policy)
+        params = copy_tree(policy.cast_to_param(params))
         if loss_scale is None:
-            loss_scale = default_loss_scale(policy) if policy is not None else NoOpLossScale()
-        if not isinstance(loss_scale, _LOSS_SCALES):
-            raise TypeError(
-                f"TrainState.create: loss_scale must be NoOpLossScale, StaticLossScale or "
-                f"DynamicLossScale, got {type(loss_scale).__name__}.")
+            loss_scale = default_loss_scale(policy)
+        check_loss_scale(loss_scale, where)
+        if isinstance(loss_scale, NoOpLossScale) and \
+                np.dtype(policy.compute_dtype) == np.float16:
+            warnings.warn(
+                f"{where}: the policy computes in float16 ({policy_to_str(policy)}) but "
+                "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
+                "Omit loss_scale= for dynamic scaling (or pass jaxamp.DynamicLossScale()).",
+                UserWarning, stacklevel=2)
         return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
-                   opt_state=tx.init(params), loss_scale=loss_scale,
-                   skipped_steps=jnp.zeros((), jnp.int32), **kwargs)
+                   opt_state=tx.init(params), loss_scale=copy_tree(loss_scale),
+                   skipped_steps=jnp.zeros((), jnp.int32), rng=copy_tree(rng),
+                   collections=copy_tree(dict(collections)), policy=policy, **kwargs)
 
 
 def _batch_size(batch: Any, where: str) -> int:
@@ -140,80 +211,211 @@ class _Step:
     """The jitted step. Its checks run while it is traced: once per input signature, before
     anything compiles, and at no cost on later calls."""
 
-    def __init__(self, jitted):
+    def __init__(self, jitted, donate: bool):
         self._jitted = jitted
+        self._donate = donate
 
-    def __call__(self, state, batch):
+    def _check(self, state):
         if not isinstance(state, TrainState):  # jit would fail on it with a pytree error
             raise TypeError(f"step: state must be a jaxamp.TrainState, got "
                             f"{type(state).__name__}. Create it with jaxamp.TrainState.create.")
+        if self._donate and any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                                and x.is_deleted()
+                                for x in jax.tree.leaves(state)):
+            raise ValueError("step: this state's buffers were donated to an earlier step call "
+                             "(donate=True): use the state that call returned, or build the "
+                             "step with donate=False to keep the old one.")
+
+    def __call__(self, state, batch):
+        self._check(state)
         return self._jitted(state, batch)
 
     def lower(self, state, batch):
+        self._check(state)
         return self._jitted.lower(state, batch)
 
     def _cache_size(self) -> int:
         return self._jitted._cache_size()
 
 
-def _check_loss(loss_fn, apply_fn, params, batch, where: str) -> None:
-    out = jax.eval_shape(lambda p, b: loss_fn(apply_fn, p, b), params, batch)
-    if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () \
-            or not jnp.issubdtype(out.dtype, jnp.floating):
-        got = (f"shape={out.shape}, dtype={out.dtype}" if isinstance(out, jax.ShapeDtypeStruct)
-               else f"a {type(out).__name__}")
-        raise ValueError(f"{where}: loss_fn must return a floating scalar, got {got}. Reduce "
-                         "the per-example losses (e.g. with jnp.mean) and return only the loss.")
+def _takes_rng(loss_fn: Callable) -> tuple[bool, bool]:
+    """(whether loss_fn has an ``rng`` parameter, whether it is required)."""
+    try:
+        param = inspect.signature(loss_fn).parameters.get("rng")
+    except (TypeError, ValueError):  # builtins without a signature
+        return False, False
+    if param is None:
+        return False, False
+    return True, param.default is inspect.Parameter.empty
 
 
-def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformation | None
-                    = None, *, policy: str | jmp.Policy = "params=float32,compute=float16,"
-                    "output=float32", overrides: dict | None = None,
-                    clip_norm: float | None = None, micro_batches: int = 1,
-                    mesh: Mesh | None = None, data_axis: str = "data",
-                    donate: bool = True) -> Callable:
+def _spec(x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x
+
+
+def _floating_scalar(out) -> bool:
+    return isinstance(out, jax.ShapeDtypeStruct) and out.shape == () \
+        and jnp.issubdtype(out.dtype, jnp.floating)
+
+
+def _describe(out) -> str:
+    return (f"shape={out.shape}, dtype={out.dtype}" if isinstance(out, jax.ShapeDtypeStruct)
+            else f"a {type(out).__name__}")
+
+
+def _check_loss_out(out, has_aux: bool, where: str) -> None:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"{where}: with has_aux=True loss_fn must return (loss, aux), got "
+                             f"{_describe(out)}.")
+        if not _floating_scalar(out[0]):
+            raise ValueError(f"{where}: loss_fn must return (loss, aux) with a floating scalar "
+                             f"loss, got loss {_describe(out[0])}.")
+        return
+    if isinstance(out, tuple) and len(out) == 2 and _floating_scalar(out[0]):
+        raise ValueError(f"{where}: loss_fn returned a pair (loss, aux); build the step with "
+                         "make_train_step(..., has_aux=True) to get aux in the metrics.")
+    if not _floating_scalar(out):
+        raise ValueError(f"{where}: loss_fn must return a floating scalar, got "
+                         f"{_describe(out)}. Reduce the per-example losses (e.g. with jnp.mean) "
+                         "and return only the loss (or (loss, aux) with has_aux=True).")
+
+
+def _mutable_names(mutable, collections, where: str) -> tuple[str, ...]:
+    if mutable is None:
+        return tuple(collections)
+    missing = [m for m in mutable if m not in collections]
+    if missing:
+        raise ValueError(f"{where}: mutable={list(mutable)} names collections the state does "
+                         f"not hold: {missing} (the state holds {sorted(collections)}). Create "
+                         "the state from model.init's variables: TrainState.create(model, "
+                         "variables, tx).")
+    return tuple(mutable)
+
+
+class _BoundApply:
+    """The ``apply_fn`` a loss_fn gets when the state holds collections: it adds them to the
+    variables and ``mutable=`` to the call, keeps the updates and returns only the output."""
+
+    def __init__(self, apply_fn, collections, mutable):
+        self.apply_fn, self.collections, self.mutable = apply_fn, collections, mutable
+        self.updates = {}
+
+    def __call__(self, variables, *args, **kwargs):
+        variables = {**self.collections, **variables}
+        if not self.mutable or "mutable" in kwargs:
+            return self.apply_fn(variables, *args, **kwargs)
+        out, updates = self.apply_fn(variables, *args, mutable=list(self.mutable), **kwargs)
+        self.updates = dict(updates)
+        return out
+
+
+def _pvary(tree, axis):
+    """Marks an unvarying value as varying over ``axis`` (a shard_map scan carry needs it)."""
+    if axis is None:
+        return tree
+    return jax.tree.map(lambda x: lax.pcast(x, axis, to="varying"), tree)
+
+
+def _reduce_aux(stacked, per_example: Any):
+    """Micro-batch outputs ``[M, ...]`` -> one value per leaf; see ``make_train_step``."""
+    def leaf(x, per_ex):
+        if per_ex:  # per-example values: the micro-batches back in batch order
+            return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.mean(x, axis=0)
+        return jnp.sum(x.astype(jnp.int32), axis=0)
+    return jax.tree.map(leaf, stacked, per_example)
+
+
+def _reduce_aux_devices(aux, per_example, axis):
+    def leaf(x, per_ex):
+        if per_ex:
+            return x  # out_specs concatenate the shards
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return lax.pmean(x, axis)
+        return lax.psum(x, axis)
+    return jax.tree.map(leaf, aux, per_example)
+
+
+def _mean_collections(collections, axis):
+    """Cross-device mean of the updated collections (synchronised BatchNorm statistics)."""
+    return jax.tree.map(lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else lax.pmax(x, axis), collections)
+
+
+def make_train_step(model: Any = None, loss_fn: Callable | None = None,
+                    tx: optax.GradientTransformation | None = None, *,
+                    policy: str | jmp.Policy | None = None, overrides: dict | None = None,
+                    clip_norm: float | jax.Array | None = None, micro_batches: int = 1,
+                    mesh: Mesh | None = None, data_axis: str = "data", donate: bool = True,
+                    has_aux: bool = False, mutable: Sequence[str] | None = None) -> Callable:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
+    The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
+    scale, the optimizer, the RNG and the collections; the step only adds how to run.
+
     Args:
-      model: a flax linen Module (its ``apply`` is used) or an apply function.
-      loss_fn: ``loss_fn(apply_fn, params, batch) -> scalar``; it calls
+      model: a flax linen Module (its ``apply`` is used) or an apply function; optional, the
+        state's ``apply_fn`` is used.
+      loss_fn: ``loss_fn(apply_fn, params, batch) -> loss``; it calls
         ``apply_fn({"params": params}, ...)``. The whole loss runs under the policy.
+        With an ``rng`` parameter (``loss_fn(apply_fn, params, batch, rng)``) it gets this
+        step's key (derived from ``state.rng``) for ``rngs={"dropout": rng}``; with a default
+        (``rng=None``) it runs without one when the state has no rng. If the state holds
+        collections, ``apply_fn`` adds them to the variables and ``mutable=`` to the call
+        and returns only the model's output: the loss_fn is written as for a stateless model.
       tx: the optax optimizer; optional, the state's ``tx`` is used (if given, it must be
         the one the state was created with).
-      policy: the default policy (string or :class:`jmp.Policy`).
+      policy: optional: the state's policy is used. If given it must equal the state's
+        (checked before compiling).
       overrides: per-module rules for :func:`jaxamp.autocast`.
-      clip_norm: clip the unscaled float32 gradients to this global norm (None: no clip).
+      clip_norm: clip the unscaled float32 gradients to this global norm (a Python or JAX
+        scalar; None: no clip).
       micro_batches: split the batch into this many micro-batches and accumulate float32
-        gradients under one loss scale; one overflow skips the whole window.
+        gradients under one loss scale; one overflow skips the whole window. Collections are
+        threaded through the micro-batches in order.
       mesh: data parallel over ``mesh``'s ``data_axis``: the batch is split across devices,
-        float32 gradients are averaged with ``pmean``, and every device takes the same skip
-        decision. Params stay replicated.
+        each differentiates its share of the global mean loss, and every device takes the same
+        skip decision. Params stay replicated; updated float collections are averaged.
       data_axis: the mesh axis the batch is split over.
-      donate: donate the input state's buffers (do not reuse the state you passed in).
+      donate: donate the input state's buffers (do not reuse the state you passed in; the
+        step refuses a donated state with a clear error).
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (as in ``jax.value_and_grad``); aux goes
+        to ``metrics["aux"]`` in float32 (float leaves). Across micro-batches and devices, an
+        aux leaf whose leading axis is the per-micro-batch batch size (logits, per-token
+        losses) is concatenated back into batch order; other float leaves are averaged;
+        integer/bool leaves (counts) are summed.
+      mutable: the collections the step updates (default: every collection of the state).
 
     Returns:
       The step. ``metrics`` holds float32/bool/int32 scalars: ``loss`` (unscaled),
       ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used in this step),
-      ``grads_finite``, ``skipped``, ``skipped_steps`` (running total), ``loss_scale_at_min``.
+      ``grads_finite``, ``skipped``, ``skipped_steps`` (running total), ``loss_scale_at_min``,
+      and ``aux`` with ``has_aux=True``. On a skipped step params, optimizer state and
+      collections come back bit-identical.
     """
     where = "make_train_step"
-    apply_fn = _apply_fn_of(model)
+    apply_fn_arg = None if model is None else _apply_fn_of(model)
     if not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+        raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}. "
+                        "Example: make_train_step(model, loss_fn).")
     if tx is not None and not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
                         f"{type(tx).__name__}.")
-    policy = get_policy(policy)
-    if clip_norm is not None and (isinstance(clip_norm, bool)
-                                  or not isinstance(clip_norm, int | float)
-                                  or not math.isfinite(clip_norm) or clip_norm <= 0):
-        raise ValueError(f"{where}: clip_norm must be a positive finite number or None, got "
-                         f"{clip_norm!r}. Example: clip_norm=1.0.")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
-            or micro_batches < 1:
-        raise ValueError(f"{where}: micro_batches must be an integer >= 1, got "
-                         f"{micro_batches!r}.")
-    n_shards = 1
+    step_policy = None if policy is None else get_policy(policy)
+    clip_norm = check_clip_norm(clip_norm, where)
+    micro_batches = _positive_int(micro_batches, "micro_batches", where)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{where}: has_aux must be True or False, got {has_aux!r}.")
+    if mutable is not None:
+        if isinstance(mutable, str):
+            mutable = (mutable,)
+        if not all(isinstance(m, str) for m in mutable):
+            raise TypeError(f"{where}: mutable must be a list of collection names such as "
+                            f"['batch_stats'], got {mutable!r}.")
+        mutable = tuple(mutable)
+    n_shards, axis = 1, None
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh, got "
@@ -221,115 +423,201 @@ def make_train_step(model: Any, loss_fn: Callable, tx: optax.GradientTransformat
         if data_axis not in mesh.axis_names:
             raise ValueError(f"{where}: data_axis {data_axis!r} is not an axis of the mesh "
                              f"(axes: {mesh.axis_names}).")
-        n_shards = mesh.shape[data_axis]
+        n_shards, axis = mesh.shape[data_axis], data_axis
+    wants_rng, needs_rng = _takes_rng(loss_fn)
 
-    # The loss is returned in float32 whatever the policy's output dtype.
-    amp_loss = autocast(lambda params, batch: loss_fn(apply_fn, params, batch),
-                        policy.with_output_dtype(jnp.float32), overrides=overrides)
+    def build(state):
+        """Trace-time: everything the state decides (policy, apply_fn, collections, rng)."""
+        state_policy = state.policy
+        if step_policy is not None and state_policy is not None and step_policy != state_policy:
+            raise ValueError(
+                f"step: make_train_step(policy={policy_to_str(step_policy)!r}) but the state "
+                f"was created with policy={policy_to_str(state_policy)!r} (and a loss scale "
+                f"for it). Give the policy once, to TrainState.create(..., policy=...); "
+                "make_train_step then uses the state's.")
+        pol = step_policy or state_policy or get_policy(DEFAULT_POLICY)
+        apply_fn = apply_fn_arg or state.apply_fn
+        names = _mutable_names(mutable, state.collections, "step")
+        use_rng = wants_rng and (state.rng is not None or needs_rng)
+        if needs_rng and state.rng is None:
+            raise ValueError("step: loss_fn takes an rng but the state has none. Create the "
+                             "state with TrainState.create(..., rng=jax.random.key(0)) (or "
+                             "give loss_fn's rng a default, rng=None).")
 
-    def scaled_loss(params, batch, loss_scale, weight):
-        loss = amp_loss(params, batch).astype(jnp.float32)
-        return loss_scale.scale(loss * weight), loss
+        def loss_of(params, collections, batch, rng):
+            """-> (loss, aux, new collections); the function autocast runs."""
+            bound = _BoundApply(apply_fn, collections, names) if collections else apply_fn
+            kw = {"rng": rng} if use_rng else {}
+            out = loss_fn(bound, params, batch, **kw)
+            if has_aux:
+                _check_loss_out(jax.tree.map(_spec, out), True, "step")
+            loss, aux = out if has_aux else (out, None)
+            updates = bound.updates if collections else {}
+            return loss, aux, {**collections, **updates}
 
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
-
-    def local_grads(params, batch, loss_scale, weight=1.0):
-        """Mean loss and float32 *scaled* gradients of ``weight * loss`` (micro-batched)."""
-        if micro_batches == 1:
-            grads, loss = grad_fn(params, batch, loss_scale, weight)
-            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        micro = jax.tree.map(
-            lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
-
-        def body(acc, mb):
-            grads, loss = grad_fn(params, mb, loss_scale, weight / micro_batches)
-            acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[0], grads)
-            return (acc_grads, acc[1] + loss), None
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads, loss), _ = lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-        return loss / micro_batches, grads
-
-    if mesh is not None:
-        def sharded(params, batch, loss_scale):
-            # Each device differentiates its share of the global mean loss, so the float16
-            # backward sees the same magnitudes as one device on the whole batch would.
-            loss, grads = local_grads(params, batch, loss_scale, 1.0 / n_shards)
-            # float32 all-reduce: every device then sees the same grads and the same skip.
-            return lax.pmean(loss, data_axis), lax.psum(grads, data_axis)
-
-        spec = PartitionSpec(data_axis)
-        compute_grads = jax.shard_map(sharded, mesh=mesh, in_specs=(PartitionSpec(), spec,
-                                                                    PartitionSpec()),
-                                      out_specs=(PartitionSpec(), PartitionSpec()))
-    else:
-        compute_grads = local_grads
+        return pol, use_rng, loss_of
 
     def step(state: TrainState, batch):
-        check(state, batch)  # trace time: before compiling
+        pol, use_rng, loss_of = build(state)
+        check(state, batch, loss_of, use_rng)  # trace time: before compiling
+        amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides)
+        collections0 = state.collections
+
+        def scaled_loss(params, collections, batch, loss_scale, weight, rng):
+            loss, aux, new_coll = amp_loss(params, collections, batch, rng)
+            loss = loss.astype(jnp.float32)
+            new_coll = jax.tree.map(lambda n, o: n.astype(o.dtype), new_coll, collections0)
+            return loss_scale.scale(loss * weight), (loss, aux, new_coll)
+
+        grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+        def local(params, collections, batch, loss_scale, key, weight):
+            """Mean loss, aux, new collections and float32 *scaled* grads of ``weight*loss``."""
+            if axis is not None:
+                key = None if key is None else jax.random.fold_in(key, lax.axis_index(axis))
+            elif key is not None:
+                key = jax.random.fold_in(key, 0)  # device 0
+            if micro_batches == 1:
+                k = None if key is None else jax.random.fold_in(key, 0)
+                grads, (loss, aux, coll) = grad_fn(params, collections, batch, loss_scale,
+                                                   weight, k)
+                return loss, aux, coll, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches,
+                                                     *x.shape[1:]), batch)
+
+            def body(carry, xs):
+                acc, loss_acc, coll = carry
+                mb, i = xs
+                k = None if key is None else jax.random.fold_in(key, i)
+                grads, (loss, aux, coll) = grad_fn(params, coll, mb, loss_scale,
+                                                   weight / micro_batches, k)
+                acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+                return (acc, loss_acc + loss, coll), aux
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            carry0 = (zeros, _pvary(jnp.zeros((), jnp.float32), axis),
+                      _pvary(collections, axis))
+            (grads, loss, coll), auxs = lax.scan(
+                body, carry0, (micro, jnp.arange(micro_batches)))
+            aux = None if auxs is None else _reduce_aux(auxs, per_example_aux)
+            return loss / micro_batches, aux, coll, grads
+
+        per_example_aux = aux_layout(state, batch, loss_of, use_rng)
+        key = jax.random.fold_in(state.rng, state.step) if use_rng else None
+        if mesh is not None:
+            def sharded(params, collections, batch, loss_scale, key):
+                loss, aux, coll, grads = local(params, collections, batch, loss_scale, key,
+                                               1.0 / n_shards)
+                # The grads need no psum: params are replicated (unvarying), so reverse-mode
+                # autodiff inside shard_map already summed each device's share of the mean
+                # loss; a psum here would count them n_shards times.
+                aux = None if aux is None else _reduce_aux_devices(aux, per_example_aux, axis)
+                return lax.pmean(loss, axis), aux, _mean_collections(coll, axis), grads
+
+            rep, spec = PartitionSpec(), PartitionSpec(axis)
+            aux_specs = jax.tree.map(lambda per_ex: spec if per_ex else rep, per_example_aux)
+            loss, aux, new_coll, scaled_grads = jax.shard_map(
+                sharded, mesh=mesh, in_specs=(rep, rep, spec, rep, rep),
+                out_specs=(rep, aux_specs, rep, rep))(
+                state.params, state.collections, batch, state.loss_scale, key)
+        else:
+            loss, aux, new_coll, scaled_grads = local(state.params, state.collections, batch,
+                                                      state.loss_scale, key, 1.0)
+
+        # The update: jaxamp.amp's recipe (unscale, f32, clip, skip, adjust), the one copy.
         ls = state.loss_scale
-        loss, scaled_grads = compute_grads(state.params, batch, ls)
-        grads = ls.unscale(scaled_grads)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
-        if clip_norm is not None:
-            # optax.clip_by_global_norm's rule, reusing the norm taken once above (the
-            # metric and the finite check share it; recomputing it costs compile time).
-            factor = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-
-        def apply(operand):
-            params, opt_state, g = operand
-            updates, new_opt_state = state.tx.update(g, opt_state, params)
-            # float32 grads would promote e.g. a bfloat16 Adam moment to float32; the state
-            # keeps its dtypes (and lax.cond's branches their types).
-            new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype)
-                                         if hasattr(old, "dtype") else new,
-                                         new_opt_state, opt_state)
-            return optax.apply_updates(params, updates), new_opt_state
-
-        def skip(operand):
-            return operand[0], operand[1]
-
-        params, opt_state = lax.cond(finite, apply, skip,
-                                     (state.params, state.opt_state, grads))
-        new_ls = ls.adjust(finite)
-        skipped_steps = state.skipped_steps + (~finite).astype(jnp.int32)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  loss_scale=new_ls, skipped_steps=skipped_steps)
+        amp_tx = amp(state.tx, loss_scale=ls, clip_norm=clip_norm)
+        updates, out = amp_tx.update(
+            scaled_grads, AmpState(ls, state.opt_state, state.skipped_steps,
+                                   jnp.zeros((), jnp.float32), jnp.ones((), bool)),
+            state.params)
+        finite = out.grads_finite
+        collections = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_coll,
+                                   state.collections)
+        new_state = state.replace(step=state.step + 1,
+                                  params=optax.apply_updates(state.params, updates),
+                                  opt_state=out.inner_state, loss_scale=out.loss_scale,
+                                  skipped_steps=out.skipped_steps, collections=collections)
         metrics = {
-            "loss": loss, "grad_norm": grad_norm, "loss_scale": ls.loss_scale,
-            "grads_finite": finite, "skipped": ~finite, "skipped_steps": skipped_steps,
-            "loss_scale_at_min": new_ls.at_min,
+            "loss": loss, "grad_norm": out.grad_norm, "loss_scale": ls.loss_scale,
+            "grads_finite": finite, "skipped": ~finite, "skipped_steps": out.skipped_steps,
+            "loss_scale_at_min": out.loss_scale.at_min,
         }
+        if has_aux:
+            metrics["aux"] = aux
         return new_state, metrics
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
 
-    def check(state, batch):
-        if tx is not None and state.tx is not tx:
-            raise ValueError("step: the state was created with a different optimizer than the "
-                             "one given to make_train_step; pass the same tx to both.")
-        _check_float_params(state.params, "step")
+    def micro_spec(state, batch):
         size = _batch_size(batch, "step")
         if size % (micro_batches * n_shards):
             raise ValueError(
                 f"step: the batch size {size} must be divisible by micro_batches "
                 f"({micro_batches}) x data-parallel devices ({n_shards}).")
-        micro = jax.tree.map(
+        return size // (micro_batches * n_shards), jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((size // (micro_batches * n_shards),)
                                            + np.shape(x)[1:], x.dtype), batch)
-        _check_loss(loss_fn, apply_fn, state.params, micro, "step")
 
-    return _Step(jitted)
+    def eval_loss(state, batch, loss_of, use_rng):
+        _, micro = micro_spec(state, batch)
+        key = jax.random.key(0) if state.rng is None else state.rng
+        return jax.eval_shape(
+            lambda p, c, b, k: loss_of(p, c, b, k if use_rng else None),
+            state.params, state.collections, micro, key)
+
+    def aux_layout(state, batch, loss_of, use_rng):
+        """Per aux leaf: whether it is per-example (leading axis = the micro-batch size)."""
+        if not has_aux:
+            return None
+        size, _ = micro_spec(state, batch)
+        _, aux, _ = eval_loss(state, batch, loss_of, use_rng)
+        return jax.tree.map(lambda a: len(a.shape) >= 1 and a.shape[0] == size, aux)
+
+    def check(state, batch, loss_of, use_rng):
+        if tx is not None and state.tx is not tx:
+            raise ValueError("step: the state was created with a different optimizer than the "
+                             "one given to make_train_step; pass the same tx to both (or omit "
+                             "it: the step uses the state's).")
+        check_loss_scale(state.loss_scale, "step")
+        check_opt_state(state.tx, state.opt_state, state.params, "step")
+        _check_float_params(state.params, "step")
+        loss, _, _ = eval_loss(state, batch, loss_of, use_rng)
+        _check_loss_out(loss, False, "step" if not has_aux else "step (loss_fn's loss)")
+
+    return _Step(jitted, donate)
 
 
-def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy =
-                   "params=float32,compute=float16,output=float32",
+def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | None = None,
                    overrides: dict | None = None) -> Callable:
-    """Builds a jitted ``eval_step(params, batch) -> float32 loss`` under the same policy."""
+    """Builds a jitted ``eval_step(params_or_state, batch) -> float32 loss`` under a policy.
+
+    Args:
+      model: a flax linen Module or an apply function.
+      loss_fn: ``loss_fn(apply_fn, params, batch) -> loss``, as for :func:`make_train_step`
+        (an ``rng`` parameter, if any, must have a default: evaluation passes none).
+      policy: the policy; ``None``: the state's when a :class:`TrainState` is passed, else
+        :data:`DEFAULT_POLICY`.
+      overrides: per-module rules for :func:`jaxamp.autocast`.
+
+    Given a :class:`TrainState`, its collections (BatchNorm's running statistics) are added to
+    the variables ``apply_fn`` receives, read-only.
+    """
     apply_fn = _apply_fn_of(model)
-    policy = get_policy(policy)
-    amp_loss = autocast(lambda params, batch: loss_fn(apply_fn, params, batch),
-                        policy.with_output_dtype(jnp.float32), overrides=overrides)
-    return jax.jit(lambda params, batch: amp_loss(params, batch).astype(jnp.float32))
+    fixed = None if policy is None else get_policy(policy)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(pol, params, collections, batch):
+        def loss(params, collections, batch):
+            bound = _BoundApply(apply_fn, collections, ()) if collections else apply_fn
+            return loss_fn(bound, params, batch)
+        amp_loss = autocast(loss, pol.with_output_dtype(jnp.float32), overrides=overrides)
+        return amp_loss(params, collections, batch).astype(jnp.float32)
+
+    def eval_step(params, batch):
+        if isinstance(params, TrainState):
+            pol = fixed or params.policy or get_policy(DEFAULT_POLICY)
+            return run(pol, params.params, params.collections, batch)
+        return run(fixed or get_policy(DEFAULT_POLICY), params, {}, batch)
+
+    return eval_step

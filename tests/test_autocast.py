@@ -409,3 +409,41 @@ def test_fused_attention_runs_in_compute_dtype_with_f32_softmax():
     assert exps and all(_dt(e.invars[0]) == "float32" for e in exps)
     ref = jax.nn.dot_product_attention(q, q, q, is_causal=True)
     np.testing.assert_allclose(jax.jit(fn)(q, q, q), ref, atol=5e-3)
+
+
+def test_random_uniforms_stay_float32_so_dropout_masks_do_not_depend_on_the_policy():
+    # jax.random.uniform bitcasts random bits to float32 in [1, 2): cast to float16 there it
+    # would keep 10 of its 23 mantissa bits (uniforms on a 1/1024 grid, a biased dropout rate).
+    x = jax.random.normal(jax.random.key(1), (64, 64))
+    key = jax.random.key(0)
+
+    def f(x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.where(keep, x * 2.0, 0.0)
+
+    fn = jaxamp.autocast(f, F16)
+    jaxpr = jax.make_jaxpr(fn)(x, key)
+    lts = [e for e in iter_eqns(jaxpr) if e.primitive.name == "lt"]
+    assert lts and all(_dt(e.invars[0]) == "float32" for e in lts)
+    np.testing.assert_array_equal(jax.jit(fn)(x, key) != 0, f(x, key) != 0)
+
+
+def test_replicated_activation_made_varying_in_shard_map_keeps_compute_dtype():
+    # Inside shard_map jax inserts pvary where a replicated value meets a per-device one; as an
+    # unknown primitive it ran as traced, so a float16 activation went back to float32 there.
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    fn = jaxamp.autocast(lambda w, x: x @ w + jnp.tanh(w @ w)[:4], F16)
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("d")),
+                            out_specs=PartitionSpec("d"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "primitive in no list" warning
+        jaxpr = jax.make_jaxpr(sharded)(w, x)
+    pvary = [e for e in iter_eqns(jaxpr) if e.primitive.name == "pvary"]
+    adds = [e for e in iter_eqns(jaxpr) if e.primitive.name == "add"]
+    # the replicated param w is cast where it is used (after its pvary); the activation stays f16
+    assert {_dt(e.invars[0]) for e in pvary if e.invars[0].aval.shape == (4, 8)} == {"float16"}
+    assert adds and all(_dt(e.outvars[0]) == "float16" for e in adds)

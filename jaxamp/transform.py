@@ -1,0 +1,254 @@
+"""``jaxamp.amp``: the AMP update as an optax ``GradientTransformation``.
+
+The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
+
+1. the caller differentiates the *scaled* loss (:func:`scale_loss`), so float16 gradients do not
+   underflow;
+2. ``update`` casts the gradients to float32 and divides them by the loss scale (``unscale``);
+3. takes their global norm once: it is the metric, the finite check and the clip's norm;
+4. clips the *unscaled* gradients with ``optax.clip_by_global_norm``'s rule (clipping scaled
+   ones would shrink the threshold by the scale);
+5. runs the inner optimizer under ``lax.cond`` on a finite norm only. A skipped step returns
+   updates of ``-0.0`` (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0`` included) and
+   the inner state unchanged, so ``optax.apply_updates`` leaves the params bit-identical and
+   schedules do not advance (``optax.apply_if_finite`` instead advances its inner state's
+   counters never, but applies a NaN update after ``max_consecutive_errors``);
+6. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
+
+A hand-written step needs three changes (see the README, "Your own train step")::
+
+    tx = jaxamp.amp(optax.adamw(3e-4), clip_norm=1.0)            # 1. wrap the optimizer
+    loss = jaxamp.autocast(loss_fn, policy)(params, batch)       # 2. the loss under the policy
+    return jaxamp.scale_loss(loss, opt_state)                    # 3. differentiate it scaled
+
+The transformation knows nothing about models, so a linen or an NNX step can use it alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp.policy import get_policy
+
+__all__ = ["AmpState", "amp", "amp_state", "default_loss_scale", "scale_loss"]
+
+LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+
+class AmpState(NamedTuple):
+    """The state of :func:`amp`.
+
+    Attributes:
+      loss_scale: the current loss scale (:class:`jaxamp.DynamicLossScale`,
+        :class:`jaxamp.StaticLossScale` or :class:`jaxamp.NoOpLossScale`).
+      inner_state: the wrapped optimizer's state; unchanged by a skipped step.
+      skipped_steps: int32 count of updates skipped on non-finite gradients.
+      grad_norm: float32 global norm of the last update's unscaled gradients, before clipping
+        (inf/nan on a skipped step).
+      grads_finite: bool, whether the last update's gradients were finite (it was applied).
+    """
+
+    loss_scale: Any
+    inner_state: Any
+    skipped_steps: jax.Array
+    grad_norm: jax.Array
+    grads_finite: jax.Array
+
+
+def default_loss_scale(policy: str | jmp.Policy) -> NoOpLossScale | DynamicLossScale:
+    """Dynamic loss scaling for float16 compute; none for bfloat16/float32 (same exponent
+    range as float32, so gradients do not underflow).
+
+    Example:
+      >>> type(jaxamp.default_loss_scale("params=float32,compute=float16")).__name__
+      'DynamicLossScale'
+    """
+    policy = get_policy(policy)
+    if np.dtype(policy.compute_dtype) == np.float16:
+        return DynamicLossScale()
+    return NoOpLossScale()
+
+
+def check_loss_scale(loss_scale: Any, where: str) -> None:
+    if not isinstance(loss_scale, LOSS_SCALES):
+        raise TypeError(
+            f"{where}: loss_scale must be a jaxamp.DynamicLossScale, StaticLossScale or "
+            f"NoOpLossScale, got {type(loss_scale).__name__} {loss_scale!r}. For a fixed scale "
+            "write loss_scale=jaxamp.StaticLossScale(2.0**15).")
+
+
+def copy_tree(tree: Any) -> Any:
+    """Fresh buffers for every array leaf, so donating them leaves the caller's arrays alive."""
+    def copy(x):
+        if isinstance(x, jax.Array):
+            return x.copy()  # works for typed PRNG keys too
+        return jnp.array(x, copy=True) if isinstance(x, np.ndarray) else x
+
+    return jax.tree.map(copy, tree)
+
+
+def check_clip_norm(clip_norm: Any, where: str) -> float | jax.Array | None:
+    """``None``, or a positive finite number (Python or JAX/NumPy scalar) as a float."""
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, jax.core.Tracer):
+        return clip_norm  # traced (e.g. built inside jit): nothing to check at trace time
+    arr = np.asarray(clip_norm) if not isinstance(clip_norm, bool) else None
+    if arr is None or arr.ndim != 0 or arr.dtype == bool \
+            or not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr) \
+            or not math.isfinite(float(arr)) or float(arr) <= 0:
+        raise ValueError(f"{where}: clip_norm must be a positive finite number or None, got "
+                         f"{clip_norm!r}. Example: clip_norm=1.0.")
+    return float(arr)
+
+
+def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
+        clip_norm: float | jax.Array | None = None) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``tx`` in the AMP update: unscale -> float32 -> clip -> skip on inf/nan -> adjust.
+
+    ``update`` takes the gradients of the *scaled* loss (:func:`scale_loss`); the loss scale
+    lives in the returned state (:class:`AmpState`), so it checkpoints with the optimizer.
+
+    Args:
+      tx: the optimizer to wrap (any optax transformation).
+      loss_scale: the initial loss scale; ``None`` means ``jaxamp.DynamicLossScale()`` (what
+        float16 needs; pass ``jaxamp.NoOpLossScale()`` for bfloat16/float32, or use
+        :func:`default_loss_scale`). ``init`` copies it: the object stays usable.
+      clip_norm: clip the unscaled float32 gradients to this global norm (a Python or JAX
+        scalar), or ``None`` for no clipping.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of ``update`` are
+      passed to ``tx`` (e.g. ``value=`` for line searches).
+
+    Example:
+      >>> import optax
+      >>> tx = jaxamp.amp(optax.sgd(0.1), loss_scale=jaxamp.StaticLossScale(8.0))
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> grads = jax.grad(lambda p: jaxamp.scale_loss(jnp.sum(p["w"] ** 2), opt_state))(params)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> optax.apply_updates(params, updates)["w"]       # 1 - 0.1 * 2, unscaled
+      Array([0.8, 0.8], dtype=float32)
+      >>> updates, opt_state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, opt_state, params)
+      >>> optax.apply_updates(params, updates)["w"], int(opt_state.skipped_steps)
+      (Array([1., 1.], dtype=float32), 1)
+    """
+    where = "jaxamp.amp"
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
+                        f"{type(tx).__name__}. Example: jaxamp.amp(optax.adam(1e-3)).")
+    if loss_scale is None:
+        loss_scale = DynamicLossScale()
+    check_loss_scale(loss_scale, where)
+    clip_norm = check_clip_norm(clip_norm, where)
+    inner_update = optax.with_extra_args_support(tx).update
+
+    def init_fn(params):
+        return AmpState(loss_scale=copy_tree(loss_scale), inner_state=tx.init(params),
+                        skipped_steps=jnp.zeros((), jnp.int32),
+                        grad_norm=jnp.zeros((), jnp.float32),
+                        grads_finite=jnp.ones((), bool))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        _check_state(tx, state, params)
+        ls = state.loss_scale
+        grads = ls.unscale(updates)  # float32, unscaled: safe to square and sum
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        if clip_norm is not None:
+            # optax.clip_by_global_norm's rule, on the norm taken once above (the metric and
+            # the finite check share it; recomputing it costs compile time).
+            factor = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+
+        def apply(operand):
+            g, inner = operand
+            new_updates, new_inner = inner_update(g, inner, params, **extra_args)
+            # float32 grads would promote e.g. a bfloat16 Adam moment to float32; the state
+            # keeps its dtypes (and lax.cond's branches their types).
+            new_inner = jax.tree.map(
+                lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
+                new_inner, inner)
+            return new_updates, new_inner
+
+        shapes = jax.eval_shape(apply, (grads, state.inner_state))[0]
+
+        def skip(operand):
+            # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
+            return (jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes),
+                    operand[1])
+
+        new_updates, new_inner = lax.cond(finite, apply, skip, (grads, state.inner_state))
+        return new_updates, AmpState(
+            loss_scale=ls.adjust(finite), inner_state=new_inner,
+            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+            grad_norm=grad_norm.astype(jnp.float32), grads_finite=finite)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_state(tx, state, params) -> None:
+    """Trace-time checks: a foreign optimizer state gets a clear error, not an optax one."""
+    if not isinstance(state, AmpState):
+        raise TypeError(
+            f"jaxamp.amp: update expected the state made by this transformation's init (an "
+            f"AmpState), got {type(state).__name__}. Create it with tx.init(params) from the "
+            "same jaxamp.amp(...) you pass to update.")
+    check_loss_scale(state.loss_scale, "jaxamp.amp")
+    if params is not None:
+        check_opt_state(tx, state.inner_state, params, "jaxamp.amp")
+
+
+def check_opt_state(tx, opt_state, params, where: str) -> None:
+    """Raises if ``opt_state`` does not have the structure of ``tx.init(params)``."""
+    want = jax.tree.structure(jax.eval_shape(tx.init, params))
+    got = jax.tree.structure(opt_state)
+    if got != want:
+        raise ValueError(
+            f"{where}: the optimizer state does not match the optimizer: expected the "
+            f"structure of tx.init(params), {_short(want)}, got {_short(got)} instead. It was "
+            "created by another optimizer (or for other params); create it with "
+            "tx.init(params) from the same tx.")
+
+
+def _short(treedef) -> str:
+    text = str(treedef)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def amp_state(opt_state: Any) -> AmpState:
+    """The one :class:`AmpState` inside ``opt_state`` (which may be an optax chain's state).
+
+    Raises:
+      ValueError: if ``opt_state`` holds none or several.
+    """
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AmpState))
+             if isinstance(x, AmpState)]
+    if len(found) != 1:
+        raise ValueError(
+            f"jaxamp: expected exactly one jaxamp.amp state in the optimizer state, found "
+            f"{len(found)}. Wrap the optimizer once: tx = jaxamp.amp(optax.adam(1e-3)), "
+            "opt_state = tx.init(params).")
+    return found[0]
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``loss`` multiplied by the current loss scale held in ``opt_state`` (see :func:`amp`).
+
+    Differentiate the result; ``tx.update`` unscales the gradients.
+
+    Args:
+      loss: the (float32) loss.
+      opt_state: the state of a :func:`amp` transformation, or a state that contains one.
+    """
+    return amp_state(opt_state).loss_scale.scale(loss)
