@@ -129,12 +129,12 @@ def _parse_rhs(rhs: str) -> tuple[str, str, list[str], str] | None:
     i = 0
     if rhs.startswith("("):  # tuple type: up to its matching parenthesis
         depth = 0
-        for i, ch in enumerate(rhs):
-            depth += ch == "("
-            depth -= ch == ")"
+        while i < len(rhs):
+            depth += rhs[i] == "("
+            depth -= rhs[i] == ")"
+            i += 1
             if depth == 0:
                 break
-        i += 1
     else:
         m = re.match(r"\S+", rhs)
         i = m.end() if m else 0
@@ -272,7 +272,8 @@ def tensor_core_violations(gemms: list[Gemm], allowed_f32: Counter | None = None
     allowed = Counter(allowed_f32 or {})
     out = []
     for g in gemms:
-        where = f"{g.name} in {g.computation} ({g.target}, operands {'x'.join(map(str, g.operand_dtypes))})"
+        dts = "x".join(map(str, g.operand_dtypes))
+        where = f"{g.name} in {g.computation} ({g.target}, operands {dts})"
         if g.library not in libraries:
             out.append(f"{where}: not a cuBLAS/cuBLASLt/cuDNN call (library {g.library!r})")
             continue
