@@ -38,23 +38,33 @@ import sys
 import time
 from pathlib import Path
 
-from gpt import GPTConfig
-
 HERE = Path(__file__).resolve().parent
 DRY_RUN_ENV = "JAXAMP_GPU_DRY_RUN"
 DTYPES = ("bfloat16", "float16", "float32")  # the order variants are built in: targets first
 SIDES = ("jaxamp", "hand")
+# Build order, so that a spent budget costs the least: the targets need jaxamp bf16, hand bf16,
+# jaxamp f16 and jaxamp f32 first.
+JAX_ORDER = (("jaxamp", "bfloat16"), ("hand", "bfloat16"), ("jaxamp", "float16"),
+             ("jaxamp", "float32"), ("hand", "float16"), ("hand", "float32"))
 # Dense bf16 matmul rate measured on this workplace's H200s (8192^3 bf16, random data): the
 # issue's MFU reference. Elsewhere: the datasheet peak of _throughput.PEAK_FLOPS.
 MEASURED_PEAK_FLOPS = (("H200", 790e12),)
 GPU_SIZES = {
     # gpt2-small shape: 12 layers, d 768, 12 heads, context 1024; 16 x 1024 tokens per step.
-    "gpu": dict(config=GPTConfig(layers=12, d_model=768, heads=12, seq=1024), batch=16,
+    "gpu": dict(config=dict(layers=12, d_model=768, heads=12, seq=1024), batch=16,
                 repeats=7, steps=4, warmup=3, torch_compile=True),
-    "dry": dict(config=GPTConfig(layers=1, d_model=32, heads=2, seq=16), batch=2,
+    "dry": dict(config=dict(layers=1, d_model=32, heads=2, seq=16), batch=2,
                 repeats=2, steps=1, warmup=1, torch_compile=False),
 }
 GPU_COMMAND = "bash bench/gpu.sh OUTDIR"
+# Comma-separated variant names (e.g. "jaxamp/bfloat16,hand/bfloat16,torch/bfloat16"): only
+# those are built; the others are recorded as not selected. Default: all nine.
+VARIANTS_ENV = "JAXAMP_GPU_VARIANTS"
+
+
+def selected(name: str) -> bool:
+    chosen = [v.strip() for v in os.environ.get(VARIANTS_ENV, "").split(",") if v.strip()]
+    return not chosen or name in chosen
 
 
 def dry_run_requested(flag: bool = False) -> bool:
@@ -118,19 +128,30 @@ def _rates(tokens: int, times: list[float], fpt: int, peak: float | None) -> dic
             "samples_ms": [round(t * 1e3, 3) for t in times]}
 
 
-def jax_side(size: dict, deadline: float, out: Path | None) -> dict:
+def fit_repeats(size: dict, per_round_s: float, time_left_s: float) -> int:
+    """Timing repeats that fit the time left: a round is one step of every variant; the timing
+    runs ``warmup - 1 + repeats * steps`` rounds. At least 3 repeats (a median needs them)."""
+    rounds = time_left_s / per_round_s if per_round_s > 0 else float("inf")
+    fit = int((rounds - max(size["warmup"] - 1, 0)) / size["steps"])
+    return max(min(3, size["repeats"]), min(size["repeats"], fit))
+
+
+def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float) -> dict:
     """jaxamp and hand-cast variants in this process; written to ``out`` as they complete."""
     import jax
     import jax.numpy as jnp
     from _gpu_hlo import find_gemms, summarize
     from _memory import memory_dict
+    from _report import metadata
     from _steps import POLICIES, AmpRunner, HandRunner, log, make_tx, setup
     from _timing import interleaved_runtime
-    from gpt import flops_per_token, param_count
+    from gpt import GPTConfig, flops_per_token, param_count
 
     import jaxamp
 
-    cfg, batch_size = size["config"], size["batch"]
+    started = time.perf_counter()
+
+    cfg, batch_size = GPTConfig(**size["config"]), size["batch"]
     dev = jax.devices()[0]
     res: dict = {"framework": "jax", "jax_version": jax.__version__, "device": dev.device_kind,
                  "backend": jax.default_backend(), "config": {**cfg.__dict__,
@@ -155,37 +176,39 @@ def jax_side(size: dict, deadline: float, out: Path | None) -> dict:
         return (r, lambda: r.step.lower(*r.args()), _tree_bytes(r.args()[:4]),
                 f"HandCastGPT(dtype={dt}) + jmp loss scaling (float16), clip 1.0")
 
-    for dt in DTYPES:
-        for side in SIDES:
-            name = f"{side}/{dt}"
-            if time.monotonic() > deadline:
-                res["variants"][name] = {"skipped": "time budget spent before its compile"}
-                log(f"[gpu] {name}: skipped (time budget)")
-                continue
-            try:
-                r, lower, state_bytes, recipe = _build(side, dt)
-                t0 = time.perf_counter()  # trace + lower + XLA compile (no state building)
-                lowered = lower()
-                t1 = time.perf_counter()
-                compiled = lowered.compile()
-            except Exception as e:  # one variant's failure must not cost the others
-                res["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-                log(f"[gpu] {name}: FAILED to build ({res['variants'][name]['error']})")
-                _write(out, res)
-                continue
-            t2 = time.perf_counter()
-            r.step = compiled
-            ma = compiled.memory_analysis()
-            mad = memory_dict(ma) if ma else None
-            runners[name] = r
-            res["variants"][name] = {
-                "recipe": recipe, "compile_s": t2 - t0, "trace_lower_s": t1 - t0,
-                "xla_compile_s": t2 - t1, "memory_analysis": mad,
-                "memory_analysis_footprint_bytes": _footprint(mad),
-                "state_bytes": state_bytes + _tree_bytes(batch),
-                "gemms": summarize(find_gemms(compiled.as_text()))}
-            log(f"[gpu] {name}: compiled in {t2 - t0:.1f} s")
+    for side, dt in JAX_ORDER:
+        name = f"{side}/{dt}"
+        if not selected(name):
+            res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
+            continue
+        if time.monotonic() > deadline:
+            res["variants"][name] = {"skipped": "time budget spent before its compile"}
+            log(f"[gpu] {name}: skipped (time budget)")
+            continue
+        try:
+            r, lower, state_bytes, recipe = _build(side, dt)
+            t0 = time.perf_counter()  # trace + lower + XLA compile (no state building)
+            lowered = lower()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+        except Exception as e:  # one variant's failure must not cost the others
+            res["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            log(f"[gpu] {name}: FAILED to build ({res['variants'][name]['error']})")
             _write(out, res)
+            continue
+        t2 = time.perf_counter()
+        r.step = compiled
+        ma = compiled.memory_analysis()
+        mad = memory_dict(ma) if ma else None
+        runners[name] = r
+        res["variants"][name] = {
+            "recipe": recipe, "compile_s": t2 - t0, "trace_lower_s": t1 - t0,
+            "xla_compile_s": t2 - t1, "memory_analysis": mad,
+            "memory_analysis_footprint_bytes": _footprint(mad),
+            "state_bytes": state_bytes + _tree_bytes(batch),
+            "gemms": summarize(find_gemms(compiled.as_text()))}
+        log(f"[gpu] {name}: compiled in {t2 - t0:.1f} s")
+        _write(out, res)
     # First steps, smallest footprint first: the allocator's peak (it cannot be reset) rises
     # by each variant's own peak over what is live.
     order = sorted(runners, key=lambda k: res["variants"][k]["memory_analysis_footprint_bytes"]
@@ -212,8 +235,11 @@ def jax_side(size: dict, deadline: float, out: Path | None) -> dict:
     stats = _jax_memory_stats()
     res["process_peak_bytes_in_use"] = (stats or {}).get("peak_bytes_in_use")
     _write(out, res)
+    repeats = size["repeats"]
     if runners:
-        times, _ = interleaved_runtime(runners, repeats=size["repeats"], steps=size["steps"],
+        per_round = sum(res["variants"][k]["first_step_s"] for k in runners)
+        repeats = fit_repeats(size, per_round, hard_deadline - time.monotonic() - 5)
+        times, _ = interleaved_runtime(runners, repeats=repeats, steps=size["steps"],
                                        warmup=max(size["warmup"] - 1, 0))
         tokens = batch_size * cfg.seq
         for name, r in runners.items():
@@ -223,19 +249,21 @@ def jax_side(size: dict, deadline: float, out: Path | None) -> dict:
             res["variants"][name]["params_finite"] = bool(
                 jax.tree_util.tree_reduce(lambda a, x: a and bool(jnp.isfinite(x).all()), p,
                                           True))
-    res["timing"] = {k: size[k] for k in ("repeats", "steps", "warmup")}
+    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
+                     "steps": size["steps"], "warmup": size["warmup"]}
+    res["metadata"] = metadata("gpu-dry-run" if size is GPU_SIZES["dry"] else "gpu", started)
     res["complete"] = True
     _write(out, res)
     return res
 
 
-def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
+def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: float) -> dict:
     """PyTorch AMP variants in this process (JAX only builds the weights, on the CPU)."""
     import numpy as np
     from _peer import import_torch, use_fresh_inductor_cache
     from _steps import log, setup
     from _timing import interleaved_runtime
-    from gpt import flops_per_token, param_count
+    from gpt import GPTConfig, flops_per_token, param_count
 
     torch, why = import_torch()
     if torch is None:
@@ -244,7 +272,7 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
         return res
     import torch_gpt
 
-    cfg, batch_size = size["config"], size["batch"]
+    cfg, batch_size = GPTConfig(**size["config"]), size["batch"]
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     compile = size["torch_compile"]
@@ -265,6 +293,9 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
     trainers: dict = {}
     for dt in DTYPES:
         name = f"torch/{dt}"
+        if not selected(name):
+            res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
+            continue
         if time.monotonic() > deadline:
             res["variants"][name] = {"skipped": "time budget spent before its compile"}
             log(f"[gpu] {name}: skipped (time budget)")
@@ -277,7 +308,9 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
             tr = torch_gpt.TorchTrainer(cfg, batch_np, dt, device=device, params=params,
                                         compile=compile)
             first = tr.first()
-            tr(max(size["warmup"] - 1, 0))
+            t0 = time.perf_counter()
+            tr(max(size["warmup"] - 1, 1))
+            per_step = (time.perf_counter() - t0) / max(size["warmup"] - 1, 1)
         except Exception as e:  # e.g. a dtype this device's autocast does not support
             res["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(f"[gpu] {name}: failed ({res['variants'][name]['error']})")
@@ -285,7 +318,7 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
         v = {"recipe": "torch.autocast + GradScaler (float16) + clip_grad_norm_(1.0) + AdamW"
                        + (" + torch.compile" if tr.compiled else " (eager)"),
              "compiled": tr.compiled, "compile_error": tr.compile_error,
-             "first_step_s": first, "compile_s": first}
+             "first_step_s": first, "compile_s": first, "warm_step_s": per_step}
         if cuda:
             v["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated() - before)
             v["peak_memory_source"] = ("torch.cuda.max_memory_allocated after "
@@ -296,8 +329,12 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
         trainers[name] = tr
         log(f"[gpu] {name}: first step (compile) {first:.1f} s")
         _write(out, res)
+    repeats = size["repeats"]
     if trainers:
-        times, _ = interleaved_runtime(trainers, repeats=size["repeats"], steps=size["steps"],
+        per_round = sum(res["variants"][k]["warm_step_s"] for k in trainers)
+        repeats = fit_repeats(dict(size, warmup=1), per_round,
+                              hard_deadline - time.monotonic() - 5)
+        times, _ = interleaved_runtime(trainers, repeats=repeats, steps=size["steps"],
                                        warmup=0)
         tokens = batch_size * cfg.seq
         for name, tr in trainers.items():
@@ -306,7 +343,8 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
             v["final_loss_scale"] = (float(tr.scaler.get_scale()) if tr.scaler.is_enabled()
                                      else None)
             v["last_loss"] = float(tr.last_loss) if tr.last_loss is not None else None
-    res["timing"] = {k: size[k] for k in ("repeats", "steps", "warmup")}
+    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
+                     "steps": size["steps"], "warmup": size["warmup"]}
     res["complete"] = True
     _write(out, res)
     return res
@@ -315,9 +353,11 @@ def torch_side(size: dict, deadline: float, out: Path | None) -> dict:
 def side_main(side: str, dry: bool, budget_s: float, out: Path) -> int:
     """Entry of ``run.py --gpu-side {jax,torch}``: one framework, results to ``out``."""
     size = GPU_SIZES["dry" if dry else "gpu"]
-    # Leave room for the timing after the last compile: new compiles stop at 75% of the budget.
-    deadline = time.monotonic() + 0.75 * budget_s
-    (jax_side if side == "jax" else torch_side)(size, deadline, out)
+    # Leave room for the timing after the last compile: new compiles stop at 70% of the
+    # budget, and the timing repeats shrink to what is left (the parent kills at 100%).
+    now = time.monotonic()
+    (jax_side if side == "jax" else torch_side)(size, now + 0.7 * budget_s, out,
+                                                now + 0.95 * budget_s)
     return 0
 
 
@@ -367,10 +407,47 @@ def gpu_target_values(jax_res: dict, torch_res: dict) -> dict:
     }
 
 
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parent_metadata(jax_res: dict, torch_res: dict, dry: bool, started: float) -> dict:
+    """The run's metadata; machine and versions as the JAX process saw them (this process
+    never starts JAX: its allocator would hold the GPU)."""
+    import datetime
+    import shlex
+
+    meta = dict(jax_res.get("metadata") or {})
+    meta.update(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                command=shlex.join(["python", *sys.argv]), mode="gpu-dry-run" if dry else "gpu",
+                wall_s=round(time.perf_counter() - started, 1))
+    meta.setdefault("versions", {})["torch"] = torch_res.get("torch_version")
+    return meta
+
+
+def cli(argv: list[str]) -> int:
+    """``run.py --gpu`` / ``--gpu-side`` without run.py's other imports (the parent stays
+    light and never touches JAX)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench/run.py --gpu")
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--gpu-side", choices=("jax", "torch"), default=None)
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    json_path = Path(a.json) if a.json else None
+    if a.gpu_side:
+        return side_main(a.gpu_side, dry_run_requested(a.cpu_dry_run), a.budget_s, json_path)
+    gpu_main(dry_run_requested(a.cpu_dry_run), a.budget_s, json_path)
+    if json_path:
+        print(f"[bench] wrote {json_path}")
+    return 0
+
+
 def gpu_main(dry: bool, budget_s: float, json_path: Path | None) -> dict:
     """``run.py --gpu``: both sides, one subprocess each, then the targets."""
-    from _report import metadata
-    from _steps import log
     from _targets import judge_gpu_targets
 
     started = time.perf_counter()
@@ -394,7 +471,7 @@ def gpu_main(dry: bool, budget_s: float, json_path: Path | None) -> dict:
         "jax": jax_res,
         "torch": torch_res,
         "targets": judge_gpu_targets(values, evaluate=hopper and not dry),
-        "metadata": metadata("gpu-dry-run" if dry else "gpu", started),
+        "metadata": parent_metadata(jax_res, torch_res, dry, started),
     }
     res["metadata"]["budget_s"] = budget_s
     _write(json_path, res)

@@ -3,8 +3,6 @@ evaluated only on such a run and "pending" elsewhere."""
 
 from __future__ import annotations
 
-import jax
-
 TARGETS = {
     "amp_step_runtime_ratio": 1.03,
     "amp_step_compile_ratio": 1.3,
@@ -22,6 +20,8 @@ GPU_TARGETS = (
 
 def gpu_targets(res: dict) -> dict:
     """The Hopper targets: evaluated on an H100/H200 ``--full`` run, else pending."""
+    import jax  # here: ``run.py --gpu``'s parent process must not start JAX at all
+
     kind = jax.devices()[0].device_kind
     hopper = jax.default_backend() == "gpu" and any(k in kind for k in ("H100", "H200"))
     values: dict = dict.fromkeys(k for k, _, _ in GPU_TARGETS)

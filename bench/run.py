@@ -58,6 +58,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+if __name__ == "__main__" and {"--gpu", "--gpu-side"} & set(sys.argv[1:]):
+    # --gpu: a light parent that starts one process per framework (and never JAX itself).
+    from _gpu import cli
+
+    sys.exit(cli(sys.argv[1:]))
 
 import jax  # noqa: E402
 from _fidelity import measure_fidelity  # noqa: E402
@@ -165,11 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
                   Path(args.json) if args.json else None)
         return {}
     if args.gpu:
-        res = gpu_main(dry_run_requested(args.cpu_dry_run), args.budget_s,
-                       Path(args.json) if args.json else None)
-        if args.json:
-            print(f"[bench] wrote {args.json}")
-        return res
+        return gpu_main(dry_run_requested(args.cpu_dry_run), args.budget_s,
+                        Path(args.json) if args.json else None)
     started = time.perf_counter()
     mode = ("smoke" if args.smoke else "quick" if args.quick else "full" if args.full
             else "standard")
