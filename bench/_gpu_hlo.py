@@ -13,10 +13,12 @@ What XLA:GPU emits for a matmul (target names as in XLA's ``xla/service/gpu/cubl
 * a ``custom-call`` to cuDNN, ``"__cudnn$..."``: convolutions (``$convForward``,
   ``$convBackwardInput``, ``$convBackwardFilter``, ``$convBiasActivationForward``) and fused
   attention (``$fmha...``);
-* a ``fusion`` with ``kind=kCustom`` whose backend config names ``"__triton_gemm"`` (XLA's
-  Triton GEMM emitter, chosen by autotuning; on Hopper it issues wgmma, i.e. Tensor Cores, when
-  its operands are f16/bf16) or ``"__cudnn$fusion"`` (a cuDNN graph); the ``dot`` is inside the
-  called computation, often behind a ``convert`` fused into it;
+* a ``fusion`` with ``kind=kCustom`` whose backend config names ``"__triton_gemm"`` or, in
+  newer XLA, ``"__triton_nested_gemm_fusion"`` (XLA's Triton GEMM emitter, chosen by
+  autotuning; on Hopper it issues wgmma, i.e. Tensor Cores, when its operands are f16/bf16), or
+  ``"__cudnn$fusion"`` (a cuDNN graph); the ``dot`` is inside the called computation, often
+  behind a ``convert`` fused into it (nested: inside a "block" fusion feeding the dot, which
+  then reads that fusion's result type);
 * a plain ``dot``/``convolution`` left in the program (not rewritten to any library): XLA's own
   loop emitter, no Tensor Cores. :func:`tensor_core_violations` always reports these.
 """
@@ -31,8 +33,8 @@ LOW_PRECISION = ("f16", "bf16")
 CUBLAS_PREFIX = "__cublas$"
 CUDNN_PREFIX = "__cudnn$"
 # Library-backed GEMM fusions (fusion_backend_config kind).
-GEMM_FUSION_KINDS = {"__triton_gemm": "triton", "__cudnn$fusion": "cudnn-fusion",
-                     "__cublas": "cublas-fusion"}
+GEMM_FUSION_KINDS = {"__triton_gemm": "triton", "__triton_nested_gemm_fusion": "triton",
+                     "__cudnn$fusion": "cudnn-fusion", "__cublas": "cublas-fusion"}
 # Custom-call targets that run Python on the host, and ops that move data to or from it.
 HOST_CALLBACK_MARKERS = ("callback", "host_compute", "xla_python")
 HOST_TRANSFER_OPS = ("send", "send-done", "recv", "recv-done", "outfeed", "infeed")

@@ -128,6 +128,35 @@ TRITON_GEMM = module(
     "\"block_k\":\"64\",\"split_k\":\"1\",\"num_stages\":\"4\",\"num_warps\":\"8\","
     "\"num_ctas\":\"1\"}}}\n}")
 
+# Newer XLA: the Triton GEMM as nested fusions; the f32 -> bf16 convert lives in a "block"
+# fusion that feeds the dot, so the dot's operand types are those block fusions' results.
+NESTED_TRITON = module(
+    "%convert_computation (p: f32[768,3072]) -> bf16[768,3072] {\n"
+    "  %p = f32[768,3072]{1,0} parameter(0)\n"
+    "  ROOT %c = bf16[768,3072]{1,0} convert(%p)\n}",
+    "%param_computation (q: bf16[8192,768]) -> bf16[8192,768] {\n"
+    "  ROOT %q = bf16[8192,768]{1,0} parameter(0)\n}",
+    "%gemm_fusion_dot.1_computation (parameter_0: f32[768,3072], parameter_1: bf16[8192,768]) "
+    "-> bf16[8192,3072] {\n"
+    "  %parameter_0 = f32[768,3072]{1,0} parameter(0)\n"
+    "  %block_fusion = bf16[768,3072]{1,0} fusion(%parameter_0), kind=kCustom, "
+    "calls=%convert_computation, backend_config={\"fusion_backend_config\":{\"kind\":"
+    "\"__triton_nested_gemm_fusion\",\"block_level_fusion_config\":{\"output_tiles\":"
+    "[{\"sizes\":[\"64\",\"256\"]}]}}}\n"
+    "  %parameter_1 = bf16[8192,768]{1,0} parameter(1)\n"
+    "  %block_fusion.1 = bf16[8192,768]{1,0} fusion(%parameter_1), kind=kCustom, "
+    "calls=%param_computation, backend_config={\"fusion_backend_config\":{\"kind\":"
+    "\"__triton_nested_gemm_fusion\"}}\n"
+    "  ROOT %dot.2 = bf16[8192,3072]{1,0} dot(%block_fusion.1, %block_fusion), "
+    "lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}",
+    "ENTRY %main (w: f32[768,3072], x: bf16[8192,768]) -> bf16[8192,3072] {\n"
+    "  %w = f32[768,3072]{1,0} parameter(0)\n"
+    "  %x = bf16[8192,768]{1,0} parameter(1)\n"
+    "  ROOT %gemm_fusion_dot.1 = bf16[8192,3072]{1,0} fusion(%w, %x), kind=kCustom, "
+    "calls=%gemm_fusion_dot.1_computation, backend_config={\"fusion_backend_config\":"
+    "{\"kind\":\"__triton_nested_gemm_fusion\",\"block_level_fusion_config\":"
+    "{\"num_warps\":\"8\",\"output_tiles\":[{\"sizes\":[\"128\",\"256\"]}]}}}\n}")
+
 CUDNN_FMHA = module(entry(
     "%q = bf16[8,1024,12,64]{3,2,1,0} parameter(0)",
     "%k = bf16[8,1024,12,64]{3,2,1,0} parameter(1)",
@@ -198,6 +227,20 @@ def test_triton_gemm_fusion_reads_the_dot_inside():
     assert tensor_core_violations([g]) == []
     # Asked for cuBLAS/cuDNN only, the Triton GEMM is reported.
     assert len(tensor_core_violations([g], libraries=("cublas", "cublaslt", "cudnn"))) == 1
+
+
+def test_nested_triton_gemm_counts_once_with_its_converted_operands():
+    (g,) = find_gemms(NESTED_TRITON)
+    assert (g.library, g.target, g.name) == ("triton", "__triton_nested_gemm_fusion",
+                                             "gemm_fusion_dot.1")
+    assert g.operand_dtypes == ("bf16", "bf16") and g.out_elements == 8192 * 3072
+    assert tensor_core_violations([g]) == []
+    # The same GEMM fed float32 (no convert in its block fusion) is reported.
+    f32 = NESTED_TRITON.replace("ROOT %c = bf16[768,3072]{1,0} convert(%p)",
+                                "ROOT %c = f32[768,3072]{1,0} copy(%p)").replace(
+        "%block_fusion = bf16[768,3072]", "%block_fusion = f32[768,3072]")
+    (g32,) = find_gemms(f32)
+    assert g32.operand_dtypes == ("bf16", "f32") and len(tensor_core_violations([g32])) == 1
 
 
 def test_cudnn_fused_attention():
