@@ -8,7 +8,8 @@ TARGETS = {
     "amp_step_compile_ratio": 1.3,
     "trace_compile_ratio_amp_vs_plain": 1.3,
 }
-GPU_COMMAND = "python bench/run.py --full --json bench/results-gpu.json"
+# (--full; the GPU issue's run is bench/gpu.sh, which writes bench/results-gpu.json.)
+GPU_COMMAND = "python bench/run.py --full --json bench/results-gpu-full.json"
 # Targets for the --full run on a Hopper GPU (H100/H200); evaluated only there.
 GPU_TARGETS = (
     ("bf16_jaxamp_over_torch_amp", "bf16 tokens/s, jaxamp / torch AMP", ">= 1.0"),
