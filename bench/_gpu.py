@@ -2,6 +2,9 @@
 float16 (dynamic loss scaling), for three implementations of the same model:
 
 * ``jaxamp``: ``bench/gpt.py`` (no dtype code) under ``jaxamp.make_train_step`` and a policy;
+  ``jaxamp-fused`` (bf16): the same with ``jax.nn.dot_product_attention`` for the attention,
+  which autocast re-dispatches to cuDNN's fused kernel in the compute dtype on a GPU (its
+  ``gemms`` summary shows whether a ``__cudnn$fmha...`` call was emitted);
 * ``hand``: ``bench/gpt_handcast.py``, the same model with hand-written Flax ``dtype=``
   arguments, in the step a careful user writes with ``jmp`` (``_steps.make_hand_step``: the same
   scale / unscale / finite check / skip / clip / AdamW work);
@@ -44,8 +47,11 @@ DTYPES = ("bfloat16", "float16", "float32")  # the order variants are built in: 
 SIDES = ("jaxamp", "hand")
 # Build order, so that a spent budget costs the least: the targets need jaxamp bf16, hand bf16,
 # jaxamp f16 and jaxamp f32 first.
+# "jaxamp-fused": the same model with jax.nn.dot_product_attention (GPTConfig.attention=
+# "fused"), which autocast re-dispatches to cuDNN's fused attention in the compute dtype.
 JAX_ORDER = (("jaxamp", "bfloat16"), ("hand", "bfloat16"), ("jaxamp", "float16"),
-             ("jaxamp", "float32"), ("hand", "float16"), ("hand", "float32"))
+             ("jaxamp", "float32"), ("jaxamp-fused", "bfloat16"), ("hand", "float16"),
+             ("hand", "float32"))
 # Dense bf16 matmul rate measured on this workplace's H200s (8192^3 bf16, random data): the
 # issue's MFU reference. Elsewhere: the datasheet peak of _throughput.PEAK_FLOPS.
 MEASURED_PEAK_FLOPS = (("H200", 790e12),)
@@ -145,7 +151,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     from _report import metadata
     from _steps import POLICIES, AmpRunner, HandRunner, log, make_tx, setup
     from _timing import interleaved_runtime
-    from gpt import GPTConfig, flops_per_token, param_count
+    from gpt import GPT, GPTConfig, flops_per_token, param_count
 
     import jaxamp
 
@@ -167,11 +173,13 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     runners: dict = {}
 
     def _build(side: str, dt: str):
-        if side == "jaxamp":
+        if side in ("jaxamp", "jaxamp-fused"):
             policy = POLICIES[dt]
-            r = AmpRunner(model, params, tx, batch, policy, jaxamp.default_loss_scale(policy))
+            m = model if side == "jaxamp" else GPT(cfg.replace(attention="fused"))
+            r = AmpRunner(m, params, tx, batch, policy, jaxamp.default_loss_scale(policy))
             return (r, lambda: r.step.lower(r.state, batch), _tree_bytes(r.state),
-                    f"jaxamp.make_train_step(policy={policy!r}, clip_norm=1.0)")
+                    f"jaxamp.make_train_step(policy={policy!r}, clip_norm=1.0)"
+                    + (", jax.nn.dot_product_attention" if side != "jaxamp" else ""))
         r = HandRunner(cfg, params, tx, batch, dt)
         return (r, lambda: r.step.lower(*r.args()), _tree_bytes(r.args()[:4]),
                 f"HandCastGPT(dtype={dt}) + jmp loss scaling (float16), clip 1.0")

@@ -186,6 +186,33 @@ def test_poisoned_step_is_skipped_on_device():
     assert any(changed)
 
 
+def test_fused_attention_runs_in_cudnn_in_the_compute_dtype():
+    """``jax.nn.dot_product_attention`` under a bf16 autocast policy (traced in float32) is
+    re-dispatched by the engine to cuDNN's fused kernel with bf16 operands, forward and
+    backward (the engine's mechanism is tested on CPU in tests/test_fused_attention.py)."""
+    policy = POLICIES["bfloat16"]
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    f = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, policy), argnums=(0, 1, 2)))
+    shape = (2, 1024, 12, 64) if ON_GPU else (1, 16, 2, 8)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, shape, jnp.float32) for kk in keys)
+    text = f.lower(q, k, v).compile().as_text()
+    gemms = find_gemms(text)
+    print(f"fused attention, bf16 policy: {summarize(gemms)}")
+    value, grads = f(q, k, v)
+    assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g)).all() for g in grads)
+    if not ON_GPU:
+        return
+    fmha = [g for g in gemms if g.library == "cudnn" and "fmha" in g.target.lower()]
+    assert len(fmha) >= 2, f"no cuDNN fused attention forward + backward: {summarize(gemms)}"
+    assert all(g.operand_dtypes == ("bf16", "bf16") for g in fmha), fmha
+    assert not tensor_core_violations(gemms)
+
+
 def test_f32_allowance_is_small():
     """The float32 rules keep few matmuls in float32 (none in this model's forward or
     backward); a jump here would mean the policy stopped applying."""

@@ -79,7 +79,7 @@ def test_bench_variants(dry_run):
     assert res["config"]["layers"] == 1  # toy size
     jax_v = res["jax"]["variants"]
     assert set(jax_v) == {f"{s}/{d}" for s in ("jaxamp", "hand")
-                          for d in ("bfloat16", "float16", "float32")}
+                          for d in ("bfloat16", "float16", "float32")} | {"jaxamp-fused/bfloat16"}
     for name in ("jaxamp/bfloat16", "hand/float16"):
         v = jax_v[name]
         assert v["tokens_per_s"] > 0 and v["step_ms"] > 0 and v["compile_s"] > 0, name
@@ -195,3 +195,18 @@ def test_fit_repeats_and_peak(monkeypatch):
     assert gpu.peak_flops("NVIDIA H200", "gpu")[0] == 790e12
     assert gpu.peak_flops("NVIDIA A100-SXM4-80GB", "gpu")[0] == 312e12
     assert gpu.peak_flops("cpu", "cpu")[0] is None
+
+
+def test_fused_attention_model_is_the_same_model(monkeypatch):
+    """bench/gpt.py's ``attention="fused"`` (the ``jaxamp-fused`` variant) computes the same
+    loss from the same parameters as the hand-written attention."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    gpt = _bench_module("gpt")
+    cfg = gpt.GPTConfig(layers=1, d_model=32, heads=2, seq=16)
+    model = gpt.GPT(cfg)
+    params, batch = gpt.init(model, cfg), gpt.make_batch(cfg, 2)
+    fused = gpt.GPT(cfg.replace(attention="fused"))
+    manual_loss = float(gpt.lm_loss(model.apply, params, batch))
+    assert abs(float(gpt.lm_loss(fused.apply, params, batch)) - manual_loss) < 1e-5
+    with pytest.raises(ValueError, match="attention="):
+        gpt.GPTConfig(attention="flash")
