@@ -225,7 +225,13 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
         v = res["variants"][name]
         before = _jax_memory_stats()
         t0 = time.perf_counter()
-        runners[name](1)
+        try:
+            runners[name](1)
+        except Exception as e:  # e.g. out of memory: drop this variant, keep the others
+            v["error"] = f"first step: {type(e).__name__}: {str(e)[:400]}"
+            log(f"[gpu] {name}: FAILED at its first step ({v['error']})")
+            del runners[name]
+            continue
         v["first_step_s"] = time.perf_counter() - t0
         after = _jax_memory_stats()
         v["peak_memory_bytes"] = None

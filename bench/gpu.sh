@@ -46,11 +46,10 @@ if [[ $# -ne 1 ]]; then
   echo "usage: bash bench/gpu.sh [--cpu-dry-run] OUTDIR" >&2
   exit 2
 fi
-OUTDIR=$1
+mkdir -p "$1"
+OUTDIR=$(cd "$1" && pwd)  # absolute, before the cd below
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-mkdir -p "$OUTDIR"
-OUTDIR=$(cd "$OUTDIR" && pwd)
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/jaxamp-gpu.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
