@@ -132,12 +132,12 @@ def main(argv=None) -> int:
         if "tokens_per_s" in v:
             mfu = v.get("mfu")
             mem = v.get("peak_memory_bytes")
-            print(f"  {name:<16} {v['tokens_per_s']:>12,.0f} tok/s  MFU "
+            print(f"  {name:<22} {v['tokens_per_s']:>12,.0f} tok/s  MFU "
                   f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%':>6}  peak "
                   f"{'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}  compile "
                   f"{v.get('compile_s', 0):.1f} s")
         else:
-            print(f"  {name:<16} {v.get('skipped') or v.get('error') or 'not timed'}")
+            print(f"  {name:<22} {v.get('skipped') or v.get('error') or 'not timed'}")
     for key, tg in (res.get("targets") or {}).items():
         if isinstance(tg, dict):
             val = tg.get("value")
