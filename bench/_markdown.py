@@ -181,14 +181,16 @@ _Not yet run._
 
 ## GPU figures
 
-Pending a GPU run (tokens/s and MFU for float32/bfloat16/float16 AMP steps on the gpt2-small
-shape, 12 layers x 768, sequence 1024, batch 8, the PyTorch peer on CUDA, and the Hopper
-targets: bf16 jaxamp >= torch AMP, f16 with dynamic loss scaling within 3% of bf16, bf16 peak
-memory <= 0.6x f32, bf16 MFU >= 40%). Produce them on a GPU machine (with
+The GPU issue's run is `bash bench/gpu.sh OUTDIR` (jaxamp, hand-cast Flax and PyTorch AMP;
+results in `bench/results-gpu.json`). The `--full` mode: pending a GPU run (tokens/s and MFU
+for float32/bfloat16/float16 AMP steps on the gpt2-small shape, 12 layers x 768, sequence 1024,
+batch 8, the PyTorch peer on CUDA, and the Hopper targets: bf16 jaxamp >= torch AMP, f16 with
+dynamic loss scaling within 3% of bf16, bf16 peak memory <= 0.6x f32, bf16 MFU >= 40%).
+Produce them on a GPU machine (with
 `pip install torch` for the peer) with:
 
 ```bash
-python bench/run.py --full --json bench/results-gpu.json
+python bench/run.py --full --json bench/results-gpu-full.json
 ```
 
 <!-- bench:gpu-full:start -->

@@ -36,6 +36,18 @@ def import_torch():
     return torch, None
 
 
+def use_fresh_inductor_cache() -> str:
+    """A fresh inductor cache unless the environment names one: torch.compile's first step is
+    then a cold compile on every run, as jax.jit's is (JAX's persistent compilation cache is
+    off by default). Returns what was done, for the JSON."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return "TORCHINDUCTOR_CACHE_DIR from the environment (may be warm)"
+    cache = tempfile.mkdtemp(prefix="jaxamp-bench-inductor-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    return "fresh temporary TORCHINDUCTOR_CACHE_DIR (cold compile)"
+
+
 def host_threads() -> int:
     """CPUs this process may run on: the size XLA:CPU gives its intra-op thread pool
     (``tsl::port::MaxParallelism``, from the scheduler affinity mask)."""
@@ -61,16 +73,7 @@ def measure_peer(cfg: GPTConfig, batch_size: int, *, dtypes: tuple[str, ...], re
         return {"skipped": PEER_SKIPPED}, {}, {}
     import torch_gpt
 
-    if compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        # A fresh inductor cache: torch.compile's first step is a cold compile on every run,
-        # as jax.jit's is (JAX's persistent compilation cache is off by default).
-        cache = tempfile.mkdtemp(prefix="jaxamp-bench-inductor-")
-        atexit.register(shutil.rmtree, cache, ignore_errors=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        inductor_cache = "fresh temporary TORCHINDUCTOR_CACHE_DIR (cold compile)"
-    else:
-        inductor_cache = ("TORCHINDUCTOR_CACHE_DIR from the environment (may be warm)"
-                          if compile else None)
+    inductor_cache = use_fresh_inductor_cache() if compile else None
     model, params, batch = setup(cfg, batch_size)
     tx = make_tx()
     cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()

@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import jmp
 import optax
 from gpt import GPT, GPTConfig, init, lm_loss, make_batch
+from gpt_handcast import HandCastGPT, handcast_loss
 
 import jaxamp
 
@@ -87,6 +89,70 @@ class BaselineRunner:
             params, opt_state, _ = self.step(params, opt_state, self.batch)
         jax.block_until_ready((params, opt_state))
         self.params, self.opt_state = params, opt_state
+
+
+def make_hand_step(cfg: GPTConfig, tx, compute: str, *, clip_norm: float = 1.0):
+    """The hand-written mixed-precision step a careful Flax user writes without jaxamp: the
+    ``dtype=`` twin (``gpt_handcast.HandCastGPT``) and ``jmp`` loss scaling, doing the work
+    ``jaxamp.make_train_step`` does (scale, unscale, finite check, skip, clip, update).
+
+    ``step(params, opt_state, scale_state, skipped, batch) -> (params, opt_state, scale_state,
+    skipped, loss)``. ``scale_state`` is ``(loss_scale, counter)`` of a ``jmp.DynamicLossScale``
+    for float16 (jaxamp's defaults: 2**16, doubled after 2000 finite steps) and ``()`` (no
+    scaling) otherwise; the jmp object is rebuilt inside the step (its ``__post_init__`` does
+    not accept the placeholders ``jit(...).lower`` passes through pytrees)."""
+    loss_fn = handcast_loss(HandCastGPT(cfg, jnp.dtype(compute)))
+    clip = optax.clip_by_global_norm(clip_norm)
+    dynamic = compute == "float16"
+
+    def step(params, opt_state, scale_state, skipped, batch):
+        loss_scale = (jmp.DynamicLossScale(*scale_state, period=2000) if dynamic
+                      else jmp.NoOpLossScale())
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        grads, _ = clip.update(grads, clip.init(params))
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
+        skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        loss_scale = loss_scale.adjust(finite)
+        scale_state = (loss_scale.loss_scale, loss_scale.counter) if dynamic else ()
+        return params, opt_state, scale_state, skipped, loss_scale.unscale(loss)
+
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3))
+
+
+def hand_scale_state(compute: str) -> tuple:
+    if compute == "float16":
+        return (jnp.float32(2.0**16), jnp.zeros((), jnp.int32))
+    return ()
+
+
+class HandRunner:
+    """Threads the hand-written step's (donated) state through ``steps`` calls."""
+
+    def __init__(self, cfg: GPTConfig, params, tx, batch, compute: str):
+        self.step = make_hand_step(cfg, tx, compute)
+        self.params = copy_tree(params)
+        self.opt_state = tx.init(self.params)
+        self.scale_state = hand_scale_state(compute)
+        self.skipped_count = jnp.zeros((), jnp.int32)
+        self.batch = batch
+
+    def args(self) -> tuple:
+        return self.params, self.opt_state, self.scale_state, self.skipped_count, self.batch
+
+    def __call__(self, steps: int) -> None:
+        p, o, ls, sk = self.params, self.opt_state, self.scale_state, self.skipped_count
+        for _ in range(steps):
+            p, o, ls, sk, _ = self.step(p, o, ls, sk, self.batch)
+        jax.block_until_ready((p, o))
+        self.params, self.opt_state, self.scale_state, self.skipped_count = p, o, ls, sk
+
+    def skipped(self) -> int:
+        return int(self.skipped_count)
 
 
 _SETUP: dict = {}

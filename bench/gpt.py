@@ -36,10 +36,16 @@ class GPTConfig:
     heads: int = 4
     seq: int = 128
     vocab: int = 256
+    # "manual": softmax attention written out (the default, and what the twins are); "fused":
+    # ``jax.nn.dot_product_attention(is_causal=True)``, which autocast re-dispatches to cuDNN's
+    # fused kernel in the compute dtype on a GPU. Same parameters either way.
+    attention: str = "manual"
 
     def __post_init__(self):
         if self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}.")
+        if self.attention not in ("manual", "fused"):
+            raise ValueError(f"attention={self.attention!r}: use 'manual' or 'fused'.")
 
     def replace(self, **kw) -> GPTConfig:
         return dataclasses.replace(self, **kw)
@@ -47,6 +53,7 @@ class GPTConfig:
 
 class CausalSelfAttention(nn.Module):
     heads: int
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -57,6 +64,9 @@ class CausalSelfAttention(nn.Module):
         q = q.reshape(b, t, self.heads, hd)
         k = k.reshape(b, t, self.heads, hd)
         v = v.reshape(b, t, self.heads, hd)
+        if self.fused:  # looked up at call time, so autocast can re-dispatch it
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+            return nn.Dense(d, kernel_init=INIT, name="proj")(out)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
         mask = jnp.tril(jnp.ones((t, t), bool))
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
@@ -75,10 +85,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     heads: int
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x):
-        x = x + CausalSelfAttention(self.heads, name="attn")(nn.LayerNorm(name="ln1")(x))
+        x = x + CausalSelfAttention(self.heads, self.fused, name="attn")(
+            nn.LayerNorm(name="ln1")(x))
         return x + MLP(name="mlp")(nn.LayerNorm(name="ln2")(x))
 
 
@@ -95,7 +107,7 @@ class GPT(nn.Module):
         pos = self.param("pos_embed", INIT, (cfg.seq, cfg.d_model))
         x = x + pos[:t]
         for i in range(cfg.layers):
-            x = Block(cfg.heads, name=f"block_{i}")(x)
+            x = Block(cfg.heads, cfg.attention == "fused", name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         return nn.Dense(cfg.vocab, use_bias=False, kernel_init=INIT, name="head")(x)
 

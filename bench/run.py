@@ -5,7 +5,13 @@ Usage::
 
     python bench/run.py --quick --json bench/results-cpu-quick.json   # a few minutes, 2 CPUs
     python bench/run.py --smoke --json /tmp/smoke.json                # < 1 minute, for a test
-    python bench/run.py --full --json bench/results-gpu.json          # gpt2-small shape, GPU
+    python bench/run.py --full --json /tmp/full.json                  # gpt2-small shape, GPU
+    python bench/run.py --gpu --json OUT/results-gpu.json             # the GPU issue's run
+    python bench/run.py --gpu --cpu-dry-run --json /tmp/gpu-dry.json  # the same, toy size, CPU
+
+``--gpu`` (``_gpu.py``, run by ``bench/gpu.sh``) is its own mode: jaxamp, the hand-cast twin
+and PyTorch AMP in float32/bfloat16/float16 at the gpt2-small shape, one process per framework,
+and the GPU issue's five targets.
 
 Every comparison runs in ONE process: the variants alternate in interleaved repeats (the order
 flips every repeat) and the reported figure is the ratio of the medians, so machine noise hits
@@ -52,9 +58,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+if __name__ == "__main__" and {"--gpu", "--gpu-side"} & set(sys.argv[1:]):
+    # --gpu: a light parent that starts one process per framework (and never JAX itself).
+    from _gpu import cli
+
+    sys.exit(cli(sys.argv[1:]))
 
 import jax  # noqa: E402
 from _fidelity import measure_fidelity  # noqa: E402
+from _gpu import dry_run_requested, gpu_main, side_main  # noqa: E402
 from _markdown import markdown_section, write_markdown  # noqa: E402
 from _memory import measure_memory, memory_ratios  # noqa: E402
 from _overhead import measure_step, scaling_row  # noqa: E402
@@ -133,6 +145,18 @@ def main(argv: list[str] | None = None) -> dict:
                       help="tiny model, 2 timing repeats (< 60 s); no markdown")
     size.add_argument("--full", action="store_true",
                       help="gpt2-small shape (12x768, seq 1024, batch 8) + tokens/s and MFU")
+    size.add_argument("--gpu", action="store_true",
+                      help="the GPU run of bench/gpu.sh: jaxamp / hand-cast Flax / PyTorch AMP "
+                           "in f32, bf16, f16 at the gpt2-small shape, one process per "
+                           "framework, and the five GPU targets (see _gpu.py)")
+    size.add_argument("--gpu-side", choices=("jax", "torch"), default=None,
+                      help=argparse.SUPPRESS)  # one framework's process, started by --gpu
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="with --gpu: toy sizes on CPU to test the plumbing (also "
+                         "JAXAMP_GPU_DRY_RUN=1); the figures mean nothing")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="with --gpu: wall-clock budget of the whole measurement; variants "
+                         "not compiled in time are recorded as skipped")
     ap.add_argument("--json", metavar="PATH", help="write all results and metadata here")
     ap.add_argument("--markdown", metavar="PATH", default=None,
                     help="rewrite this file's bench section (default: BENCHMARKS.md, except "
@@ -141,6 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peer-only", action="store_true",
                     help="only the PyTorch peer comparison (section 5); never writes markdown")
     args = ap.parse_args(argv)
+    if args.gpu_side:  # no JAX backend is touched before this: the GPU is this process's
+        side_main(args.gpu_side, dry_run_requested(args.cpu_dry_run), args.budget_s,
+                  Path(args.json) if args.json else None)
+        return {}
+    if args.gpu:
+        return gpu_main(dry_run_requested(args.cpu_dry_run), args.budget_s,
+                        Path(args.json) if args.json else None)
     started = time.perf_counter()
     mode = ("smoke" if args.smoke else "quick" if args.quick else "full" if args.full
             else "standard")

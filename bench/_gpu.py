@@ -1,0 +1,524 @@
+"""``bench/run.py --gpu``: the gpt2-small-shape train step on a GPU, in float32, bfloat16 and
+float16 (dynamic loss scaling), for three implementations of the same model:
+
+* ``jaxamp``: ``bench/gpt.py`` (no dtype code) under ``jaxamp.make_train_step`` and a policy;
+  ``jaxamp-fused`` (bf16): the same with ``jax.nn.dot_product_attention`` for the attention,
+  which autocast re-dispatches to cuDNN's fused kernel in the compute dtype on a GPU (its
+  ``gemms`` summary shows whether a ``__cudnn$fmha...`` call was emitted);
+* ``hand``: ``bench/gpt_handcast.py``, the same model with hand-written Flax ``dtype=``
+  arguments, in the step a careful user writes with ``jmp`` (``_steps.make_hand_step``: the same
+  scale / unscale / finite check / skip / clip / AdamW work);
+* ``torch``: ``bench/torch_gpt.py`` with ``torch.autocast`` + ``GradScaler`` +
+  ``torch.compile`` (``TorchTrainer``), from the same float32 weights and batch.
+
+One process per framework (``--gpu-side jax`` and ``--gpu-side torch``, each started by the
+``--gpu`` parent with its own time limit, so a hang in one still leaves the other's figures and
+neither framework's allocator holds the GPU while the other runs). Inside a process the variants
+alternate in interleaved repeats (``_timing.interleaved_runtime``) and medians are reported.
+
+Per variant: step time, tokens/s, MFU, compile time, peak device memory. MFU counts training
+FLOPs per token as ``6 * N + 12 * L * d * T`` (``gpt.flops_per_token``: N = parameters in
+matmuls, the attention term for the full T x T scores) against the dense bf16 Tensor Core peak:
+790 TFLOP/s on an H200 (an 8192^3 bf16 matmul measured on this workplace's H200s; the datasheet
+says 989), and the datasheet figure of ``_throughput.PEAK_FLOPS`` elsewhere. Peak memory: for
+JAX, ``Device.memory_stats()`` (its ``peak_bytes_in_use`` cannot be reset, so each variant's
+first step runs in order of its compiled ``memory_analysis()`` footprint, smallest first, and
+the rise of the peak over the live bytes before it, plus the variant's own state, is its peak;
+``memory_analysis()`` is reported too); for PyTorch, ``torch.cuda.max_memory_allocated()`` after
+``reset_peak_memory_stats()`` around each variant's creation and first steps, less what was
+allocated before it.
+
+``--cpu-dry-run`` (or ``JAXAMP_GPU_DRY_RUN=1``) runs every part at toy size on CPU (PyTorch
+eager), to prove the plumbing; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DRY_RUN_ENV = "JAXAMP_GPU_DRY_RUN"
+DTYPES = ("bfloat16", "float16", "float32")  # the order variants are built in: targets first
+SIDES = ("jaxamp", "hand")
+# Build order, so that a spent budget costs the least: the targets need jaxamp bf16, hand bf16,
+# jaxamp f16 and jaxamp f32 first.
+# "jaxamp-fused": the same model with jax.nn.dot_product_attention (GPTConfig.attention=
+# "fused"), which autocast re-dispatches to cuDNN's fused attention in the compute dtype.
+JAX_ORDER = (("jaxamp", "bfloat16"), ("hand", "bfloat16"), ("jaxamp", "float16"),
+             ("jaxamp", "float32"), ("jaxamp-fused", "bfloat16"), ("hand", "float16"),
+             ("hand", "float32"))
+# Dense bf16 matmul rate measured on this workplace's H200s (8192^3 bf16, random data): the
+# issue's MFU reference. Elsewhere: the datasheet peak of _throughput.PEAK_FLOPS.
+MEASURED_PEAK_FLOPS = (("H200", 790e12),)
+GPU_SIZES = {
+    # gpt2-small shape: 12 layers, d 768, 12 heads, context 1024; 16 x 1024 tokens per step.
+    "gpu": dict(config=dict(layers=12, d_model=768, heads=12, seq=1024), batch=16,
+                repeats=7, steps=4, warmup=3, torch_compile=True),
+    "dry": dict(config=dict(layers=1, d_model=32, heads=2, seq=16), batch=2,
+                repeats=2, steps=1, warmup=1, torch_compile=False),
+}
+GPU_COMMAND = "bash bench/gpu.sh OUTDIR"
+# Comma-separated variant names (e.g. "jaxamp/bfloat16,hand/bfloat16,torch/bfloat16"): only
+# those are built; the others are recorded as not selected. Default: all nine.
+VARIANTS_ENV = "JAXAMP_GPU_VARIANTS"
+
+
+def selected(name: str) -> bool:
+    chosen = [v.strip() for v in os.environ.get(VARIANTS_ENV, "").split(",") if v.strip()]
+    return not chosen or name in chosen
+
+
+def dry_run_requested(flag: bool = False) -> bool:
+    return flag or os.environ.get(DRY_RUN_ENV, "") not in ("", "0")
+
+
+def peak_flops(device_kind: str, platform: str) -> tuple[float | None, str]:
+    """(dense bf16 peak FLOP/s, where it comes from) for MFU."""
+    if platform != "gpu":
+        return None, "no peak: not a GPU"
+    for key, p in MEASURED_PEAK_FLOPS:
+        if key.lower() in device_kind.lower():
+            return p, f"{p / 1e12:.0f} TFLOP/s dense bf16, measured on this workplace's {key}s"
+    from _throughput import PEAK_FLOPS
+
+    for key, p in PEAK_FLOPS:
+        if key.lower() in device_kind.lower():
+            return p, f"{p / 1e12:.0f} TFLOP/s dense bf16, datasheet ({key})"
+    return None, f"no peak known for {device_kind!r}"
+
+
+def _write(path: Path | None, res: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=2, default=float) + "\n")
+        os.replace(tmp, path)
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _jax_memory_stats() -> dict | None:
+    import jax
+
+    try:
+        return jax.devices()[0].memory_stats()
+    except Exception:  # backends without allocator stats
+        return None
+
+
+def _footprint(ma: dict | None) -> int | None:
+    if not ma:
+        return None
+    if ma.get("peak_memory_in_bytes"):
+        return ma["peak_memory_in_bytes"]
+    return (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"]
+            - ma["alias_size_in_bytes"] + ma["temp_size_in_bytes"])
+
+
+def _rates(tokens: int, times: list[float], fpt: int, peak: float | None) -> dict:
+    from _timing import med
+
+    tps = tokens / med(times)
+    return {"step_ms": med(times) * 1e3, "tokens_per_s": tps,
+            "model_tflops_per_s": fpt * tps / 1e12,
+            "mfu": fpt * tps / peak if peak else None,
+            "samples_ms": [round(t * 1e3, 3) for t in times]}
+
+
+def fit_repeats(size: dict, per_round_s: float, time_left_s: float) -> int:
+    """Timing repeats that fit the time left: a round is one step of every variant; the timing
+    runs ``warmup - 1 + repeats * steps`` rounds. At least 3 repeats (a median needs them)."""
+    rounds = time_left_s / per_round_s if per_round_s > 0 else float("inf")
+    fit = int((rounds - max(size["warmup"] - 1, 0)) / size["steps"])
+    return max(min(3, size["repeats"]), min(size["repeats"], fit))
+
+
+def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float) -> dict:
+    """jaxamp and hand-cast variants in this process; written to ``out`` as they complete."""
+    import jax
+    import jax.numpy as jnp
+    from _gpu_hlo import find_gemms, summarize
+    from _memory import memory_dict
+    from _report import metadata
+    from _steps import POLICIES, AmpRunner, HandRunner, log, make_tx, setup
+    from _timing import interleaved_runtime
+    from gpt import GPT, GPTConfig, flops_per_token, param_count
+
+    import jaxamp
+
+    started = time.perf_counter()
+
+    cfg, batch_size = GPTConfig(**size["config"]), size["batch"]
+    dev = jax.devices()[0]
+    res: dict = {"framework": "jax", "jax_version": jax.__version__, "device": dev.device_kind,
+                 "backend": jax.default_backend(), "config": {**cfg.__dict__,
+                                                              "batch": batch_size},
+                 "variants": {}, "complete": False}
+    model, params, batch = setup(cfg, batch_size)
+    fpt = flops_per_token(cfg, params)
+    peak, peak_note = peak_flops(dev.device_kind, dev.platform)
+    res.update(params=param_count(params), flops_per_token=fpt, peak_flops=peak,
+               peak_note=peak_note, flops_formula="6 * N + 12 * layers * d_model * seq "
+               "(N: parameters in matmuls; full T x T attention scores)")
+    tx = make_tx()
+    runners: dict = {}
+
+    def _build(side: str, dt: str):
+        if side in ("jaxamp", "jaxamp-fused"):
+            policy = POLICIES[dt]
+            m = model if side == "jaxamp" else GPT(cfg.replace(attention="fused"))
+            r = AmpRunner(m, params, tx, batch, policy, jaxamp.default_loss_scale(policy))
+            return (r, lambda: r.step.lower(r.state, batch), _tree_bytes(r.state),
+                    f"jaxamp.make_train_step(policy={policy!r}, clip_norm=1.0)"
+                    + (", jax.nn.dot_product_attention" if side != "jaxamp" else ""))
+        r = HandRunner(cfg, params, tx, batch, dt)
+        return (r, lambda: r.step.lower(*r.args()), _tree_bytes(r.args()[:4]),
+                f"HandCastGPT(dtype={dt}) + jmp loss scaling (float16), clip 1.0")
+
+    for side, dt in JAX_ORDER:
+        name = f"{side}/{dt}"
+        if not selected(name):
+            res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
+            continue
+        if time.monotonic() > deadline:
+            res["variants"][name] = {"skipped": "time budget spent before its compile"}
+            log(f"[gpu] {name}: skipped (time budget)")
+            continue
+        try:
+            r, lower, state_bytes, recipe = _build(side, dt)
+            t0 = time.perf_counter()  # trace + lower + XLA compile (no state building)
+            lowered = lower()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+        except Exception as e:  # one variant's failure must not cost the others
+            res["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            log(f"[gpu] {name}: FAILED to build ({res['variants'][name]['error']})")
+            _write(out, res)
+            continue
+        t2 = time.perf_counter()
+        r.step = compiled
+        ma = compiled.memory_analysis()
+        mad = memory_dict(ma) if ma else None
+        runners[name] = r
+        res["variants"][name] = {
+            "recipe": recipe, "compile_s": t2 - t0, "trace_lower_s": t1 - t0,
+            "xla_compile_s": t2 - t1, "memory_analysis": mad,
+            "memory_analysis_footprint_bytes": _footprint(mad),
+            "state_bytes": state_bytes + _tree_bytes(batch),
+            "gemms": summarize(find_gemms(compiled.as_text()))}
+        log(f"[gpu] {name}: compiled in {t2 - t0:.1f} s")
+        _write(out, res)
+    # First steps, smallest footprint first: the allocator's peak (it cannot be reset) rises
+    # by each variant's own peak over what is live.
+    order = sorted(runners, key=lambda k: res["variants"][k]["memory_analysis_footprint_bytes"]
+                   or 0)
+    for name in order:
+        v = res["variants"][name]
+        before = _jax_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            runners[name](1)
+        except Exception as e:  # e.g. out of memory: drop this variant, keep the others
+            v["error"] = f"first step: {type(e).__name__}: {str(e)[:400]}"
+            log(f"[gpu] {name}: FAILED at its first step ({v['error']})")
+            del runners[name]
+            continue
+        v["first_step_s"] = time.perf_counter() - t0
+        after = _jax_memory_stats()
+        v["peak_memory_bytes"] = None
+        if before and after and "peak_bytes_in_use" in after:
+            rise = after["peak_bytes_in_use"] - max(before.get("peak_bytes_in_use", 0),
+                                                    before.get("bytes_in_use", 0))
+            if rise > 0:
+                v["peak_memory_bytes"] = (after["peak_bytes_in_use"] - before["bytes_in_use"]
+                                          + v["state_bytes"])
+            v["peak_memory_source"] = ("memory_stats: peak rise over live bytes + own state"
+                                       if rise > 0 else "memory_stats: hidden by an earlier "
+                                       "larger peak")
+        else:
+            v["peak_memory_source"] = "no memory_stats on this backend"
+    stats = _jax_memory_stats()
+    res["process_peak_bytes_in_use"] = (stats or {}).get("peak_bytes_in_use")
+    _write(out, res)
+    repeats = size["repeats"]
+    if runners:
+        per_round = sum(res["variants"][k]["first_step_s"] for k in runners)
+        repeats = fit_repeats(size, per_round, hard_deadline - time.monotonic() - 5)
+        times, _ = interleaved_runtime(runners, repeats=repeats, steps=size["steps"],
+                                       warmup=max(size["warmup"] - 1, 0))
+        tokens = batch_size * cfg.seq
+        for name, r in runners.items():
+            res["variants"][name].update(_rates(tokens, times[name], fpt, peak))
+            res["variants"][name]["skipped_steps"] = r.skipped()
+            p = r.state.params if hasattr(r, "state") else r.params
+            res["variants"][name]["params_finite"] = bool(
+                jax.tree_util.tree_reduce(lambda a, x: a and bool(jnp.isfinite(x).all()), p,
+                                          True))
+    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
+                     "steps": size["steps"], "warmup": size["warmup"]}
+    res["metadata"] = metadata("gpu-dry-run" if size is GPU_SIZES["dry"] else "gpu", started)
+    res["complete"] = True
+    _write(out, res)
+    return res
+
+
+def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: float) -> dict:
+    """PyTorch AMP variants in this process (JAX only builds the weights, on the CPU)."""
+    import numpy as np
+    from _peer import import_torch, use_fresh_inductor_cache
+    from _steps import log, setup
+    from _timing import interleaved_runtime
+    from gpt import GPTConfig, flops_per_token, param_count
+
+    torch, why = import_torch()
+    if torch is None:
+        res = {"framework": "torch", "skipped": why, "complete": True}
+        _write(out, res)
+        return res
+    import torch_gpt
+
+    cfg, batch_size = GPTConfig(**size["config"]), size["batch"]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    compile = size["torch_compile"]
+    res: dict = {"framework": "torch", "torch_version": torch.__version__,
+                 "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                 "compile": compile, "variants": {}, "complete": False,
+                 "inductor_cache": use_fresh_inductor_cache() if compile else None}
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls, as XLA does
+    _, params, batch = setup(cfg, batch_size)
+    fpt = flops_per_token(cfg, params)
+    kind = torch.cuda.get_device_name(0) if cuda else "cpu"
+    peak, peak_note = peak_flops(kind, "gpu" if cuda else "cpu")
+    res.update(params=param_count(params), flops_per_token=fpt, peak_flops=peak,
+               peak_note=peak_note,
+               float32_matmul_precision=torch.get_float32_matmul_precision())
+    batch_np = {k: np.asarray(v) for k, v in batch.items()}
+    trainers: dict = {}
+    for dt in DTYPES:
+        name = f"torch/{dt}"
+        if not selected(name):
+            res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
+            continue
+        if time.monotonic() > deadline:
+            res["variants"][name] = {"skipped": "time budget spent before its compile"}
+            log(f"[gpu] {name}: skipped (time budget)")
+            continue
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        try:
+            tr = torch_gpt.TorchTrainer(cfg, batch_np, dt, device=device, params=params,
+                                        compile=compile)
+            first = tr.first()
+            t0 = time.perf_counter()
+            tr(max(size["warmup"] - 1, 1))
+            per_step = (time.perf_counter() - t0) / max(size["warmup"] - 1, 1)
+        except Exception as e:  # e.g. a dtype this device's autocast does not support
+            res["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(f"[gpu] {name}: failed ({res['variants'][name]['error']})")
+            continue
+        v = {"recipe": "torch.autocast + GradScaler (float16) + clip_grad_norm_(1.0) + AdamW"
+                       + (" + torch.compile" if tr.compiled else " (eager)"),
+             "compiled": tr.compiled, "compile_error": tr.compile_error,
+             "first_step_s": first, "compile_s": first, "warm_step_s": per_step}
+        if cuda:
+            v["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated() - before)
+            v["peak_memory_source"] = ("torch.cuda.max_memory_allocated after "
+                                       "reset_peak_memory_stats, less memory allocated before")
+        else:
+            v["peak_memory_bytes"], v["peak_memory_source"] = None, "no CUDA"
+        res["variants"][name] = v
+        trainers[name] = tr
+        log(f"[gpu] {name}: first step (compile) {first:.1f} s")
+        _write(out, res)
+    repeats = size["repeats"]
+    if trainers:
+        per_round = sum(res["variants"][k]["warm_step_s"] for k in trainers)
+        repeats = fit_repeats(dict(size, warmup=1), per_round,
+                              hard_deadline - time.monotonic() - 5)
+        times, _ = interleaved_runtime(trainers, repeats=repeats, steps=size["steps"],
+                                       warmup=0)
+        tokens = batch_size * cfg.seq
+        for name, tr in trainers.items():
+            v = res["variants"][name]
+            v.update(_rates(tokens, times[name], fpt, peak))
+            v["final_loss_scale"] = (float(tr.scaler.get_scale()) if tr.scaler.is_enabled()
+                                     else None)
+            v["last_loss"] = float(tr.last_loss) if tr.last_loss is not None else None
+    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
+                     "steps": size["steps"], "warmup": size["warmup"]}
+    res["complete"] = True
+    _write(out, res)
+    return res
+
+
+def side_main(side: str, dry: bool, budget_s: float, out: Path) -> int:
+    """Entry of ``run.py --gpu-side {jax,torch}``: one framework, results to ``out``."""
+    size = GPU_SIZES["dry" if dry else "gpu"]
+    # Leave room for the timing after the last compile: new compiles stop at 70% of the
+    # budget, and the timing repeats shrink to what is left (the parent kills at 100%).
+    now = time.monotonic()
+    (jax_side if side == "jax" else torch_side)(size, now + 0.7 * budget_s, out,
+                                                now + 0.95 * budget_s)
+    return 0
+
+
+def _run_side(side: str, dry: bool, budget_s: float, tmp: Path) -> dict:
+    """Runs one side in a subprocess with a hard time limit; its (partial) JSON, annotated."""
+    out = tmp / f"gpu-{side}.json"
+    env = dict(os.environ)
+    if side == "torch":
+        env["JAX_PLATFORMS"] = "cpu"  # JAX only builds the weights: keep it off the GPU
+    if dry:
+        env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, str(HERE / "run.py"), "--gpu-side", side, "--budget-s",
+           f"{budget_s:.0f}", "--json", str(out)] + (["--cpu-dry-run"] if dry else [])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=budget_s, stdout=sys.stderr,
+                              stderr=sys.stderr)
+        status = "ok" if proc.returncode == 0 else f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {budget_s:.0f} s"
+    res = json.loads(out.read_text()) if out.exists() else {"variants": {}}
+    res["process"] = {"status": status, "wall_s": round(time.perf_counter() - t0, 1),
+                      "command": " ".join(cmd[1:])}
+    return res
+
+
+def _ratio(a, b):
+    return a / b if (a is not None and b) else None
+
+
+def gpu_target_values(jax_res: dict, torch_res: dict) -> dict:
+    """The five targets' values from the two sides' results (None: not measured)."""
+    def get(res, name, key):
+        return (res.get("variants", {}).get(name) or {}).get(key)
+
+    tps = lambda res, name: get(res, name, "tokens_per_s")  # noqa: E731
+    return {
+        "bf16_jaxamp_over_torch_amp": _ratio(tps(jax_res, "jaxamp/bfloat16"),
+                                             tps(torch_res, "torch/bfloat16")),
+        "bf16_jaxamp_over_hand": _ratio(tps(jax_res, "jaxamp/bfloat16"),
+                                        tps(jax_res, "hand/bfloat16")),
+        "f16_dynamic_over_bf16": _ratio(tps(jax_res, "jaxamp/float16"),
+                                        tps(jax_res, "jaxamp/bfloat16")),
+        "bf16_peak_memory_vs_f32": _ratio(get(jax_res, "jaxamp/bfloat16", "peak_memory_bytes"),
+                                          get(jax_res, "jaxamp/float32", "peak_memory_bytes")),
+        "bf16_mfu": get(jax_res, "jaxamp/bfloat16", "mfu"),
+    }
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parent_metadata(jax_res: dict, torch_res: dict, dry: bool, started: float) -> dict:
+    """The run's metadata; machine and versions as the JAX process saw them (this process
+    never starts JAX: its allocator would hold the GPU)."""
+    import datetime
+    import shlex
+
+    meta = dict(jax_res.get("metadata") or {})
+    meta.update(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                command=shlex.join(["python", *sys.argv]), mode="gpu-dry-run" if dry else "gpu",
+                wall_s=round(time.perf_counter() - started, 1))
+    meta.setdefault("versions", {})["torch"] = torch_res.get("torch_version")
+    return meta
+
+
+def cli(argv: list[str]) -> int:
+    """``run.py --gpu`` / ``--gpu-side`` without run.py's other imports (the parent stays
+    light and never touches JAX)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench/run.py --gpu")
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--gpu-side", choices=("jax", "torch"), default=None)
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    json_path = Path(a.json) if a.json else None
+    if a.gpu_side:
+        return side_main(a.gpu_side, dry_run_requested(a.cpu_dry_run), a.budget_s, json_path)
+    gpu_main(dry_run_requested(a.cpu_dry_run), a.budget_s, json_path)
+    if json_path:
+        print(f"[bench] wrote {json_path}")
+    return 0
+
+
+def gpu_main(dry: bool, budget_s: float, json_path: Path | None) -> dict:
+    """``run.py --gpu``: both sides, one subprocess each, then the targets."""
+    from _targets import judge_gpu_targets
+
+    started = time.perf_counter()
+    tmp = Path(json_path).parent if json_path else Path(os.environ.get("TMPDIR", "/tmp"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    jax_budget = 0.55 * budget_s
+    log(f"[gpu] {'CPU DRY RUN (toy size, figures mean nothing)' if dry else 'GPU run'}: "
+        f"budget {budget_s:.0f} s (jax {jax_budget:.0f} s, then torch the rest)")
+    jax_res = _run_side("jax", dry, jax_budget, tmp)
+    torch_budget = max(budget_s - (time.perf_counter() - started), 10.0)
+    torch_res = _run_side("torch", dry, torch_budget, tmp)
+    for side in ("jax", "torch"):
+        (tmp / f"gpu-{side}.json").unlink(missing_ok=True)
+    backend = jax_res.get("backend")
+    hopper = backend == "gpu" and any(k in (jax_res.get("device") or "")
+                                      for k in ("H100", "H200"))
+    values = gpu_target_values(jax_res, torch_res)
+    res = {
+        "dry_run": dry,
+        "config": jax_res.get("config"),
+        "jax": jax_res,
+        "torch": torch_res,
+        "targets": judge_gpu_targets(values, evaluate=hopper and not dry),
+        "metadata": parent_metadata(jax_res, torch_res, dry, started),
+    }
+    res["metadata"]["budget_s"] = budget_s
+    _write(json_path, res)
+    print_gpu_table(res)
+    return res
+
+
+def gpu_rows(res: dict) -> list[list[str]]:
+    rows = []
+    variants = {**res["jax"].get("variants", {}), **res["torch"].get("variants", {})}
+    for name, v in variants.items():
+        if "tokens_per_s" not in v:
+            rows.append([name, "-", "-", "-", "-", "-", v.get("skipped") or v.get("error")
+                         or "not timed"])
+            continue
+        mem = v.get("peak_memory_bytes")
+        rows.append([name, f"{v['step_ms']:.1f}", f"{v['tokens_per_s']:,.0f}",
+                     "n/a" if v.get("mfu") is None else f"{100 * v['mfu']:.1f}%",
+                     "n/a" if mem is None else f"{mem / 2**30:.2f} GiB",
+                     f"{v.get('compile_s', 0):.1f}", v.get("recipe", "")])
+    return rows
+
+
+GPU_HEADER = ["variant", "step ms", "tokens/s", "MFU", "peak memory", "compile s", "recipe"]
+
+
+def print_gpu_table(res: dict) -> None:
+    print(("CPU DRY RUN: " if res["dry_run"] else "") + "gpt2-small-shape train step "
+          f"{res.get('config')}")
+    rows = [GPU_HEADER] + gpu_rows(res)
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(GPU_HEADER) - 1)]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    for key, t in res["targets"].items():
+        print(f"target {key}: {t['what']} {t['target']}: "
+              f"{'n/a' if t['value'] is None else format(t['value'], '.3f')} -> {t['status']}")
