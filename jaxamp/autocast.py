@@ -73,7 +73,8 @@ _CALLS = itertools.count(1)
 _INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMAT = frozenset({"remat2", "checkpoint", "remat"})
 # "promote" primitives whose operands are not broadcast elementwise to the output's shape.
-_NOT_ELEMENTWISE = frozenset({"concatenate", "pad", "dynamic_update_slice", "select_n", "clamp"})
+_NOT_ELEMENTWISE = frozenset({"concatenate", "stack", "pad", "dynamic_update_slice", "select_n",
+                              "clamp"})
 
 
 def _is_float(dtype) -> bool:

@@ -90,7 +90,7 @@ FP32_PRIMITIVES = frozenset({
 STRUCTURAL_PRIMITIVES = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
     "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_max", "reduce_min", "argmax",
-    "argmin", "stop_gradient", "sharding_constraint", "split", "real", "imag",
+    "argmin", "stop_gradient", "sharding_constraint", "split", "unstack", "real", "imag",
     # max/min pooling and running maxima, top-k: they select values, rounding nothing
     "reduce_window_max", "reduce_window_min", "cummax", "cummin", "top_k", "approx_top_k",
     # data movement between devices
@@ -102,7 +102,7 @@ PROMOTE_PRIMITIVES = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor",
     "ceil", "round", "nextafter", "atan2", "sqrt", "cbrt", "square", "integer_pow", "tanh",
     "one_minus_square", "sin", "cos", "atan", "erf", "erfc", "is_finite", "select_n", "clamp",
-    "concatenate", "pad", "dynamic_update_slice", "eq", "ne", "lt", "le", "gt", "ge",
+    "concatenate", "stack", "pad", "dynamic_update_slice", "eq", "ne", "lt", "le", "gt", "ge",
     "optimization_barrier", "reduce_precision",
 })
 

@@ -273,3 +273,29 @@ def test_ops_on_stored_values_alone_keep_their_precision():
                   if e.primitive.name == "dot_general"]
         low = jnp.dtype(jaxamp.get_policy(policy).compute_dtype)
         assert all(v.aval.dtype == low for e in matmul for v in e.invars)
+
+
+def test_unstack_and_stack_are_classified():
+    """jax 0.12 iterates over arrays (and split keys) with ``unstack`` and has a ``stack``
+    primitive; both only move data, so a float16 activation stays float16 and no
+    unknown-primitive warning is raised (both warned before)."""
+    if "unstack" not in _jaxpr_primitives():
+        pytest.skip("this jax iterates over arrays with slices (no unstack primitive)")
+
+    def fn(w, x, keys):
+        rows = [r for r in (x @ w)]  # unstack on jax >= 0.11
+        drop = [jax.random.bernoulli(k, 0.5, r.shape) for k, r in zip(keys, rows)]
+        return jnp.stack([jnp.where(d, r, 0.0) for d, r in zip(drop, rows)])
+
+    w, x = jnp.ones((4, 4)), jnp.ones((3, 4))
+    keys = jax.random.split(jax.random.key(0), 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxpr = jax.make_jaxpr(jaxamp.autocast(fn, F16))(w, x, keys)
+    unstacks = [e for e in iter_eqns(jaxpr) if e.primitive.name == "unstack"]
+    assert any(e.invars[0].aval.dtype == jnp.float16 for e in unstacks)
+
+
+def _jaxpr_primitives() -> set:
+    jaxpr = jax.make_jaxpr(lambda x: [r for r in x])(jnp.ones((2, 2)))
+    return {e.primitive.name for e in jaxpr.jaxpr.eqns}
