@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import jaxamp
+
 
 class HandAttention(nn.Module):
     """Causal self-attention written by hand with jax.nn.softmax."""
@@ -67,3 +69,17 @@ def init_testnet(seed: int = 0, batch: int = 2, seq: int = 8, **kw):
     ids = jax.random.randint(jax.random.key(seed + 1), (batch, seq), 0, model.vocab)
     variables = model.init(jax.random.key(seed), ids, train=False)
     return model, variables, ids
+
+
+class MLP(nn.Module):
+    """Dense -> GELU -> LayerNorm -> Dense: the train-step tests' small classifier."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(32)(x))
+        x = nn.LayerNorm()(x)
+        return nn.Dense(4)(x)
+
+
+def ce_loss(apply_fn, params, batch):
+    return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, batch["x"]), batch["y"])

@@ -11,22 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import MLP, ce_loss
 
 import jaxamp
 
 F16 = "params=float32,compute=float16,output=float32"
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.gelu(nn.Dense(32)(x))
-        x = nn.LayerNorm()(x)
-        return nn.Dense(4)(x)
-
-
-def ce_loss(apply_fn, params, batch):
-    return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, batch["x"]), batch["y"])
 
 
 def _setup(n=16):
