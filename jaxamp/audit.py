@@ -287,7 +287,13 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
       ``.to_markdown()``, ``.print()``.
 
     Example:
-      >>> report = jaxamp.audit(loss_fn, params, batch, policy="p=f32,c=f16,o=f32")
+      >>> import flax.linen as nn
+      >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+      >>> x = jnp.ones((4, 3))
+      >>> params = model.init(jax.random.key(0), x)["params"]
+      >>> def loss_fn(params, x):
+      ...     return jnp.mean(model.apply({"params": params}, x) ** 2)
+      >>> report = jaxamp.audit(loss_fn, params, x, policy="p=f32,c=f16,o=f32")
       >>> [f.kind for f in report.findings]
       []
     """

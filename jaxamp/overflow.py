@@ -506,10 +506,18 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     count as origins too; ``-inf`` written as a constant (masks) does not.
 
     Example:
+      >>> import flax.linen as nn
+      >>> class Model(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):  # 30 x 4 x 1000 = 120000 > float16's 65504
+      ...         h = nn.Dense(8, name="fc1", kernel_init=nn.initializers.constant(1e3))(x)
+      ...         return nn.Dense(1, name="fc2")(nn.relu(h))
+      >>> model, x = Model(), jnp.full((2, 4), 30.0)
+      >>> variables = model.init(jax.random.key(0), x)
       >>> rep = jaxamp.locate_overflow(model.apply, variables, x,
-      ...                              loss_fn=lambda y: jnp.mean((y - t) ** 2))
+      ...                              loss_fn=lambda y: jnp.mean(y ** 2))
       >>> rep.first_nonfinite
-      {'module': 'Model/fc2', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
+      {'module': 'Model/fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
     """
     if isinstance(fn, nn.Module):
         fn = fn.apply

@@ -148,8 +148,12 @@ class TrainState(train_state.TrainState):
         stays usable.
 
         Example:
-          >>> state = TrainState.create(model, params, optax.adam(1e-3),
-          ...                           loss_scale=jaxamp.DynamicLossScale())
+          >>> import flax.linen as nn
+          >>> model = nn.Dense(4)
+          >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+          >>> state = TrainState.create(model, params, optax.adam(1e-3))
+          >>> type(state.loss_scale).__name__  # the default policy computes in float16
+          'DynamicLossScale'
         """
         where = "TrainState.create"
         if apply_fn is None:

@@ -253,21 +253,6 @@ def test_amp_follows_the_pytorch_recipe_torch():
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6)
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    import jaxamp.transform as module
-
-    globs = {"jax": jax, "jnp": jnp, "jaxamp": jaxamp}
-    finder = doctest.DocTestFinder()
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    tests = [t for t in finder.find(module, globs=globs) if t.examples]
-    assert {t.name.split(".")[-1] for t in tests} >= {"amp", "default_loss_scale"}
-    for t in tests:
-        runner.run(t)
-    assert runner.failures == 0
-
-
 def _readme_block(heading):
     import pathlib
     import re
