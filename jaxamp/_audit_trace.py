@@ -36,7 +36,6 @@ from jaxamp.autocast import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
 from jaxamp.rules import STRUCTURAL_PRIMITIVES, ModuleRules, OpRules
 
-
 _OP_CLASSES = {
     "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
     "exp": "exp/log", "log": "exp/log", "log1p": "exp/log", "expm1": "exp/log",

@@ -18,7 +18,6 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._compat import scan_counts
 from jaxamp._audit_report import AuditReport, Finding, _group, _storage_findings
 from jaxamp._audit_trace import (
     _clean_path,
@@ -28,6 +27,7 @@ from jaxamp._audit_trace import (
     _rows,
     _sub_io,
 )
+from jaxamp._compat import scan_counts
 
 
 class _Graph:

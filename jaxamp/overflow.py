@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
 from jaxamp._audit_trace import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
+from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
 from jaxamp.autocast import autocast
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules

@@ -597,10 +597,11 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 f"{extra}: memory did not drop, so many float32 tensors stay resident (seed "
                 f"§5c).{named} Likely causes: activations saved for the backward are float32 "
                 "(modules computing in float32 via overrides, manual .astype(jnp.float32), "
-                "custom_vjp functions in OpRules.custom_vjp_as_traced), float32 copies of the weights kept per "
-                "use, or a step dominated by parameters/optimizer state, which AMP does not "
-                "shrink. Fix: check jaxamp.audit for float32 matmuls in low-precision regions, "
-                "remove manual casts, and use nn.remat for activation memory."))
+                "custom_vjp functions in OpRules.custom_vjp_as_traced), float32 copies of the "
+                "weights kept per use, or a step dominated by parameters/optimizer state, "
+                "which AMP does not shrink. Fix: check jaxamp.audit for float32 matmuls in "
+                "low-precision regions, remove manual casts, and use nn.remat for activation "
+                "memory."))
     return RunReview(findings, len(rows))
 
 
