@@ -186,12 +186,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
 
     for side, dt in JAX_ORDER:
         name = f"{side}/{dt}"
-        if not selected(name):
-            res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
-            continue
-        if time.monotonic() > deadline:
-            res["variants"][name] = {"skipped": "time budget spent before its compile"}
-            log(f"[gpu] {name}: skipped (time budget)")
+        if _skipped(res, name, deadline):
             continue
         try:
             r, lower, state_bytes, recipe = _build(side, dt)
@@ -307,12 +302,7 @@ def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: flo
     trainers: dict = {}
     for dt in DTYPES:
         name = f"torch/{dt}"
-        if not selected(name):
-            res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
-            continue
-        if time.monotonic() > deadline:
-            res["variants"][name] = {"skipped": "time budget spent before its compile"}
-            log(f"[gpu] {name}: skipped (time budget)")
+        if _skipped(res, name, deadline):
             continue
         if cuda:
             torch.cuda.synchronize()
@@ -419,6 +409,19 @@ def gpu_target_values(jax_res: dict, torch_res: dict) -> dict:
                                           get(jax_res, "jaxamp/float32", "peak_memory_bytes")),
         "bf16_mfu": get(jax_res, "jaxamp/bfloat16", "mfu"),
     }
+
+
+def _skipped(res: dict, name: str, deadline: float) -> bool:
+    """Records why variant ``name`` is not run (not selected, or the time budget is spent
+    before its compile) and says whether it is skipped."""
+    if not selected(name):
+        res["variants"][name] = {"skipped": f"not selected ({VARIANTS_ENV})"}
+        return True
+    if time.monotonic() > deadline:
+        res["variants"][name] = {"skipped": "time budget spent before its compile"}
+        log(f"[gpu] {name}: skipped (time budget)")
+        return True
+    return False
 
 
 def log(msg: str) -> None:
