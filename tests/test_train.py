@@ -290,15 +290,7 @@ _DP_SCRIPT = textwrap.dedent("""
 
 
 def test_data_parallel_on_8_virtual_devices(tmp_path):
-    script = tmp_path / "dp.py"
-    script.write_text(_DP_SCRIPT)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_8_devices(tmp_path, _DP_SCRIPT)
     assert out["skipped"] == [0.0, 1.0, 0.0]  # the poisoned shard made every device skip
     assert out["n_shards"] == 8 and out["replicas_identical"]
     assert out["max_param_diff"] < 1e-3 and out["loss_diff"] < 1e-3
