@@ -19,6 +19,8 @@ __all__ = [
     "bind_with_params",
     "close_jaxpr",
     "dce_jaxpr",
+    "mesh_context",
+    "mesh_is_set",
     "open_jaxpr",
     "scan_counts",
     "source_context",
@@ -94,3 +96,20 @@ def dce_jaxpr(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
     from jax._src.interpreters import partial_eval as pe  # no public equivalent
 
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+
+
+def mesh_context(mesh):
+    """A context in which ``mesh`` is the current mesh, for bare ``PartitionSpec`` sharding
+    constraints and Flax's logical constraints (which read ``jax.sharding.get_abstract_mesh``).
+    ``jax.set_mesh`` (jax >= 0.7) replaced ``jax.sharding.use_mesh``."""
+    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    return setter(mesh)
+
+
+def mesh_is_set() -> bool:
+    """Whether code is being traced under a (non-empty) current mesh (``jax.set_mesh``)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get is None:  # pragma: no cover - older jax
+        return False
+    mesh = get()
+    return mesh is not None and not mesh.empty

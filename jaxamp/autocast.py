@@ -24,6 +24,12 @@ Value bookkeeping that keeps casts minimal:
   policy's ``output_dtype`` (a linen ``apply(..., mutable=...)`` leaves the updated
   collections in their stored dtype).
 
+On a mesh (traced under ``jax.set_mesh``, as ``make_train_step(mesh=...)`` does), a matmul
+with a param operand computes that param's gradient with a float32 output (same low-precision
+operands), so XLA's SPMD partitioner sums it across devices in float32, not in the compute
+dtype (see :mod:`jaxamp._wgrad`). Such a matmul is a ``jax.custom_vjp`` function there:
+reverse mode only (``jax.jvp`` through it fails).
+
 Control flow keeps its structure: ``jit`` bodies are inlined, ``checkpoint``/``remat`` is
 re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the widest of the
 initial value and what the body returns, so float32 accumulators stay float32), ``cond``
@@ -57,10 +63,12 @@ from jaxamp._compat import (
     bind_with_params,
     close_jaxpr,
     custom_vjp_name,
+    mesh_is_set,
     open_jaxpr,
     scan_counts,
     source_context,
 )
+from jaxamp._wgrad import dot_f32_weight_grads
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
 
 __all__ = ["REGION_MARKER", "autocast"]
@@ -376,10 +384,18 @@ class _Evaluator:
             return self.opaque(eqn, ins, region)
         if kind == "matmul":
             dtype = self.compute_dtype(region)
-            vals = [_cast(v, dtype) for v in ins]
             params = dict(eqn.params)
             if params.get("preferred_element_type") is not None and floats:
                 params["preferred_element_type"] = dtype
+            wide = tuple(v.stored and not v.const and v.is_float for v in ins)
+            if name == "dot_general" and dtype != _F32 and any(wide) and len(ins) == 2 \
+                    and mesh_is_set():
+                # on a mesh: a param's gradient summed over the batch across devices in f32
+                out = dot_f32_weight_grads(eqn.primitive, params,
+                                           *[v.val if w else _cast(v, dtype)
+                                             for v, w in zip(ins, wide)], dtype, wide)
+                return [_Val(out, False, False, region)]
+            vals = [_cast(v, dtype) for v in ins]
             return self.bind(eqn, vals, region, params=params)
         if kind == "fp32":
             return self.bind(eqn, [_cast(v, _F32) for v in ins], region)

@@ -20,6 +20,7 @@ learning-rate schedules) counts applied updates only, and ``skipped_steps`` coun
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -35,11 +36,13 @@ import optax
 from flax import struct
 from flax.training import train_state
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxamp._compat import mesh_context
 from jaxamp.autocast import autocast
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.sharding import check_axis_rules, state_shardings
 from jaxamp.transform import (
     AmpState,
     amp,
@@ -107,9 +110,10 @@ class TrainState(train_state.TrainState):
       loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
         :class:`DynamicLossScale`; every field is a leaf, so it checkpoints with the state.
       skipped_steps: int32 count of steps whose update was skipped (non-finite gradients).
-      rng: the base PRNG key, or ``None``. It never changes: step ``s`` on device ``d``,
-        micro-batch ``m`` uses ``fold_in(fold_in(fold_in(rng, s), d), m)``, so a resumed run
-        draws the same dropout masks as an uninterrupted one.
+      rng: the base PRNG key, or ``None``. It never changes: step ``s``, micro-batch ``m``
+        uses ``fold_in(fold_in(fold_in(rng, s), 0), m)`` for the whole (global) micro-batch,
+        on one device or a mesh, so a resumed run draws the same dropout masks as an
+        uninterrupted one, and a mesh the same as one device.
       collections: the model's variable collections other than ``params`` (e.g.
         ``{"batch_stats": ...}``), updated by the step on applied steps only.
       policy: the :class:`jmp.Policy` the state was created for (static). The step runs under
@@ -213,11 +217,22 @@ def _batch_size(batch: Any, where: str) -> int:
 
 class _Step:
     """The jitted step. Its checks run while it is traced: once per input signature, before
-    anything compiles, and at no cost on later calls."""
+    anything compiles, and at no cost on later calls.
 
-    def __init__(self, jitted, donate: bool):
-        self._jitted = jitted
+    With a mesh, the state's shardings (:func:`jaxamp.sharding.state_shardings`) are read on
+    every call; the state is placed on them (a no-op once it is there) and the step is
+    compiled with them as its output shardings, so the state keeps them and one compile
+    serves every step. Tracing runs under the mesh (and the ``axis_rules``), so the model's
+    sharding constraints (``with_sharding_constraint``, Flax logical constraints) resolve.
+    """
+
+    def __init__(self, step, donate: bool, mesh: Mesh | None = None, axis_rules=None):
+        self._step = step
         self._donate = donate
+        self._mesh = mesh
+        self._axis_rules = axis_rules
+        self._plain = None
+        self._by_sharding: dict = {}
 
     def _check(self, state):
         if not isinstance(state, TrainState):  # jit would fail on it with a pytree error
@@ -230,16 +245,52 @@ class _Step:
                              "(donate=True): use the state that call returned, or build the "
                              "step with donate=False to keep the old one.")
 
+    def _prepare(self, state):
+        """-> (jitted, state on its shardings)."""
+        donate = (0,) if self._donate else ()
+        if self._mesh is None:
+            if self._plain is None:
+                self._plain = jax.jit(self._step, donate_argnums=donate)
+            return self._plain, state
+        shardings = state_shardings(state, self._mesh, axis_rules=self._axis_rules,
+                                    where="step")
+        leaves, treedef = jax.tree.flatten(shardings)
+        key = (treedef, tuple(leaves))
+        if key not in self._by_sharding:
+            self._by_sharding[key] = jax.jit(
+                functools.partial(self._step, shardings=shardings), donate_argnums=donate,
+                out_shardings=(shardings, None))
+        state = jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s
+                             else jax.device_put(x, s), state, shardings)
+        return self._by_sharding[key], state
+
+    def _context(self):
+        return _tracing_context(self._mesh, self._axis_rules)
+
     def __call__(self, state, batch):
         self._check(state)
-        return self._jitted(state, batch)
+        jitted, state = self._prepare(state)
+        with self._context():
+            return jitted(state, batch)
 
     def lower(self, state, batch):
         self._check(state)
-        return self._jitted.lower(state, batch)
+        jitted, state = self._prepare(state)
+        with self._context():
+            return jitted.lower(state, batch)
 
     def _cache_size(self) -> int:
-        return self._jitted._cache_size()
+        jitted = [self._plain] if self._plain is not None else []
+        return sum(j._cache_size() for j in jitted + list(self._by_sharding.values()))
+
+
+def _tracing_context(mesh, axis_rules):
+    stack = contextlib.ExitStack()
+    if mesh is not None:
+        stack.enter_context(mesh_context(mesh))
+    if axis_rules is not None:
+        stack.enter_context(nn.logical_axis_rules(axis_rules))
+    return stack
 
 
 def _takes_rng(loss_fn: Callable) -> tuple[bool, bool]:
@@ -314,17 +365,12 @@ class _BoundApply:
         return out
 
 
-def _pvary(tree, axis):
-    """Marks an unvarying value as varying over ``axis`` (a shard_map scan carry needs it)."""
-    if axis is None:
-        return tree
-    return jax.tree.map(lambda x: lax.pcast(x, axis, to="varying"), tree)
-
-
-def _reduce_aux(stacked, per_example: Any):
+def _reduce_aux(stacked, per_example: Any, strided: bool = False):
     """Micro-batch outputs ``[M, ...]`` -> one value per leaf; see ``make_train_step``."""
     def leaf(x, per_ex):
         if per_ex:  # per-example values: the micro-batches back in batch order
+            if strided:  # micro-batch m held rows m, m + M, m + 2M, ...
+                x = jnp.swapaxes(x, 0, 1)
             return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
         if jnp.issubdtype(x.dtype, jnp.floating):
             return jnp.mean(x, axis=0)
@@ -332,27 +378,12 @@ def _reduce_aux(stacked, per_example: Any):
     return jax.tree.map(leaf, stacked, per_example)
 
 
-def _reduce_aux_devices(aux, per_example, axis):
-    def leaf(x, per_ex):
-        if per_ex:
-            return x  # out_specs concatenate the shards
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            return lax.pmean(x, axis)
-        return lax.psum(x, axis)
-    return jax.tree.map(leaf, aux, per_example)
-
-
-def _mean_collections(collections, axis):
-    """Cross-device mean of the updated collections (synchronised BatchNorm statistics)."""
-    return jax.tree.map(lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.floating)
-                        else lax.pmax(x, axis), collections)
-
-
 def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                     tx: optax.GradientTransformation | None = None, *,
                     policy: str | jmp.Policy | None = None, overrides: dict | None = None,
                     clip_norm: float | jax.Array | None = None, micro_batches: int = 1,
-                    mesh: Mesh | None = None, data_axis: str = "data", donate: bool = True,
+                    mesh: Mesh | None = None, data_axis: str = "data",
+                    axis_rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
                     has_aux: bool = False, mutable: Sequence[str] | None = None) -> Callable:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
@@ -379,10 +410,21 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
       micro_batches: split the batch into this many micro-batches and accumulate float32
         gradients under one loss scale; one overflow skips the whole window. Collections are
         threaded through the micro-batches in order.
-      mesh: data parallel over ``mesh``'s ``data_axis``: the batch is split across devices,
-        each differentiates its share of the global mean loss, and every device takes the same
-        skip decision. Params stay replicated; updated float collections are averaged.
+      mesh: run on this :class:`jax.sharding.Mesh` (one program, partitioned by XLA's SPMD
+        partitioner): the batch is split over ``data_axis``; params, optimizer state and
+        collections keep the shardings the state has (see :func:`jaxamp.shard_state`:
+        ``NamedSharding`` s, Flax partitioning metadata, replicated otherwise), so data
+        parallel, FSDP (params and optimizer state sharded over ``data_axis``), tensor
+        parallel (a ``model`` axis) and their combinations are the same step. The result
+        equals the single-device step on the global batch (one RNG stream, one skip
+        decision, BatchNorm statistics over the global batch); every cross-device gradient
+        reduction is float32 (see :func:`jaxamp.autocast`). The model's sharding constraints
+        (``jax.lax.with_sharding_constraint``, ``nn.with_logical_constraint``) are traced
+        under the mesh.
       data_axis: the mesh axis the batch is split over.
+      axis_rules: Flax logical axis rules (``[("batch", "data"), ("mlp", "model"), ...]``,
+        as for ``nn.logical_axis_rules``): map ``nn.with_logical_partitioning`` params and
+        ``nn.with_logical_constraint`` activations to mesh axes. Only with ``mesh``.
       donate: donate the input state's buffers (do not reuse the state you passed in; the
         step refuses a donated state with a clear error).
       has_aux: ``loss_fn`` returns ``(loss, aux)`` (as in ``jax.value_and_grad``); aux goes
@@ -419,15 +461,20 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             raise TypeError(f"{where}: mutable must be a list of collection names such as "
                             f"['batch_stats'], got {mutable!r}.")
         mutable = tuple(mutable)
-    n_shards, axis = 1, None
+    n_shards = 1
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh, got "
                             f"{type(mesh).__name__}.")
         if data_axis not in mesh.axis_names:
             raise ValueError(f"{where}: data_axis {data_axis!r} is not an axis of the mesh "
-                             f"(axes: {mesh.axis_names}).")
-        n_shards, axis = mesh.shape[data_axis], data_axis
+                             f"(axes: {tuple(mesh.axis_names)}). Pass data_axis= one of them.")
+        n_shards = mesh.shape[data_axis]
+    axis_rules = check_axis_rules(axis_rules, where)
+    if axis_rules is not None and mesh is None:
+        raise ValueError(f"{where}: axis_rules= maps logical axes to the axes of a mesh; pass "
+                         "mesh= too (e.g. mesh=jax.sharding.Mesh(devices, ('data', "
+                         "'model'))).")
     wants_rng, needs_rng = _takes_rng(loss_fn)
 
     def build(state):
@@ -461,7 +508,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
         return pol, use_rng, loss_of
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, shardings=None):
         pol, use_rng, loss_of = build(state)
         check(state, batch, loss_of, use_rng)  # trace time: before compiling
         amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides)
@@ -475,58 +522,53 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
 
-        def local(params, collections, batch, loss_scale, key, weight):
-            """Mean loss, aux, new collections and float32 *scaled* grads of ``weight*loss``."""
-            if axis is not None:
-                key = None if key is None else jax.random.fold_in(key, lax.axis_index(axis))
-            elif key is not None:
-                key = jax.random.fold_in(key, 0)  # device 0
+        def local(params, collections, batch, loss_scale, key):
+            """Mean loss, aux, new collections and float32 *scaled* grads of the loss."""
+            if key is not None:
+                key = jax.random.fold_in(key, 0)  # "device 0": one stream for the global batch
             if micro_batches == 1:
                 k = None if key is None else jax.random.fold_in(key, 0)
                 grads, (loss, aux, coll) = grad_fn(params, collections, batch, loss_scale,
-                                                   weight, k)
+                                                   1.0, k)
                 return loss, aux, coll, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches,
-                                                     *x.shape[1:]), batch)
+            micro = jax.tree.map(_split_micro, batch)
 
             def body(carry, xs):
                 acc, loss_acc, coll = carry
                 mb, i = xs
                 k = None if key is None else jax.random.fold_in(key, i)
                 grads, (loss, aux, coll) = grad_fn(params, coll, mb, loss_scale,
-                                                   weight / micro_batches, k)
+                                                   1.0 / micro_batches, k)
                 acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
                 return (acc, loss_acc + loss, coll), aux
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            carry0 = (zeros, _pvary(jnp.zeros((), jnp.float32), axis),
-                      _pvary(collections, axis))
+            if shardings is not None:  # the f32 accumulator sharded like the params
+                zeros = jax.tree.map(lax.with_sharding_constraint, zeros, shardings.params)
+            carry0 = (zeros, jnp.zeros((), jnp.float32), collections)
             (grads, loss, coll), auxs = lax.scan(
                 body, carry0, (micro, jnp.arange(micro_batches)))
-            aux = None if auxs is None else _reduce_aux(auxs, per_example_aux)
+            aux = None if auxs is None else _reduce_aux(auxs, per_example_aux,
+                                                        strided=mesh is not None)
             return loss / micro_batches, aux, coll, grads
+
+        def _split_micro(x):
+            if mesh is None:  # contiguous micro-batches
+                return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
+            # Strided: micro-batch m takes rows m, m + M, ...: every device holds an equal
+            # share of every micro-batch, so all devices work on each one (no resharding).
+            x = jnp.swapaxes(x.reshape(x.shape[0] // micro_batches, micro_batches,
+                                       *x.shape[1:]), 0, 1)
+            return lax.with_sharding_constraint(
+                x, NamedSharding(mesh, PartitionSpec(None, data_axis)))
 
         per_example_aux = aux_layout(state, batch, loss_of, use_rng)
         key = jax.random.fold_in(state.rng, state.step) if use_rng else None
-        if mesh is not None:
-            def sharded(params, collections, batch, loss_scale, key):
-                loss, aux, coll, grads = local(params, collections, batch, loss_scale, key,
-                                               1.0 / n_shards)
-                # The grads need no psum: params are replicated (unvarying), so reverse-mode
-                # autodiff inside shard_map already summed each device's share of the mean
-                # loss; a psum here would count them n_shards times.
-                aux = None if aux is None else _reduce_aux_devices(aux, per_example_aux, axis)
-                return lax.pmean(loss, axis), aux, _mean_collections(coll, axis), grads
-
-            rep, spec = PartitionSpec(), PartitionSpec(axis)
-            aux_specs = jax.tree.map(lambda per_ex: spec if per_ex else rep, per_example_aux)
-            loss, aux, new_coll, scaled_grads = jax.shard_map(
-                sharded, mesh=mesh, in_specs=(rep, rep, spec, rep, rep),
-                out_specs=(rep, aux_specs, rep, rep))(
-                state.params, state.collections, batch, state.loss_scale, key)
-        else:
-            loss, aux, new_coll, scaled_grads = local(state.params, state.collections, batch,
-                                                      state.loss_scale, key, 1.0)
+        if mesh is not None:  # the batch split over the data axis, whatever it arrived as
+            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(
+                x, NamedSharding(mesh, PartitionSpec(data_axis))), batch)
+        loss, aux, new_coll, scaled_grads = local(state.params, state.collections, batch,
+                                                  state.loss_scale, key)
 
         # The update: jaxamp.amp's recipe (unscale, f32, clip, skip, adjust), the one copy.
         ls = state.loss_scale
@@ -551,17 +593,15 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             metrics["aux"] = aux
         return new_state, metrics
 
-    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
-
     def micro_spec(state, batch):
         size = _batch_size(batch, "step")
         if size % (micro_batches * n_shards):
             raise ValueError(
                 f"step: the batch size {size} must be divisible by micro_batches "
                 f"({micro_batches}) x data-parallel devices ({n_shards}).")
-        return size // (micro_batches * n_shards), jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((size // (micro_batches * n_shards),)
-                                           + np.shape(x)[1:], x.dtype), batch)
+        return size // micro_batches, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((size // micro_batches,) + np.shape(x)[1:],
+                                           x.dtype), batch)
 
     def eval_loss(state, batch, loss_of, use_rng):
         _, micro = micro_spec(state, batch)
@@ -589,7 +629,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         loss, _, _ = eval_loss(state, batch, loss_of, use_rng)
         _check_loss_out(loss, False, "step" if not has_aux else "step (loss_fn's loss)")
 
-    return _Step(jitted, donate)
+    return _Step(step, donate, mesh, axis_rules)
 
 
 def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | None = None,
