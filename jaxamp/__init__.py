@@ -3,7 +3,8 @@
 Per-module precision policies for unmodified Flax models (:func:`autocast`), float32 where the
 numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
 (:class:`DynamicLossScale`), the AMP update as an optax transformation (:func:`amp`) and a jitted
-AMP train step built on it (:func:`make_train_step`).
+AMP train step built on it (:func:`make_train_step`), on one device or a mesh
+(:func:`shard_state`, :func:`collectives`).
 """
 
 from jaxamp.audit import (
@@ -15,11 +16,13 @@ from jaxamp.audit import (
     precision_table,
 )
 from jaxamp.autocast import autocast
+from jaxamp.collectives import collectives, format_collectives
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.losses import softmax_cross_entropy
 from jaxamp.overflow import OverflowReport, locate_overflow
 from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
+from jaxamp.sharding import shard_state
 from jaxamp.train import (
     DEFAULT_POLICY,
     TrainState,
@@ -52,7 +55,9 @@ __all__ = [
     "audit",
     "audit_step",
     "autocast",
+    "collectives",
     "default_loss_scale",
+    "format_collectives",
     "format_precision_table",
     "get_policy",
     "locate_overflow",
@@ -61,5 +66,6 @@ __all__ = [
     "policy_to_str",
     "precision_table",
     "scale_loss",
+    "shard_state",
     "softmax_cross_entropy",
 ]

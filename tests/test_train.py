@@ -281,10 +281,10 @@ _DP_SCRIPT = textwrap.dedent("""
         all(np.array_equal(np.asarray(s.data), np.asarray(leaf.addressable_shards[0].data))
             for s in leaf.addressable_shards) for leaf in jax.tree.leaves(s_dp.params))
     out["n_shards"] = len(jax.tree.leaves(s_dp.params)[0].addressable_shards)
-    text = step.lower(s_dp, jax.device_put(batch, NamedSharding(mesh, P("data")))).as_text()
-    reduces = [l for l in text.splitlines() if "all_reduce" in l]
+    rows = jaxamp.collectives(step, s_dp, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    reduces = [r for r in rows if r["kind"] == "all-reduce"]
     out["all_reduce_lines"] = len(reduces)
-    out["f16_all_reduce"] = sum("f16" in l for l in reduces)
+    out["f16_all_reduce"] = sum(r["dtype"] == "float16" for r in reduces)
     print(json.dumps(out))
 """)
 
