@@ -46,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_files  # noqa: E402
+import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split each batch into this many micro-batches and accumulate "
                         "float32 gradients (the same update up to rounding, less activation "
                         "memory)")
+    o.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="train on a mesh of D x M devices: data parallel over data, tensor "
+                        "parallel over model (lm_mesh.py); default: one device")
     o.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     o.add_argument("--steps", type=int, default=300, help="total training steps")
     r = p.add_argument_group("evaluation, checkpoints and files")
@@ -245,6 +249,11 @@ def validate(args: argparse.Namespace) -> Setup:
     if args.batch_size % args.micro_batches:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --micro-batches "
                          f"{args.micro_batches}")
+    try:
+        lm_mesh.check_mesh(args.mesh, args.batch_size, args.micro_batches, config.n_head,
+                           config.d_model, config.vocab_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         corpus = lm_data.load_corpus(args.data, block_size=config.block_size)
     except lm_data.DataError as e:
@@ -594,6 +603,7 @@ def _fmt_bytes(n) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    lm_mesh.initialize_distributed()  # several hosts: before JAX starts
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -694,12 +704,17 @@ def train(s: Setup) -> int:
         _, params = lm_model.init_params(config, seed=args.seed)
         state = _strong(create_state(params))
 
+    mesh = args.mesh and lm_mesh.make_mesh(lm_mesh.parse_mesh(args.mesh))
+    if mesh:
+        state = lm_mesh.shard_state(state, mesh)
     step_fn = jaxamp.make_train_step(model, loss_fn, tx, policy=policy,
                                      clip_norm=args.clip_norm or None,
-                                     micro_batches=args.micro_batches)
+                                     micro_batches=args.micro_batches,
+                                     **lm_mesh.step_kwargs(mesh))
     eval_fn = jaxamp.make_eval_step(model, loss_fn, policy=policy)
-    batch0 = lm_data.get_batch(corpus.train, seed=args.seed, step=0,
-                               batch_size=args.batch_size, block_size=config.block_size)
+    batch0 = lm_mesh.shard_batch(lm_data.get_batch(
+        corpus.train, seed=args.seed, step=0, batch_size=args.batch_size,
+        block_size=config.block_size), mesh)
     val_batches = lm_data.eval_batches(corpus.val, seed=args.seed, num_batches=args.eval_batches,
                                        batch_size=args.batch_size,
                                        block_size=config.block_size)
@@ -758,9 +773,9 @@ def train(s: Setup) -> int:
             task = progress.add_task("train", total=args.steps, completed=start_step, stats="")
             for step in range(start_step + 1, args.steps + 1):
                 t = time.perf_counter()
-                batch = lm_data.get_batch(corpus.train, seed=args.seed, step=step - 1,
-                                          batch_size=args.batch_size,
-                                          block_size=config.block_size)
+                batch = lm_mesh.shard_batch(lm_data.get_batch(
+                    corpus.train, seed=args.seed, step=step - 1, batch_size=args.batch_size,
+                    block_size=config.block_size), mesh)
                 state, m = compiled(state, batch)
                 m = jax.device_get(m)
                 dt = time.perf_counter() - t

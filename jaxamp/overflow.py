@@ -62,30 +62,39 @@ _DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 # ---------------------------------------------------------------------------------------------
 
 
-def _summary(x, scale: float) -> np.ndarray:
+def _device_summary(x, scale: float):
     """[max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24), #(0<|x*scale|<2^-24),
-    #(0<|x|<tiny(dtype)), #values, #saturated] for one array (on the host, in float32).
+    #(0<|x|<tiny(dtype)), #values, #saturated] for one array, computed on its devices (a
+    global array is reduced where it lives, then only these 8 numbers leave them).
 
     Values exactly at the dtype's largest finite magnitude (``finfo.min`` masks, autocast's
     saturated constants) are *saturated*: counted apart and left out of the max."""
-    x = np.asarray(x)
     info = jnp.finfo(x.dtype)
-    a = np.abs(x.astype(np.float32))
-    fin = np.isfinite(a)
-    sat = fin & (a >= np.float32(info.max))
+    a = jnp.abs(x.astype(jnp.float32))
+    fin = jnp.isfinite(a)
+    sat = fin & (a >= jnp.float32(info.max))
     nz = fin & (a > 0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        scaled = a * np.float32(scale)
-    return np.array([
-        float(np.max(np.where(fin & ~sat, a, 0.0), initial=0.0)),
-        int(np.sum(~fin)),
-        int(np.sum(nz & ~sat)),
-        int(np.sum(nz & (a < F16_MIN_SUBNORMAL))),
-        int(np.sum(nz & (scaled < F16_MIN_SUBNORMAL))),
-        int(np.sum(nz & (a < float(info.tiny)))),
-        a.size,
-        int(np.sum(sat)),
-    ], np.float64)
+    scaled = a * jnp.float32(scale)
+
+    def count(m):
+        return jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
+    return jnp.stack([
+        jnp.max(jnp.where(fin & ~sat, a, 0.0), initial=0.0), count(~fin), count(nz & ~sat),
+        count(nz & (a < F16_MIN_SUBNORMAL)), count(nz & (scaled < F16_MIN_SUBNORMAL)),
+        count(nz & (a < float(info.tiny))), jnp.float32(a.size), count(sat)])
+
+
+def _to_host(x) -> np.ndarray:
+    """A small, fully replicated result on this host (every host holds a copy)."""
+    return np.asarray(jax.device_get(x), np.float64)
+
+
+def _summaries(xs, scale: float) -> list[np.ndarray]:
+    """:func:`_device_summary` of each array, reduced on device under one jit."""
+    if not xs:
+        return []
+    stacked = jax.jit(lambda xs: jnp.stack([_device_summary(x, scale) for x in xs]))(list(xs))
+    return list(_to_host(stacked))
 
 
 def _is_float(x) -> bool:
@@ -148,6 +157,7 @@ class _Evaluator:
         self.modules = modules
         self.values: list = []  # every float value produced (traced)
         self.keys: list[tuple[str, bool]] = []  # (module, backward) of each value
+        self.dtypes: list[str] = []  # the dtype of each value
         self.ids: dict[int, int] = {}  # id(traced value) -> index in values
         self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
 
@@ -161,6 +171,7 @@ class _Evaluator:
                 out_idx.append(len(self.values))
                 self.values.append(o)
                 self.keys.append((module, backward))
+                self.dtypes.append(np.dtype(o.dtype).name)
         if not out_idx:
             return
         ins = []
@@ -257,10 +268,14 @@ def _interpret(closed, flat_args, modules, scale: float):
 
     def program(consts, args):
         ev.values.clear(), ev.keys.clear(), ev.ids.clear(), ev.events.clear()
+        ev.dtypes.clear()
         outs = ev.run(jaxpr, consts, args)
-        values = list(ev.values)
-        ev.ids.clear()  # the tracers die with the trace
-        return outs, values
+        # every value's statistics reduced here, on the devices that hold it: only the
+        # small [n, 8] table leaves them
+        stats = (jnp.stack([_device_summary(v, scale) for v in ev.values]) if ev.values
+                 else jnp.zeros((0, 8), jnp.float32))
+        ev.values.clear(), ev.ids.clear()  # the tracers die with the trace
+        return outs, stats
 
     lowered = jax.jit(program).lower(list(closed.consts), args)
     compiled = None
@@ -273,15 +288,15 @@ def _interpret(closed, flat_args, modules, scale: float):
             compiled = None
     if compiled is None:
         compiled = lowered.compile()
-    outs, values = compiled(list(closed.consts), args)
+    outs, stats = compiled(list(closed.consts), args)
+    stats = _to_host(stats)
     acc: dict[tuple[str, bool], _Acc] = {}
     finite = []
-    for key, x in zip(ev.keys, values):
-        s = _summary(x, scale)
+    for key, s, dtype in zip(ev.keys, stats, ev.dtypes):
         finite.append(s[1] == 0)
         if key not in acc:
             acc[key] = _Acc()
-        acc[key].add(s, np.dtype(x.dtype).name)
+        acc[key].add(s, dtype)
     origins = []
     for where, ins, outs_idx in ev.events:
         ins_ok = all(finite[i] if not isinstance(i, bool) else i for i in ins)
@@ -583,13 +598,15 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     root = next((m for m in recorder.modules if "/" not in m), None)
     pg: dict[str, _Acc] = {}
     tg: dict[str, _Acc] = {}
-    for (path, g), (_, t) in zip(jax.tree_util.tree_leaves_with_path(amp_grads),
-                                 jax.tree_util.tree_leaves_with_path(true_grads)):
-        if not _is_float(g):
-            continue
+    pairs = [(path, g, t) for (path, g), (_, t) in zip(
+        jax.tree_util.tree_leaves_with_path(amp_grads),
+        jax.tree_util.tree_leaves_with_path(true_grads)) if _is_float(g)]
+    g_stats = _summaries([g for _, g, _ in pairs], 1.0)
+    t_stats = _summaries([t for _, _, t in pairs], scale)
+    for (path, g, t), gs, ts in zip(pairs, g_stats, t_stats):
         mod = _canonical_path(_param_module(path, root), recorder.modules)
-        pg.setdefault(mod, _Acc()).add(_summary(g, 1.0), np.dtype(g.dtype).name)
-        tg.setdefault(mod, _Acc()).add(_summary(t, scale), np.dtype(t.dtype).name)
+        pg.setdefault(mod, _Acc()).add(gs, np.dtype(g.dtype).name)
+        tg.setdefault(mod, _Acc()).add(ts, np.dtype(t.dtype).name)
 
     # activation gradients of the reference, per module
     ag: dict[str, _Acc] = {m: a for (m, bwd), a in ref_acc.items() if bwd}
@@ -652,6 +669,6 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
 
     underflow = {"param_grads": total(list(tg.values())),
                  "activation_grads": total(list(ag.values()))}
-    return OverflowReport(rows, first, origins, underflow, scale, float(amp_loss),
+    return OverflowReport(rows, first, origins, underflow, scale, float(_to_host(amp_loss)),
                           policy_to_str(pol))
 
