@@ -337,3 +337,17 @@ def test_make_train_step_rejects_bad_mesh_arguments():
         jaxamp.make_train_step(Block(), lm_loss, axis_rules=[("batch", "data")])
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
         jaxamp.make_train_step(Block(), lm_loss, mesh="data=8")
+
+
+def test_example_mesh_flag_is_checked_before_anything_runs():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import lm_mesh
+
+    assert lm_mesh.parse_mesh("data=4,model=2") == {"data": 4, "model": 2}
+    assert lm_mesh.parse_mesh("data=8") == {"data": 8, "model": 1}
+    for bad in ("data=4,data=2", "pipe=2", "data=0", "data4"):
+        with pytest.raises(ValueError, match=r"expected data=D\[,model=M\]"):
+            lm_mesh.parse_mesh(bad)
+    n = jax.device_count() + 1
+    with pytest.raises(ValueError, match=rf"data x model = {n} devices, but JAX sees {n - 1}"):
+        lm_mesh.check_mesh(f"data={n}", 16, 1, 4, 128, 256)
