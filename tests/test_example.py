@@ -390,7 +390,7 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--preset", "--policy", "--loss-scale", "--init-scale", "--growth-interval",
                  "--clip-norm", "--lr", "--schedule", "--warmup", "--batch-size",
                  "--micro-batches", "--seed", "--steps", "--eval-interval", "--eval-batches",
-                 "--checkpoint-interval", "--resume", "--data", "--out"):
+                 "--checkpoint-interval", "--resume", "--data", "--out", "--mesh"):
         assert flag in text, flag
     for word in ("dynamic", "static", "auto", "cosine", "constant", "gpt2-small", "tiny"):
         assert word in text, word
@@ -432,6 +432,10 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "--loss-scale" in line
     line = run_error(capsys, ["--preset", "test", "--resume", "--out", out])
     assert "no checkpoints" in line
+    line = run_error(capsys, ["--preset", "test", "--mesh", "pipe=2", "--out", out])
+    assert "--mesh 'pipe=2'" in line and "data=D" in line
+    line = run_error(capsys, ["--preset", "test", "--mesh", "data=3", "--out", out])
+    assert "--mesh data=3" in line and "devices" in line
 
 
 @pytest.fixture
