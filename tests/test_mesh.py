@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -351,3 +352,34 @@ def test_example_mesh_flag_is_checked_before_anything_runs():
     n = jax.device_count() + 1
     with pytest.raises(ValueError, match=rf"data x model = {n} devices, but JAX sees {n - 1}"):
         lm_mesh.check_mesh(f"data={n}", 16, 1, 4, 128, 256)
+
+
+_HLO = """
+ENTRY %main {
+  %dot.1 = bf16[32,32]{1,0} dot(%a, %b), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %all-reduce.1 = bf16[32,32]{1,0} all-reduce(%dot.1), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(loss)/transpose(jvp())/mlp/fc/dot_general"}
+  %p = f32[8,32]{1,0} parameter(0)
+  %all-gather.2 = f32[8,128]{1,0} all-gather(%p), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={1}, use_global_device_ids=true
+  %all-reduce.3 = f32[] all-reduce(%s), channel_id=5, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add
+}
+"""  # noqa: E501 (HLO as XLA prints it)
+
+
+def test_hlo_collectives_reads_kinds_dtypes_bytes_and_mesh_axes():
+    from jaxamp.collectives import hlo_collectives
+
+    # what is read of a (data=2, model=4) mesh: its shape and names (no 8 devices needed)
+    mesh = types.SimpleNamespace(devices=np.zeros((2, 4)), axis_names=("data", "model"),
+                                 size=8)
+    rows = hlo_collectives(_HLO, mesh)
+    assert [(r["kind"], r["dtype"], r["shape"], r["axes"]) for r in rows] == [
+        ("all-reduce", "bfloat16", [32, 32], ("data",)),
+        ("all-gather", "float32", [8, 128], ("model",)),
+        ("all-reduce", "float32", [], ("data",)),
+    ]
+    assert rows[0]["bytes"] == 32 * 32 * 2 and rows[0]["wire_bytes"] == 2048  # 2(n-1)/n, n=2
+    assert rows[1]["bytes"] == 8 * 128 * 4 and rows[1]["wire_bytes"] == 3 * 8 * 32 * 4
+    assert rows[0]["op_name"].endswith("mlp/fc/dot_general")
+    table = jaxamp.format_collectives(rows)
+    assert "| all-reduce | bfloat16 | 32x32 | data | 2048 | 2048 |" in table
+    assert "bfloat16 2048, float32 3076, total 5124" in table
