@@ -37,7 +37,7 @@ from flax.training import train_state
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxamp.autocast import autocast
+from jaxamp.engine import autocast
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.transform import (

@@ -14,7 +14,7 @@ from models import HandAttention, init_testnet
 
 import jaxamp
 from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
-from jaxamp.autocast import REGION_MARKER
+from jaxamp.engine import REGION_MARKER
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"

@@ -67,7 +67,7 @@ def test_names_the_planted_overflowing_layer_and_no_other(net):
     assert report.row("Net/fc2")["forward_nonfinite"] > 0
     # fc1 ran before the overflow: its activations are finite
     assert report.row("Net/fc1")["forward_nonfinite"] == 0
-    assert report.row("Net/fc1")["forward_max_abs"] < jaxamp.overflow.F16_MAX
+    assert report.row("Net/fc1")["forward_max_abs"] < jaxamp.diagnostics.overflow.F16_MAX
     assert [r["module"] for r in report.rows if r["status"] == "overflow"] == ["Net/fc2"]
     assert "Net/fc2" in report.summary()
 

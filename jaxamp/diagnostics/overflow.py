@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._audit_trace import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
 from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
-from jaxamp.autocast import autocast
+from jaxamp.diagnostics._trace import LOW, SCAFFOLD, Recorder, canonical_path, clean_path, dce
+from jaxamp.engine import autocast
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
 
@@ -122,7 +122,7 @@ class _Acc:
         self.count += int(s[6])
         self.saturated += int(s[7])
         self.dtypes.add(dtype)
-        if dtype in _LOW:
+        if dtype in LOW:
             self.subnormal += int(s[5])
             self.low_nonzero += int(s[2])
             if mx > 0:
@@ -152,8 +152,8 @@ class _Evaluator:
         self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
 
     def _record(self, eqn, full: str, vals, outs) -> None:
-        module, backward = _clean_path(full)
-        module = _canonical_path(module, self.modules)
+        module, backward = clean_path(full)
+        module = canonical_path(module, self.modules)
         out_idx = []
         for o in outs:
             if _is_float(o):
@@ -203,7 +203,7 @@ class _Evaluator:
     def eqn(self, eqn, vals, full):
         name = eqn.primitive.name
         p = eqn.params
-        if _SCAFFOLD in full:
+        if SCAFFOLD in full:
             return self.bind(eqn, vals)
         if name == "scan":
             return self.scan(eqn, vals, full)
@@ -251,7 +251,7 @@ def _interpret(closed, flat_args, modules, scale: float):
     """Runs ``closed`` (dead code removed) once under jit, keeping every value; returns the
     outputs, per-(module, pass) accumulators in first-seen order, and the equations that made
     non-finite values out of finite inputs (in execution order)."""
-    jaxpr, used = _dce(closed.jaxpr)
+    jaxpr, used = dce(closed.jaxpr)
     args = [x for x, u in zip(flat_args, used) if u]
     ev = _Evaluator(modules)
 
@@ -552,7 +552,7 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
         return loss
 
     rules = ModuleRules.create(pol, overrides)
-    recorder = _Recorder(rules)
+    recorder = Recorder(rules)
 
     def recorded(*a):
         with nn.intercept_methods(recorder.interceptor):
@@ -563,7 +563,7 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
 
     def scaled(p, *a):
         loss = amp(p, *a).astype(jnp.float32)
-        with jax.named_scope(_SCAFFOLD):
+        with jax.named_scope(SCAFFOLD):
             return loss * scale, loss
 
     closed = jax.make_jaxpr(jax.value_and_grad(scaled, has_aux=True))(params, *args)
@@ -587,7 +587,7 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
                                  jax.tree_util.tree_leaves_with_path(true_grads)):
         if not _is_float(g):
             continue
-        mod = _canonical_path(_param_module(path, root), recorder.modules)
+        mod = canonical_path(_param_module(path, root), recorder.modules)
         pg.setdefault(mod, _Acc()).add(_summary(g, 1.0), np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(_summary(t, scale), np.dtype(t.dtype).name)
 

@@ -18,16 +18,16 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._audit_report import AuditReport, Finding, _group, _storage_findings
-from jaxamp._audit_trace import (
-    _clean_path,
-    _collect,
-    _dce,
-    _float_dtypes,
-    _rows,
-    _sub_io,
-)
 from jaxamp._compat import scan_counts
+from jaxamp.diagnostics._report import AuditReport, Finding, group_findings, storage_findings
+from jaxamp.diagnostics._trace import (
+    clean_path,
+    collect_eqns,
+    dce,
+    float_dtypes,
+    sub_io,
+    table_rows,
+)
 
 
 class _Graph:
@@ -54,7 +54,7 @@ class _Graph:
         for eqn in j.eqns:
             stack = str(eqn.source_info.name_stack)
             full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            subs = _sub_io(eqn)
+            subs = sub_io(eqn)
             if subs:
                 mapped = True
                 for sub, sin, sout in subs:
@@ -103,7 +103,7 @@ def _shape(v) -> tuple:
 
 
 def _is_float_var(v) -> bool:
-    return bool(_float_dtypes([v]))
+    return bool(float_dtypes([v]))
 
 
 def _scalar_key(v, g: _Graph):
@@ -183,7 +183,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     for n, stack, anc in norms:
         if anc & unscaled_outs:
             continue  # the norm reads unscaled gradients: correct order
-        module, _ = _clean_path(stack)
+        module, _ = clean_path(stack)
         later = [e for e, x in unscale if n.outvars[0] in g.ancestors([x])]
         if later:
             found.append(Finding(
@@ -202,7 +202,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 "the loss scale and is not followed by their unscaling: a logged grad norm "
                 "(or a clip) on scaled gradients is off by the scale factor. Compute it after "
                 "loss_scale.unscale(grads)."))
-    return _group([(f.kind, f.module, f.detail, None) for f in found])
+    return group_findings([(f.kind, f.module, f.detail, None) for f in found])
 
 
 def audit_step(step_fn: Callable, *args: Any, params: Any = None,
@@ -241,14 +241,14 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
       An :class:`AuditReport` (its ``seed_rows()`` is empty: module policies are unknown).
     """
     closed = jax.make_jaxpr(step_fn)(*args)
-    jaxpr, _ = _dce(closed.jaxpr)
-    records = _collect(jaxpr, [False] * len(jaxpr.invars))
-    out_dtypes = sorted({n for n in _float_dtypes(jaxpr.outvars)})
-    rows = _rows(records, out_dtypes)
+    jaxpr, _ = dce(closed.jaxpr)
+    records = collect_eqns(jaxpr, [False] * len(jaxpr.invars))
+    out_dtypes = sorted({n for n in float_dtypes(jaxpr.outvars)})
+    rows = table_rows(records, out_dtypes)
     for row in rows:
         row["category"] = {"matmul": "matmul", "conv": "matmul", "cast": "cast",
                            "gather": "gather", "output": "output",
                            "reduction": "reduction"}.get(row["op"], "elementwise")
     findings = _clip_findings(jaxpr)
-    storage = _group(_storage_findings(params, opt_state))
+    storage = group_findings(storage_findings(params, opt_state))
     return AuditReport(rows, storage + findings, "(train step)", None)

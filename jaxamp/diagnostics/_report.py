@@ -3,7 +3,8 @@
 :func:`jaxamp.audit` and :func:`jaxamp.audit_step` both return an :class:`AuditReport`: the
 precision-table rows (with a coarse ``category`` per row), the :class:`Finding` s, and, for
 :func:`jaxamp.audit`, the trace the seed's §4 table is rebuilt from on demand
-(:meth:`AuditReport.seed_rows`, see :mod:`jaxamp._seed_table`). Output as a dict, JSON, Markdown
+(:meth:`AuditReport.seed_rows`, see :mod:`jaxamp.diagnostics._reference`). Output as a dict,
+JSON, Markdown
 (:func:`format_precision_table` for the plain table) or a rich console print.
 """
 
@@ -13,8 +14,8 @@ import dataclasses
 import json
 from typing import Any
 
-from jaxamp._audit_trace import _low, _low_leaves, _Trace
-from jaxamp._seed_table import _seed_rows
+from jaxamp.diagnostics._reference import reference_rows
+from jaxamp.diagnostics._trace import Trace, is_low, low_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Finding:
         return dataclasses.asdict(self)
 
 
-def _group(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
+def group_findings(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
     """One Finding per (kind, module), merging details."""
     merged: dict[tuple[str, str], list] = {}
     for kind, module, detail, row in findings:
@@ -48,11 +49,11 @@ def _group(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
     return [Finding(k, m, " ".join(d), row) for (k, m), (d, row) in merged.items()]
 
 
-def _storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, str | None]]:
-    """Raw findings (for :func:`_group`) for params / optimizer state stored in float16/bf16."""
+def storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, str | None]]:
+    """Raw findings (for :func:`group_findings`): params / optimizer state stored in f16/bf16."""
     raw = []
-    param_low = _low_leaves(params) if params is not None else []
-    opt_low = _low_leaves(opt_state) if opt_state is not None else []
+    param_low = low_leaves(params) if params is not None else []
+    opt_low = low_leaves(opt_state) if opt_state is not None else []
 
     def listing(low):
         more = f" and {len(low) - 4} more" if len(low) > 4 else ""
@@ -98,7 +99,7 @@ class AuditReport:
     rows: list[dict[str, str]]
     findings: list[Finding]
     policy: str
-    _trace: _Trace | None = dataclasses.field(default=None, repr=False)
+    _trace: Trace | None = dataclasses.field(default=None, repr=False)
     _param_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
     _opt_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
 
@@ -149,7 +150,7 @@ class AuditReport:
         * **Parameter update**: the dtypes of the parameters (``args[argnums]``) and of
           ``opt_state`` if given; forward ``-``.
         """
-        return _seed_rows(self._trace, self._param_dtypes, self._opt_dtypes)
+        return reference_rows(self._trace, self._param_dtypes, self._opt_dtypes)
 
     # ---- output --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -205,7 +206,7 @@ class AuditReport:
         for r in self.rows:
             if r.get("category") in ("cast", "elementwise"):
                 continue
-            style = "red" if _low(r["forward"].split(",") + r["backward"].split(",")) and \
+            style = "red" if is_low(r["forward"].split(",") + r["backward"].split(",")) and \
                 r.get("category") in ("softmax", "normalisation", "loss", "reduction") else None
             t.add_row(escape(r["module"]), r["op"], r["forward"], r["backward"], style=style)
         console.print(t)

@@ -4,16 +4,18 @@ The audit never compiles or runs anything. It traces the function under
 :func:`jaxamp.autocast` (with ``jax.value_and_grad`` when there is something to differentiate)
 and reads the jaxpr, the StableHLO dtypes a GPU would run:
 
-* :class:`_Recorder` is a ``flax.linen`` method interceptor that learns, during that trace, every
-  module's path, class and the policy autocast's rules give it (:class:`_Module`);
-* :func:`_collect` walks the jaxpr (sub-programs inlined, execution order) into :class:`_Eqn`
-  records: the module path cleaned from the name stack (:func:`_clean_path`), forward or
+* :class:`Recorder` is a ``flax.linen`` method interceptor that learns, during that trace, every
+  module's path, class and the policy autocast's rules give it (:class:`ModuleInfo`);
+* :func:`collect_eqns` walks the jaxpr (sub-programs inlined, execution order) into :class:`Eqn`
+  records: the module path cleaned from the name stack (:func:`clean_path`), forward or
   backward pass, float dtypes in and out, whether a matmul reads a parameter;
-* :func:`_trace` ties the two together (dead code is removed first, :func:`_dce`) into a
-  :class:`_Trace`, and :func:`_rows` groups its records into :func:`jaxamp.precision_table` rows.
+* :func:`trace_model` ties the two together (dead code is removed first, :func:`dce`) into a
+  :class:`Trace`, and :func:`table_rows` groups its records into :func:`jaxamp.precision_table`
+  rows.
 
 This module knows nothing about findings or the seed table; :mod:`jaxamp.audit`,
-:mod:`jaxamp._seed_table`, :mod:`jaxamp._step_audit` and :mod:`jaxamp.overflow` build on it.
+:mod:`jaxamp.diagnostics._reference`, :mod:`jaxamp.diagnostics._step` and
+:mod:`jaxamp.diagnostics.overflow` build on it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 
 from jaxamp._compat import dce_jaxpr
 from jaxamp._jaxpr import as_jaxpr
-from jaxamp.autocast import REGION_MARKER, autocast
+from jaxamp.engine import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
 from jaxamp.rules import STRUCTURAL_PRIMITIVES, ModuleRules, OpRules
 
@@ -45,13 +47,13 @@ _OP_CLASSES = {
 }
 _NOISE = re.compile(REGION_MARKER.pattern + "|rematted_computation|checkpoint|remat")
 _TRANSFORM = re.compile(r"^(jvp|transpose|vmap|pjit|jit)\((.*)\)$")
-_SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
-_TOP = "(top level)"
+SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
+TOP_LEVEL = "(top level)"
 
-_LOW = frozenset({"float16", "bfloat16"})
-_MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
-_EXPLOG = frozenset({"exp", "exp2", "log", "log1p", "expm1", "cumlogsumexp"})
-_ACCUM = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+LOW = frozenset({"float16", "bfloat16"})
+MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+EXPLOG = frozenset({"exp", "exp2", "log", "log1p", "expm1", "cumlogsumexp"})
+ACCUM = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
 # Primitives whose result is exact in any float dtype (data movement, selection, comparison):
 # they carry a dtype but round nothing, so they are never flagged and do not count towards the
 # seed rows' dtypes.
@@ -65,19 +67,19 @@ _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
 })
 
 
-def _low(dtypes) -> bool:
-    return any(d in _LOW for d in dtypes)
+def is_low(dtypes) -> bool:
+    return any(d in LOW for d in dtypes)
 
 
-def _dt(name: Any) -> str:
+def dtype_name(name: Any) -> str:
     return np.dtype(name).name
 
 
-def _join(dtypes) -> str:
+def join_dtypes(dtypes) -> str:
     return ",".join(sorted(set(dtypes))) or "-"
 
 
-def _low_leaves(tree) -> list[tuple[str, str]]:
+def low_leaves(tree) -> list[tuple[str, str]]:
     """(key path, dtype) of the float16/bfloat16 leaves of ``tree``."""
     out = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -88,7 +90,7 @@ def _low_leaves(tree) -> list[tuple[str, str]]:
             name = np.dtype(dtype).name
         except TypeError:
             continue
-        if name in _LOW:
+        if name in LOW:
             out.append((jax.tree_util.keystr(path), name))
     return out
 
@@ -99,7 +101,7 @@ def _low_leaves(tree) -> list[tuple[str, str]]:
 
 
 @dataclasses.dataclass
-class _Module:
+class ModuleInfo:
     path: str  # name-stack style: "GPT/blocks/attn"
     cls: type
     compute: str  # the compute dtype autocast's rules give this module
@@ -107,12 +109,12 @@ class _Module:
     matched: bool  # a rule (built-in or user) chose its policy; False: inherited/default
 
 
-class _Recorder:
+class Recorder:
     """A linen method interceptor that learns every module's path, class and policy."""
 
     def __init__(self, rules: ModuleRules):
         self.rules = rules
-        self.modules: dict[str, _Module] = {}
+        self.modules: dict[str, ModuleInfo] = {}
         self.order: list[str] = []  # module paths in order of completion
         self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
 
@@ -130,8 +132,8 @@ class _Recorder:
             root = self.stack[0][2].split("/")[0] if self.stack else "?"
             path = "/".join([root, *(str(p) for p in module.path)])
         if path not in self.modules:
-            self.modules[path] = _Module(path, type(module), _dt(policy.compute_dtype),
-                                         _dt(policy.output_dtype), matched)
+            self.modules[path] = ModuleInfo(path, type(module), dtype_name(policy.compute_dtype),
+                                         dtype_name(policy.output_dtype), matched)
         self.stack.append((module, policy, path))
         try:
             return next_fun(*args, **kwargs)
@@ -145,7 +147,7 @@ class _Recorder:
 # ---------------------------------------------------------------------------------------------
 
 
-def _clean_path(stack: str) -> tuple[str, bool]:
+def clean_path(stack: str) -> tuple[str, bool]:
     """Module path and whether the equation belongs to the backward pass."""
     backward = "transpose(" in stack
     parts = []
@@ -158,10 +160,10 @@ def _clean_path(stack: str) -> tuple[str, bool]:
         part = _NOISE.sub("", part)
         if part and not any(c in part for c in ",->") and part not in parts[-1:]:
             parts.append(part)
-    return "/".join(parts) or _TOP, backward
+    return "/".join(parts) or TOP_LEVEL, backward
 
 
-def _float_dtypes(vs) -> list[str]:
+def float_dtypes(vs) -> list[str]:
     out = []
     for v in vs:
         dtype = getattr(getattr(v, "aval", None), "dtype", None)
@@ -174,7 +176,7 @@ def _float_dtypes(vs) -> list[str]:
     return out
 
 
-def _dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
+def dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
     """The jaxpr without dead equations, and which inputs it still uses."""
     try:
         new, used = dce_jaxpr(jaxpr)
@@ -190,7 +192,7 @@ _CONTAINERS = frozenset({
     "shard_map", "xla_call", "xla_pmap", "custom_lin"})
 
 
-def _sub_io(eqn) -> list[tuple[jcore.Jaxpr, list, list]]:
+def sub_io(eqn) -> list[tuple[jcore.Jaxpr, list, list]]:
     """(sub-jaxpr, outer operand for each of its inputs, outer result for each of its outputs)
     for the sub-programs of an equation; ``None`` where the correspondence is unknown."""
     name = eqn.primitive.name
@@ -217,7 +219,7 @@ def _sub_io(eqn) -> list[tuple[jcore.Jaxpr, list, list]]:
 
 
 @dataclasses.dataclass
-class _Eqn:
+class Eqn:
     """One equation as the audit sees it."""
 
     eqn: Any
@@ -244,22 +246,22 @@ class _Eqn:
         return self.prim not in _EXACT and bool(self.dtypes)
 
 
-_PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
+PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
                            "squeeze", "expand_dims", "slice", "dynamic_slice", "gather", "copy",
                            "copy_p", "split", "concatenate", "rev"})
 
 
-def _collect(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool]) -> list[_Eqn]:
+def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool]) -> list[Eqn]:
     """Every equation (sub-programs inlined, execution order) with its module path, pass and
     whether a matmul operand is a parameter."""
-    records: list[_Eqn] = []
+    records: list[Eqn] = []
 
     def run(j: jcore.Jaxpr, prefix: str, flags: dict) -> None:
         producer: dict = {}
         for eqn in j.eqns:
             stack = str(eqn.source_info.name_stack)
             full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            subs = _sub_io(eqn)
+            subs = sub_io(eqn)
             if subs:
                 out_flags = [False] * len(eqn.outvars)
                 for sub, sin, sout in subs:
@@ -274,37 +276,37 @@ def _collect(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool]) -> list[_Eqn]:
                 for o, f in zip(eqn.outvars, out_flags):
                     flags[o] = f
                 continue
-            if _SCAFFOLD in full:
+            if SCAFFOLD in full:
                 continue
-            module, backward = _clean_path(full)
+            module, backward = clean_path(full)
             name = eqn.primitive.name
             ins = [v for v in eqn.invars]
             pflags = [isinstance(v, jcore.Var) and flags.get(v, False) for v in ins]
-            if name in _PASS_THROUGH and any(pflags):
+            if name in PASS_THROUGH and any(pflags):
                 for o in eqn.outvars:
                     flags[o] = True
             count = False
-            if name in _ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
+            if name in ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
                 src = producer[ins[0]]
                 count = (src.primitive.name == "convert_element_type"
-                         and not _float_dtypes(src.invars))
+                         and not float_dtypes(src.invars))
             for o in eqn.outvars:
                 producer[o] = eqn
-            records.append(_Eqn(eqn, full, module, "", _OP_CLASSES.get(name, "elementwise"),
-                                backward, _float_dtypes(ins), _float_dtypes(eqn.outvars),
-                                name in _MATMUL and any(pflags), count))
+            records.append(Eqn(eqn, full, module, "", _OP_CLASSES.get(name, "elementwise"),
+                                backward, float_dtypes(ins), float_dtypes(eqn.outvars),
+                                name in MATMUL and any(pflags), count))
 
     run(jaxpr, "", {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)})
     return records
 
 
-def _module_key(path: str, modules: dict[str, _Module]) -> str:
+def _module_key(path: str, modules: dict[str, ModuleInfo]) -> str:
     """The recorded module a cleaned name-stack path belongs to ("" if none).
 
     Handles method suffixes (``GPT/embed.attend`` -> ``GPT/embed``) and equations that a
     transformation hoisted out of a ``scan`` body, whose name stack lost the enclosing modules
     (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
-    if path == _TOP or not modules:
+    if path == TOP_LEVEL or not modules:
         return ""
     segs = path.split("/")
     segs[-1] = segs[-1].split(".")[0]
@@ -323,9 +325,9 @@ def _module_key(path: str, modules: dict[str, _Module]) -> str:
     return ""
 
 
-def _canonical_path(path: str, modules: dict[str, _Module]) -> str:
+def canonical_path(path: str, modules: dict[str, ModuleInfo]) -> str:
     """``path`` with a hoisted scan prefix restored (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
-    if path == _TOP or not modules or path in modules:
+    if path == TOP_LEVEL or not modules or path in modules:
         return path
     head, dot, method = path.partition(".")
     if head in modules:
@@ -342,12 +344,12 @@ def _canonical_path(path: str, modules: dict[str, _Module]) -> str:
 
 
 @dataclasses.dataclass
-class _Trace:
+class Trace:
     """A function traced under autocast: its records, (DCE'd) jaxpr, modules and output."""
 
-    records: list[_Eqn]
+    records: list[Eqn]
     jaxpr: jcore.Jaxpr
-    modules: dict[str, _Module]
+    modules: dict[str, ModuleInfo]
     out_dtypes: list[str]
     out_scalar: bool
     policy: jmp.Policy
@@ -363,11 +365,11 @@ def _has_float(tree) -> bool:
                               jnp.floating) for x in jax.tree_util.tree_leaves(tree))
 
 
-def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
-           argnums: int | None) -> _Trace:
+def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
+           argnums: int | None) -> Trace:
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
-    recorder = _Recorder(rules)
+    recorder = Recorder(rules)
 
     def recorded(*a):
         with nn.intercept_methods(recorder.interceptor):
@@ -379,7 +381,7 @@ def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: Op
     if grad:
         def scalar(*a):
             out = amp(*a)
-            with jax.named_scope(_SCAFFOLD):
+            with jax.named_scope(SCAFFOLD):
                 outs = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
                 total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
             return total, out
@@ -394,19 +396,19 @@ def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: Op
     else:
         closed, out_shape = jax.make_jaxpr(amp, return_shape=True)(*args)
         param_inputs = [False] * len(closed.jaxpr.invars)
-    jaxpr, used = _dce(closed.jaxpr)
+    jaxpr, used = dce(closed.jaxpr)
     param_inputs = [f for f, u in zip(param_inputs, used) if u]
-    records = _collect(jaxpr, param_inputs)
+    records = collect_eqns(jaxpr, param_inputs)
     for r in records:
-        r.module = _canonical_path(r.module, recorder.modules)
+        r.module = canonical_path(r.module, recorder.modules)
         r.key = _module_key(r.module, recorder.modules)
     leaves = jax.tree.leaves(out_shape)
     out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
     scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()
-    return _Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad)
+    return Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad)
 
 
-def _rows(records: Sequence[_Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:
+def table_rows(records: Sequence[Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:
     table: dict[tuple[str, str], dict[str, set[str]]] = {}
     for r in records:
         if not r.dtypes:

@@ -48,10 +48,10 @@ Findings :func:`audit` reports (``Finding.kind``):
 Dead code is removed before auditing (``jax``'s DCE), so values a program computes and throws
 away (e.g. the JVP of a ``stop_gradient``'ed max) are not reported.
 
-The implementation is split by concept: :mod:`jaxamp._audit_trace` (tracing and reading the
-jaxpr), :mod:`jaxamp._seed_table` (the §4 table and module-role heuristics),
-:mod:`jaxamp._audit_report` (:class:`Finding`, :class:`AuditReport`) and
-:mod:`jaxamp._step_audit` (:func:`audit_step`). This module holds the findings of
+The implementation is split by concept: :mod:`jaxamp.diagnostics._trace` (tracing and reading the
+jaxpr), :mod:`jaxamp.diagnostics._reference` (the §4 table and module-role heuristics),
+:mod:`jaxamp.diagnostics._report` (:class:`Finding`, :class:`AuditReport`) and
+:mod:`jaxamp.diagnostics._step` (:func:`audit_step`). This module holds the findings of
 :func:`audit` and re-exports the public names.
 """
 
@@ -65,30 +65,30 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._audit_report import (
+from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
+from jaxamp.diagnostics._reference import is_norm
+from jaxamp.diagnostics._report import (
     AuditReport,
     Finding,
-    _group,
-    _storage_findings,
     format_precision_table,
+    group_findings,
+    storage_findings,
 )
-from jaxamp._audit_trace import (
-    _ACCUM,
-    _EXPLOG,
-    _LOW,
-    _MATMUL,
-    _TOP,
-    _dt,
-    _Eqn,
-    _join,
-    _low,
-    _rows,
-    _Trace,
-    _trace,
+from jaxamp.diagnostics._step import audit_step
+from jaxamp.diagnostics._trace import (
+    ACCUM,
+    EXPLOG,
+    LOW,
+    MATMUL,
+    TOP_LEVEL,
+    Eqn,
+    Trace,
+    dtype_name,
+    is_low,
+    join_dtypes,
+    table_rows,
+    trace_model,
 )
-from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
-from jaxamp._seed_table import _is_norm
-from jaxamp._step_audit import audit_step
 from jaxamp.policy import policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 
@@ -115,8 +115,9 @@ def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAUL
       classes: ``matmul``, ``conv``, ``gather``, ``exp/log``, ``reduction``, ``rsqrt/sqrt``,
       ``cast``, ``elementwise`` (everything else), ``output``.
     """
-    t = _trace(fn, args, policy=policy, overrides=overrides, op_rules=op_rules, argnums=argnums)
-    return _rows(t.records, t.out_dtypes)
+    t = trace_model(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
+                    argnums=argnums)
+    return table_rows(t.records, t.out_dtypes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,14 +131,14 @@ def _category(module: str, op: str, key: str, modules, has_explog: set[str],
         return "matmul"
     if op in ("cast", "gather", "output"):
         return op
-    if _is_norm(key, modules):
+    if is_norm(key, modules):
         return "normalisation"
     if op == "exp/log" or (op == "reduction" and module in has_explog):
-        if module == _TOP and scalar_out:
+        if module == TOP_LEVEL and scalar_out:
             return "loss"
         return "softmax"
     if op == "reduction":
-        return "loss" if module == _TOP and scalar_out else "reduction"
+        return "loss" if module == TOP_LEVEL and scalar_out else "reduction"
     return "elementwise"
 
 
@@ -153,39 +154,39 @@ def _float_leaf_dtypes(tree) -> list[str]:
     return sorted(out)
 
 
-def _pass(r: _Eqn) -> str:
+def _pass(r: Eqn) -> str:
     return "backward" if r.backward else "forward"
 
 
-def _prims(recs: Sequence[_Eqn]) -> str:
-    parts = sorted({f"{r.prim} ({_pass(r)}, {_join(r.dtypes)})" for r in recs})
+def _prims(recs: Sequence[Eqn]) -> str:
+    parts = sorted({f"{r.prim} ({_pass(r)}, {join_dtypes(r.dtypes)})" for r in recs})
     return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
-def _findings(t: _Trace, params, opt_state) -> list[Finding]:
+def _findings(t: Trace, params, opt_state) -> list[Finding]:
     mods = t.modules
-    low_default = _dt(t.policy.compute_dtype) in _LOW
+    low_default = dtype_name(t.policy.compute_dtype) in LOW
     raw: list[tuple[str, str, str, str | None]] = []
-    by_kind: dict[tuple[str, str], list[_Eqn]] = {}
+    by_kind: dict[tuple[str, str], list[Eqn]] = {}
     for r in t.records:
         if not r.dtypes:
             continue
         prim = r.prim
-        if prim in _MATMUL:
-            compute = mods[r.key].compute if r.key in mods else _dt(t.policy.compute_dtype)
-            if (compute in _LOW or (not r.key and low_default)) and "float32" in r.in_dtypes:
+        if prim in MATMUL:
+            compute = mods[r.key].compute if r.key in mods else dtype_name(t.policy.compute_dtype)
+            if (compute in LOW or (not r.key and low_default)) and "float32" in r.in_dtypes:
                 by_kind.setdefault(("matmul_f32_in_low_precision_region", r.module),
                                    []).append(r)
             continue
-        if not _low(r.dtypes) or not r.rounds:
+        if not is_low(r.dtypes) or not r.rounds:
             continue
-        sensitive = prim in _EXPLOG or (prim in _ACCUM and not r.count_sum)
-        if _is_norm(r.key, mods):
+        sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
+        if is_norm(r.key, mods):
             by_kind.setdefault(("normalisation_low_precision", r.module), []).append(r)
-        elif not r.key and r.module == _TOP:
+        elif not r.key and r.module == TOP_LEVEL:
             if sensitive:
                 by_kind.setdefault(("loss_low_precision", r.module), []).append(r)
-        elif prim in _EXPLOG:
+        elif prim in EXPLOG:
             by_kind.setdefault(("softmax_low_precision", r.module), []).append(r)
         elif sensitive:
             by_kind.setdefault(("reduction_low_precision", r.module), []).append(r)
@@ -224,12 +225,12 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
         text, row = explain[kind]
         if kind == "matmul_f32_in_low_precision_region":
             compute = mods[recs[0].key].compute if recs[0].key in mods else \
-                _dt(t.policy.compute_dtype)
+                dtype_name(t.policy.compute_dtype)
             text = text.replace("{low}", compute)
         raw.append((kind, module, text.replace("{ops}", _prims(recs)), row))
-    if t.out_scalar and _low(t.out_dtypes):
+    if t.out_scalar and is_low(t.out_dtypes):
         raw.append(("loss_low_precision", "(output)",
-                    f"the function returns a scalar (a loss?) in {_join(t.out_dtypes)}: use "
+                    f"the function returns a scalar (a loss?) in {join_dtypes(t.out_dtypes)}: use "
                     "output=float32 in the policy so the loss (and its scaling) is float32.",
                     "CrossEntropy loss"))
     by_eqn = {id(r.eqn): r for r in t.records}
@@ -249,14 +250,14 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
             # the same value (e.g. embedding + positional embedding); XLA's CSE merges them
             continue
         raw.append(("duplicate_cast", r.module,
-                    f"the same value is cast to {_dt(b.params['new_dtype'])} twice "
+                    f"the same value is cast to {dtype_name(b.params['new_dtype'])} twice "
                     f"({_pass(r)}); the second cast is redundant work (seed §3: cast "
                     "elimination).", None))
-    raw += _storage_findings(params, opt_state)
+    raw += storage_findings(params, opt_state)
     order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
              "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
              "matmul_f32_in_low_precision_region", "lossy_round_trip", "duplicate_cast"]
-    found = _group(raw)
+    found = group_findings(raw)
     found.sort(key=lambda f: (order.index(f.kind) if f.kind in order else len(order),
                               f.module))
     return found
@@ -297,9 +298,9 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
       >>> [f.kind for f in report.findings]
       []
     """
-    t = _trace(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
+    t = trace_model(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
                argnums=argnums)
-    rows = _rows(t.records, t.out_dtypes)
+    rows = table_rows(t.records, t.out_dtypes)
     explog = {r.module for r in t.records if r.op == "exp/log"}
     keys = {r.module: r.key for r in t.records}
     for row in rows:

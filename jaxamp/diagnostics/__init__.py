@@ -1,0 +1,59 @@
+"""Diagnostics: tools that read a mixed-precision program or run and say what is wrong.
+
+- :func:`audit`, :func:`audit_step`, :func:`precision_table`: the dtype of every part of a traced
+  program (forward and backward) against the mixed-precision reference table.
+- :func:`locate_overflow`: runs a failing batch and finds the module where inf/nan starts.
+- :mod:`jaxamp.diagnostics.review` (``python -m jaxamp.review``): reads a run's logs; imports no
+  JAX.
+
+This package uses the runtime core (``jaxamp.policy``, ``jaxamp.rules``, ``jaxamp.engine``, ...)
+only through its public names and the documented internal modules ``jaxamp._jaxpr`` and
+``jaxamp._compat``. Names are imported on first use, so the JAX-free log reader stays JAX-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AuditReport": "jaxamp.diagnostics._audit",
+    "Finding": "jaxamp.diagnostics._audit",
+    "audit": "jaxamp.diagnostics._audit",
+    "audit_step": "jaxamp.diagnostics._audit",
+    "format_precision_table": "jaxamp.diagnostics._audit",
+    "precision_table": "jaxamp.diagnostics._audit",
+    "OverflowReport": "jaxamp.diagnostics.overflow",
+    "locate_overflow": "jaxamp.diagnostics.overflow",
+    "RunFinding": "jaxamp.diagnostics.review",
+    "RunReview": "jaxamp.diagnostics.review",
+    "review_metrics": "jaxamp.diagnostics.review",
+    "review_run": "jaxamp.diagnostics.review",
+}
+
+__all__ = sorted(_EXPORTS, key=str.lower)
+
+if TYPE_CHECKING:
+    from jaxamp.diagnostics._audit import (
+        AuditReport,
+        Finding,
+        audit,
+        audit_step,
+        format_precision_table,
+        precision_table,
+    )
+    from jaxamp.diagnostics.overflow import OverflowReport, locate_overflow
+    from jaxamp.diagnostics.review import RunFinding, RunReview, review_metrics, review_run
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxamp.diagnostics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
