@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
+import jaxamp.policy_spec  # noqa: E402
 import jaxamp.review  # noqa: E402
 
 __all__ = ["build_parser", "main"]
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model and precision")
     m.add_argument("--preset", default="tiny", metavar="NAME",
                    help=f"model size, one of: {', '.join(lm_model.PRESETS)}")
-    m.add_argument("--policy", default="params=float32,compute=float16,output=float32",
+    m.add_argument("--policy", default=jaxamp.DEFAULT_POLICY,
                    help="jaxamp/jmp policy string: params/compute/output dtypes, e.g. "
                         "'params=float32,compute=bfloat16,output=float32', 'c=f16' or "
                         "'float32' (full precision)")
@@ -220,7 +221,7 @@ def validate(args: argparse.Namespace) -> Setup:
     compute = np.dtype(policy.compute_dtype).name
     kind = args.loss_scale
     if kind == "auto":
-        kind = "dynamic" if compute == "float16" else "none"
+        kind = jaxamp.policy_spec.loss_scaling(compute)
     _check_number("--init-scale", args.init_scale, positive=True)
     _check_number("--growth-interval", args.growth_interval, minimum=1, maximum=MAX_INT32)
     _check_loss_scale(kind, args)

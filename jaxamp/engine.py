@@ -61,6 +61,7 @@ from jaxamp._compat import (
     scan_counts,
     source_context,
 )
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
 
 __all__ = ["REGION_MARKER", "autocast"]
@@ -674,8 +675,8 @@ def _linen_apply_module(fn) -> nn.Module | None:
     return None
 
 
-def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=float16,"
-             "output=float32", *, overrides: Mapping[Any, str | jmp.Policy] | None = None,
+def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
+             overrides: Mapping[Any, str | jmp.Policy] | None = None,
              op_rules: OpRules = DEFAULT_OP_RULES) -> Callable:
     """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
 

@@ -90,15 +90,15 @@ from jaxamp.diagnostics._trace import (
     trace_model,
 )
 from jaxamp.policy import policy_to_str
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 
 __all__ = ["AuditReport", "Finding", "audit", "audit_step", "format_precision_table",
            "precision_table"]
 
-_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
-def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
+def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
                     overrides: dict | None = None, argnums: int = 0,
                     op_rules: OpRules = DEFAULT_OP_RULES) -> list[dict[str, str]]:
     """Rows ``{"module", "op", "forward", "backward"}`` for ``fn`` run under ``policy``.
@@ -263,7 +263,7 @@ def _findings(t: Trace, params, opt_state) -> list[Finding]:
     return found
 
 
-def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
+def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
           overrides: dict | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
           argnums: int | None = 0, opt_state: Any = None) -> AuditReport:
     """Audits ``fn`` run under ``jaxamp.autocast``: the dtypes every module and op class used

@@ -39,7 +39,9 @@ from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
 from jaxamp.diagnostics._trace import LOW, SCAFFOLD, Recorder, canonical_path, clean_path, dce
 from jaxamp.engine import autocast
 from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.transform import default_loss_scale
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -54,7 +56,6 @@ NEAR_OVERFLOW_BITS = 2.0
 #: flush to zero in float16 even with the loss scale.
 UNDERFLOW_FRACTION = 0.01
 
-_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +454,7 @@ def _pct(x) -> str:
 
 def _scale_value(loss_scale, policy: jmp.Policy) -> float:
     if loss_scale is None:
-        return 2.0**16 if np.dtype(policy.compute_dtype) == np.float16 else 1.0
+        loss_scale = default_loss_scale(policy)  # the train step's default for this policy
     value = getattr(loss_scale, "loss_scale", loss_scale)
     value = float(np.asarray(value))
     if not math.isfinite(value) or value <= 0:
@@ -469,7 +470,7 @@ def _param_module(path, root: str | None) -> str:
 
 
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
-                    policy: str | jmp.Policy = _DEFAULT_POLICY,
+                    policy: str | jmp.Policy = DEFAULT_POLICY,
                     overrides: Mapping | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
                     loss_fn: Callable[[Any], Any] | None = None,
                     loss_scale: Any = None) -> OverflowReport:
