@@ -62,7 +62,7 @@ from jaxamp._compat import (
     source_context,
 )
 from jaxamp.policy_spec import DEFAULT_POLICY
-from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
 __all__ = ["REGION_MARKER", "autocast"]
 
@@ -212,7 +212,7 @@ class _Regions:
             if policy is None:
                 return next_fun(*args, **kwargs)
             self.policies.append(policy)
-            self.paths.append("/".join(str(p) for p in module.path))
+            self.paths.append(module_path(module))
             with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
                 return next_fun(*args, **kwargs)
         finally:

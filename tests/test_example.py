@@ -314,12 +314,12 @@ def test_output_files(runs):
 
     # Matmuls (attention, MLP, tied head) forward and backward in float16; softmax's exp and
     # the LayerNorm statistics in float32 (what jaxamp promises for an unmodified model).
-    for module in ("GPT/blocks/attn", "GPT/blocks/attn/qkv", "GPT/blocks/mlp/fc",
-                   "GPT/embed.attend"):
+    for module in ("blocks/attn", "blocks/attn/qkv", "blocks/mlp/fc",
+                   "embed.attend"):
         assert row(module, "matmul")["forward"] == "float16", module
         assert row(module, "matmul")["backward"] == "float16", module
-    assert row("GPT/blocks/attn", "exp/log")["forward"] == "float32"
-    assert row("GPT/blocks/ln1", "reduction")["forward"] == "float32"
+    assert row("blocks/attn", "exp/log")["forward"] == "float32"
+    assert row("blocks/ln1", "reduction")["forward"] == "float32"
     assert row("(output)", "output")["forward"] == "float32"
 
     png = out / "curves.png"

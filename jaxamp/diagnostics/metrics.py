@@ -7,29 +7,28 @@ non-finite float is written as ``null``. The keys, what they mean and who reads 
 ``metrics.jsonl`` (:data:`STEP_KEYS`; :func:`step_record` builds a line from the metrics
 :func:`jaxamp.make_train_step` returns)
 
-==================  ===========================================================================
-``step``            the step number (whole number >= 1; the last line of a repeated step wins)
-``loss``            the unscaled training loss (``null``: inf/nan)
-``loss_scale``      the loss scale the step used
-``grad_norm``       global norm of the unscaled float32 gradients (``null``: inf/nan)
-``grads_finite``    whether every gradient was finite
-``skipped``         whether the update was skipped (non-finite gradients)
-``skipped_steps``   skipped steps so far
-``tokens_per_s``    throughput of this step (optional)
-``val_loss``        validation loss, on the steps that evaluate (optional)
-==================  ===========================================================================
+- ``step``: the step number (whole number >= 1; the last line of a repeated step wins)
+- ``loss``: the unscaled training loss (``null``: inf/nan)
+- ``loss_scale``: the loss scale the step used
+- ``grad_norm``: global norm of the unscaled float32 gradients (``null``: inf/nan)
+- ``grads_finite``: whether every gradient was finite
+- ``skipped``: whether the update was skipped (non-finite gradients)
+- ``skipped_steps``: skipped steps so far
+- ``loss_scale_at_min``: whether the dynamic scale sits at its floor (optional)
+- ``tokens_per_s``: throughput of this step (optional)
+- ``val_loss``: validation loss, on the steps that evaluate (optional)
 
 ``summary.json`` (:data:`SUMMARY_KEYS`, all optional for the reader)
 
-=====================  ========================================================================
-``policy``             the policy string (any form :func:`jaxamp.policy_spec.parse` reads)
-``loss_scale_mode``    ``"dynamic"``, ``"static"`` or ``"none"``
-``clip_norm``          the gradient clipping threshold, or ``null``
-``min_loss_scale``     the dynamic scale's floor, or ``null``
-``final_val_loss``     the last validation loss (``null``: non-finite)
-``memory_bytes``       compiled step memory ``{"temp", "argument", "output", "total"}`` in bytes
-``memory_bytes_f32``   the same for the float32 step (to see what the policy saved)
-=====================  ========================================================================
+- ``policy``: the policy string (any form :func:`jaxamp.policy_spec.parse` reads)
+- ``loss_scale_mode``: ``"dynamic"``, ``"static"`` or ``"none"``
+- ``clip_norm``: the gradient clipping threshold, or ``null``
+- ``min_loss_scale``: the dynamic scale's floor, or ``null``
+- ``final_val_loss``: the last validation loss (``null``: non-finite)
+- ``memory_bytes``: compiled step memory ``{"temp", "argument", "output", "total"}`` in bytes
+- ``memory_bytes_f32``: the same for the float32 step (to see what the policy saved)
+- ``largest_f32_buffers``: optional, ``[{"name", "shape", "dtype", "bytes"}]``, named when
+  memory did not drop
 
 Writers add other keys freely (``examples/train_lm.py`` records its configuration); readers
 ignore keys they do not know.
@@ -61,11 +60,11 @@ __all__ = ["METRICS_FILE", "STEP_KEYS", "SUMMARY_FILE", "SUMMARY_KEYS", "Metrics
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 STEP_KEYS = ("step", "loss", "loss_scale", "grad_norm", "grads_finite", "skipped",
-             "skipped_steps", "tokens_per_s", "val_loss")
+             "skipped_steps", "loss_scale_at_min", "tokens_per_s", "val_loss")
 SUMMARY_KEYS = ("policy", "loss_scale_mode", "clip_norm", "min_loss_scale", "final_val_loss",
-                "memory_bytes", "memory_bytes_f32")
+                "memory_bytes", "memory_bytes_f32", "largest_f32_buffers")
 _FLOATS = ("loss", "loss_scale", "grad_norm")
-_BOOLS = ("grads_finite", "skipped")
+_BOOLS = ("grads_finite", "skipped", "loss_scale_at_min")
 
 
 class MetricsError(ValueError):

@@ -36,7 +36,15 @@ import jmp
 import numpy as np
 
 from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
-from jaxamp.diagnostics._trace import LOW, SCAFFOLD, Recorder, canonical_path, clean_path, dce
+from jaxamp.diagnostics._trace import (
+    LOW,
+    SCAFFOLD,
+    Recorder,
+    canonical_path,
+    clean_path,
+    dce,
+    display_path,
+)
 from jaxamp.engine import autocast
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.policy_spec import DEFAULT_POLICY
@@ -154,7 +162,7 @@ class _Evaluator:
 
     def _record(self, eqn, full: str, vals, outs) -> None:
         module, backward = clean_path(full)
-        module = canonical_path(module, self.modules)
+        module = display_path(canonical_path(module, self.modules), self.modules)
         out_idx = []
         for o in outs:
             if _is_float(o):
@@ -518,7 +526,7 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
       >>> rep = jaxamp.locate_overflow(model.apply, variables, x,
       ...                              loss_fn=lambda y: jnp.mean(y ** 2))
       >>> rep.first_nonfinite
-      {'module': 'Model/fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
+      {'module': 'fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
     """
     if isinstance(fn, nn.Module):
         fn = fn.apply
@@ -588,7 +596,8 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
                                  jax.tree_util.tree_leaves_with_path(true_grads)):
         if not _is_float(g):
             continue
-        mod = canonical_path(_param_module(path, root), recorder.modules)
+        mod = display_path(canonical_path(_param_module(path, root), recorder.modules),
+                           recorder.modules)
         pg.setdefault(mod, _Acc()).add(_summary(g, 1.0), np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(_summary(t, scale), np.dtype(t.dtype).name)
 
