@@ -1,8 +1,7 @@
 """jaxamp.audit / audit_step (GitHub issue #5, part 1): the precision audit of a tiny config of
 the example GPT (examples/lm_model.py) reproduces the mixed-precision reference table, flags
-exactly the
-offending rows of a deliberately wrong setup, and flags clip-before-unscale and a model cast
-wholesale to float16. Tracing only: nothing is compiled."""
+exactly the offending rows of a deliberately wrong setup, and flags clip-before-unscale and a
+model cast wholesale to float16. Tracing only: nothing is compiled."""
 
 from __future__ import annotations
 
