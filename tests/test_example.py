@@ -29,6 +29,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import jax  # noqa: E402
+import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
@@ -440,7 +441,7 @@ def quiet_orbax_cleanup(monkeypatch):
     closed event loop ("Event loop is closed", via sys.unraisablehook). The script filters
     exactly that noise when run as a program; do the same in-process, and let those threads
     finish while the filter is on so nothing leaks into later tests."""
-    monkeypatch.setattr(sys, "unraisablehook", train_lm.closed_event_loop_filter(
+    monkeypatch.setattr(sys, "unraisablehook", lm_checkpoint.closed_event_loop_filter(
         sys.unraisablehook))
     yield
     time.sleep(0.5)
