@@ -54,6 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag of train_lm.py, one ``add_argument`` each (range checks go in validate)."""
     p = _Parser(
         prog="train_lm.py",
         description="Train a byte-level GPT with jaxamp automatic mixed precision. With no "

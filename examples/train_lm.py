@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(s: Setup) -> int:
+    """Trains as the validated flags say; returns the exit status (0, or 130 on Ctrl-C)."""
     args, config = s.args, s.config
     console = lm_report.Console(highlight=False)
     metrics_path = s.out / metrics.METRICS_FILE
