@@ -26,6 +26,7 @@ from jaxamp.train import (
     default_loss_scale,
     make_eval_step,
     make_train_step,
+    nnx_update,
 )
 from jaxamp.transform import AmpState, amp, amp_state, scale_loss
 
@@ -58,6 +59,7 @@ __all__ = [
     "locate_overflow",
     "make_eval_step",
     "make_train_step",
+    "nnx_update",
     "policy_to_str",
     "precision_table",
     "scale_loss",

@@ -51,7 +51,7 @@ import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp import _attention
+from jaxamp import _attention, _nnx
 from jaxamp._compat import (
     Tracer,
     bind_with_params,
@@ -200,10 +200,13 @@ class _Regions:
         self.attention = _attention.Recorder(self.call)  # its fused-attention calls
 
     def interceptor(self, next_fun, args, kwargs, context):
+        """A linen method interceptor, and an NNX one (:func:`jaxamp._nnx.intercept_calls`,
+        whose ``context`` carries the path an NNX module does not know)."""
         module = context.module
         if self.stack and self.stack[-1] is module:
             return next_fun(*args, **kwargs)  # a module calling its own methods: same region
-        policy, pattern = self.rules.match(module)
+        path = getattr(context, "path", None)
+        policy, pattern = self.rules.match(module, path)
         if pattern is not None:
             self.matched_patterns.add(pattern)
         self.stack.append(module)
@@ -211,7 +214,7 @@ class _Regions:
             if policy is None:
                 return next_fun(*args, **kwargs)
             self.policies.append(policy)
-            self.paths.append("/".join(str(p) for p in module.path))
+            self.paths.append("/".join(str(p) for p in (module.path if path is None else path)))
             with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
                 return next_fun(*args, **kwargs)
         finally:
@@ -717,9 +720,33 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
                         f"{type(op_rules).__name__}. Use jaxamp.DEFAULT_OP_RULES.extend(...).")
     rules = ModuleRules.create(policy, overrides)
     apply_module = _linen_apply_module(fn)
+    if _nnx.is_module(fn):  # autocast(model)(x): model(x), the model passed as an argument
+        model = fn
 
-    @functools.wraps(fn)
+        def fn(*args, **kwargs):
+            return args[0](*args[1:], **kwargs)
+
+        functools.update_wrapper(fn, type(model).__call__)
+        run = _autocast(fn, rules, op_rules, apply_module)
+
+        @functools.wraps(type(model).__call__)
+        def call_model(*args, **kwargs):
+            return run(model, *args, **kwargs)
+
+        return call_model
+    return functools.wraps(fn)(_autocast(fn, rules, op_rules, apply_module))
+
+
+def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
+              apply_module: nn.Module | None) -> Callable:
     def wrapped(*args, **kwargs):
+        modules = None
+        if any(_nnx.is_module(x) for x in jax.tree_util.tree_leaves(
+                (args, kwargs), is_leaf=_nnx.is_module)):
+            # NNX models are split: their state is traced, copies are merged inside the trace
+            # (the user's objects never hold tracers), and changed values are written back.
+            modules = _nnx.ModuleArgs(args, kwargs)
+            args, kwargs = modules.split()
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
         regions = _Regions(rules)
@@ -730,8 +757,12 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
                 full[i] = x
             a, k = jax.tree_util.tree_unflatten(treedef, full)
             with nn.intercept_methods(regions.interceptor), \
+                    _nnx.intercept_calls(regions.interceptor), \
                     _attention.recording(regions.attention):
-                return fn(*a, **k)
+                if modules is None:
+                    return fn(*a, **k)
+                copies, a, k = modules.merge(a, k)
+                return fn(*a, **k), modules.values(copies)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[leaves[i] for i in dyn])
@@ -745,16 +776,23 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
         _warn_unknown(evaluator.unknown)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         cast_mask = [True] * len(out_leaves)
-        if apply_module is not None and kwargs.get("mutable"):
+        if (apply_module is not None and kwargs.get("mutable")) or modules is not None:
+            # linen's updated collections / NNX models' Variables keep their stored dtypes
             n_first = len(jax.tree_util.tree_leaves(out_shape[0]))
             cast_mask = [i < n_first for i in range(len(out_leaves))]
         result = []
-        for v, do_cast in zip(outs, cast_mask):
-            if not do_cast or not v.is_float:
+        for v, do_cast, shape in zip(outs, cast_mask, out_leaves):
+            if not do_cast and modules is not None and v.is_float:
+                result.append(_cast(v, shape.dtype))  # a Variable keeps its dtype
+            elif not do_cast or not v.is_float:
                 result.append(v.val)
-                continue
-            result.append(_cast(v, rules.default.output_dtype))
-        return jax.tree_util.tree_unflatten(out_tree, result)
+            else:
+                result.append(_cast(v, rules.default.output_dtype))
+        out = jax.tree_util.tree_unflatten(out_tree, result)
+        if modules is None:
+            return out
+        modules.write_back(out[1])
+        return out[0]
 
     return wrapped
 
