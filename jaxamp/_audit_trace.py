@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp import _nnx
 from jaxamp._compat import dce_jaxpr
 from jaxamp._jaxpr import as_jaxpr
 from jaxamp.autocast import REGION_MARKER, autocast
@@ -117,18 +118,22 @@ class _Recorder:
         self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
 
     def interceptor(self, next_fun, args, kwargs, context):
+        """A linen method interceptor, and an NNX one (``context.path``: the NNX path)."""
         module = context.module
         if self.stack and self.stack[-1][0] is module:
             return next_fun(*args, **kwargs)
-        policy, _ = self.rules.match(module)
+        module_path = getattr(context, "path", None)
+        if module_path is None:
+            module_path = module.path
+        policy, _ = self.rules.match(module, module_path)
         matched = policy is not None
         if policy is None:
             policy = self.stack[-1][1] if self.stack else self.rules.default
-        if not module.path:
+        if not module_path:
             path = type(module).__name__
         else:
             root = self.stack[0][2].split("/")[0] if self.stack else "?"
-            path = "/".join([root, *(str(p) for p in module.path)])
+            path = "/".join([root, *(str(p) for p in module_path)])
         if path not in self.modules:
             self.modules[path] = _Module(path, type(module), _dt(policy.compute_dtype),
                                          _dt(policy.output_dtype), matched)
@@ -368,9 +373,11 @@ def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: Op
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
     recorder = _Recorder(rules)
+    fn, args = _nnx.functional(fn, tuple(args))  # NNX models -> their params
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor):
+        with nn.intercept_methods(recorder.interceptor), \
+                _nnx.intercept_calls(recorder.interceptor):
             return fn(*a)
 
     amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules)

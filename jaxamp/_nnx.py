@@ -363,3 +363,31 @@ def update(model: nnx.Module, variables: dict) -> None:
         except (KeyError, IndexError, TypeError):
             continue
         var.set_value(value)
+
+
+def functional(fn: Callable, args: tuple) -> tuple[Callable, tuple]:
+    """``fn`` over NNX models -> a function over their params (plain dicts), for the
+    diagnostics, which differentiate and name params as they do for linen.
+
+    ``fn`` may be an NNX module (called as ``fn(*args)``; it becomes argument 0). Each
+    positional argument that is an NNX module is replaced by its params; the function merges
+    the model again (with its other Variables as they are now) inside the trace.
+    """
+    if is_module(fn):
+        args = (fn, *args)
+
+        def fn(model, *a):
+            return model(*a)
+    slots = {i: Apply(a) for i, a in enumerate(args) if is_module(a)}
+    if not slots:
+        return fn, args
+    variables = {i: Apply.variables(args[i]) for i in slots}
+
+    def on_params(*a):
+        a = list(a)
+        for i, apply in slots.items():
+            a[i] = apply.model(a[i], variables[i].get(COLLECTION))
+        return fn(*a)
+
+    return on_params, tuple(variables[i]["params"] if i in slots else a
+                            for i, a in enumerate(args))

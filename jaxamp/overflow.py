@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp import _nnx
 from jaxamp._audit_trace import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
 from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
 from jaxamp.autocast import autocast
@@ -521,6 +522,9 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     """
     if isinstance(fn, nn.Module):
         fn = fn.apply
+    if _nnx.is_module(fn) or _nnx.is_module(variables):
+        # NNX: locate_overflow(model, *args) or (fn, model, *args); differentiate its params
+        fn, (variables, *args) = _nnx.functional(fn, (variables, *args))
     if not callable(fn):
         raise TypeError(f"locate_overflow: fn must be callable, got {type(fn).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -555,7 +559,8 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     recorder = _Recorder(rules)
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor):
+        with nn.intercept_methods(recorder.interceptor), \
+                _nnx.intercept_calls(recorder.interceptor):
             return loss_of(*a)
 
     amp = autocast(recorded, pol.with_output_dtype(jnp.float32), overrides=overrides,
