@@ -267,7 +267,7 @@ class ModuleArgs:
         """Inside the trace: ``(copies, args, kwargs)`` from what :meth:`split` returned, the
         copies merged from the traced state and put back in their slots."""
         state, args = args
-        copies = nnx.merge(self.graphdef, state)
+        copies = nnx.merge(self.graphdef, state, copy=True)
         for module in copies:
             register(module)
         full = jax.tree_util.tree_leaves((args, kwargs))
@@ -321,7 +321,7 @@ class Apply:
         """The model merged from pure-dict params and state (inside a trace: a new object)."""
         p = _from_pure(self.params_template, params)
         r = _from_pure(self.rest_template, rest if rest is not None else {})
-        model = nnx.merge(self.graphdef, p, r)
+        model = nnx.merge(self.graphdef, p, r, copy=True)
         register(model)
         return model
 

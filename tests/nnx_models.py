@@ -53,6 +53,8 @@ class Block(nnx.Module):
 class TestNet(nnx.Module):
     """Embed -> Conv -> BatchNorm -> blocks (nnx.scan over nnx.remat) -> LayerNorm -> logits."""
 
+    __test__ = False  # not a pytest class
+
     def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 2, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.conv = nnx.Conv(dim, dim, (3,), rngs=rngs)
