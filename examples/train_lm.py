@@ -47,6 +47,7 @@ import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_files  # noqa: E402
 import lm_model  # noqa: E402
+import lm_model_nnx  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Python stdlib sources as data, output in runs/tiny-f16.",
         formatter_class=_HelpFormatter)
     m = p.add_argument_group("model and precision")
+    m.add_argument("--api", default="linen", choices=("linen", "nnx"),
+                   help="the model's Flax front end: lm_model.py (linen) or lm_model_nnx.py "
+                        "(NNX); the same params, outputs and checkpoints")
     m.add_argument("--preset", default="tiny", metavar="NAME",
                    help=f"model size, one of: {', '.join(lm_model.PRESETS)}")
     m.add_argument("--policy", default="params=float32,compute=float16,output=float32",
@@ -625,7 +629,8 @@ def train(s: Setup) -> int:
     metrics_path = out / "metrics.jsonl"
 
     # ---- abstract state (no compile): enough to restore a checkpoint and to validate it ----
-    model = lm_model.GPT(config)
+    models = lm_model_nnx if args.api == "nnx" else lm_model
+    model = models.GPT(config)
     tx = make_optimizer(args)
     loss_scale = make_loss_scale(s.loss_scale_kind, args)
 
@@ -691,7 +696,7 @@ def train(s: Setup) -> int:
                           f"checkpointed run used --steps {meta.get('steps')}), so the learning "
                           "rate differs from the original run's from here on")
     else:
-        _, params = lm_model.init_params(config, seed=args.seed)
+        _, params = models.init_params(config, seed=args.seed)
         state = _strong(create_state(params))
 
     step_fn = jaxamp.make_train_step(model, loss_fn, tx, policy=policy,
