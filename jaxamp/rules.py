@@ -59,8 +59,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from flax import nnx
 import jmp
+from flax import nnx
 
 from jaxamp.policy import get_policy
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 from models import init_testnet
-from nnx_models import TestNet, twin_of
+from nnx_models import twin_of
 
 import jaxamp
 from jaxamp import _nnx
