@@ -1,9 +1,10 @@
 """``autocast``: run an unmodified JAX/Flax function under mixed-precision policies.
 
 How it works, in one paragraph: the function is traced once in its own (float32) dtypes to a
-jaxpr, with every Flax linen module call that matches a rule wrapped in a named scope
-``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated equation by equation, each primitive
-re-bound in the dtype its op rule and its region's policy ask for (see :mod:`jaxamp.rules`).
+jaxpr, with every Flax module call (linen, or NNX through :mod:`jaxamp._nnx`) that matches a
+rule wrapped in a named scope ``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated
+equation by equation, each primitive re-bound in the dtype its op rule and its region's policy
+ask for (see :mod:`jaxamp.rules`).
 Because the result is ordinary JAX code, ``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with
 it, and the backward pass follows the forward's dtypes (a float16 matmul has float16 gradient
 matmuls; the cast of a float32 parameter transposes into a float32 gradient).
@@ -683,8 +684,14 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
     """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
 
     ``fn`` is any JAX function, typically a Flax linen ``model.apply`` (then module rules
-    apply per module) or a loss. Its author writes no dtype code: matmuls/convolutions run in
-    the compute dtype; exp/log/softmax/logsumexp, sums and normalisation statistics in float32;
+    apply per module) or a loss; or a Flax NNX module (``autocast(model)(x)``), a function
+    taking NNX modules (``autocast(f)(model, x)``), or one that merges them from
+    ``nnx.split``'s ``(graphdef, state)``: module rules then apply per NNX module, by class or
+    by NNX path (``"blocks/3/attn"``). NNX models passed in are not traced into (copies are
+    merged inside the trace); Variables the call changes (BatchNorm statistics) are written
+    back to them, as calling the model would. Its author writes no dtype code:
+    matmuls/convolutions run in the compute dtype; exp/log/softmax/logsumexp, sums and
+    normalisation statistics in float32;
     float inputs (params) stay stored in their dtype and are cast where they are used, so
     gradients with respect to them come back in their dtype; integer inputs are never cast.
     The float outputs are cast to the policy's ``output_dtype``.
