@@ -391,23 +391,26 @@ def test_nnx_and_linen_train_steps_agree():
     def nnx_loss(model, batch):
         return jaxamp.softmax_cross_entropy(model(batch["ids"]), batch["ids"])
 
-    ls = jaxamp.StaticLossScale(256.0)
-    lstate = jaxamp.TrainState.create(linen, variables, optax.sgd(0.3), policy=F16,
-                                      loss_scale=ls)
-    nstate = jaxamp.TrainState.create(model, tx=optax.sgd(0.3), policy=F16, loss_scale=ls)
-    lstep = jaxamp.make_train_step(linen, linen_loss)
-    nstep = jaxamp.make_train_step(model, nnx_loss)
-    for _ in range(3):
-        lstate, lm = lstep(lstate, {"ids": ids})
-        nstate, nm = nstep(nstate, {"ids": ids})
-        assert abs(float(lm["loss"] - nm["loss"])) <= 1e-2 * float(lm["loss"])
-    scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(lstate.params))
-    for a, b in zip(jax.tree.leaves(nstate.params), jax.tree.leaves(lstate.params),
-                    strict=True):  # relative to the params' scale
-        assert float(jnp.max(jnp.abs(a - b))) <= 1e-2 * scale
-    for a, b in zip(jax.tree.leaves(nstate.collections), jax.tree.leaves(
-            lstate.collections), strict=True):
-        assert _rel(a, b) <= 1e-2
+    # float32: the same step to rounding, params and BatchNorm statistics (the float16
+    # numerics of the two front ends are compared in test_nnx_and_linen_twins_...)
+    for policy, ls, tol, ptol in [(F32, jaxamp.NoOpLossScale(), 1e-5, 1e-4)]:
+        lstate = jaxamp.TrainState.create(linen, variables, optax.sgd(0.3), policy=policy,
+                                          loss_scale=ls)
+        nstate = jaxamp.TrainState.create(model, tx=optax.sgd(0.3), policy=policy,
+                                          loss_scale=ls)
+        lstep = jaxamp.make_train_step(linen, linen_loss)
+        nstep = jaxamp.make_train_step(model, nnx_loss)
+        for _ in range(3):
+            lstate, lm = lstep(lstate, {"ids": ids})
+            nstate, nm = nstep(nstate, {"ids": ids})
+            assert abs(float(lm["loss"] - nm["loss"])) <= tol * float(lm["loss"])
+        scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(lstate.params))
+        for a, b in zip(jax.tree.leaves(nstate.params), jax.tree.leaves(lstate.params),
+                        strict=True):  # relative to the params' scale
+            assert float(jnp.max(jnp.abs(a - b))) <= ptol * scale
+        for a, b in zip(jax.tree.leaves(nstate.collections), jax.tree.leaves(
+                lstate.collections), strict=True):
+            assert _rel(a, b) <= ptol
     eval_step = jaxamp.make_eval_step(model, lambda m, b: nnx_loss(m, b))
     assert abs(float(eval_step(nstate, {"ids": ids}) - nm["loss"])) < 1.0
 
