@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Python stdlib sources as data, output in runs/tiny-f16.",
         formatter_class=_HelpFormatter)
     m = p.add_argument_group("model and precision")
+    m.add_argument("--api", default="linen", choices=("linen", "nnx"),
+                   help="the model's Flax front end: lm_model.py (linen) or lm_model_nnx.py "
+                        "(NNX); the same params, outputs and checkpoints")
     m.add_argument("--preset", default="tiny", metavar="NAME",
                    help=f"model size, one of: {', '.join(lm_model.PRESETS)}")
     m.add_argument("--policy", default=jaxamp.DEFAULT_POLICY,

@@ -7,9 +7,9 @@ Run it with no flags to train the ``tiny`` preset on the Python standard library
     python examples/train_lm.py --policy params=float32,compute=bfloat16,output=float32
     python examples/train_lm.py --steps 600 --resume          # continue the default run
 
-This file reads top to bottom: config, data, model, step, loop, log. The model (``lm_model.py``)
-has no dtype code at all: ``jaxamp.make_train_step`` runs it under the ``--policy``. Beside it:
-``lm_cli.py`` (the flags and every check on them), ``lm_data.py`` (bytes to batches),
+This file reads top to bottom: config, data, model, step, loop, log. The model (``lm_model.py``,
+or ``lm_model_nnx.py`` with ``--api nnx``) has no dtype code: jaxamp runs it under the ``--policy``.
+Beside it: ``lm_cli.py`` (the flags and every check on them), ``lm_data.py`` (bytes to batches),
 ``lm_checkpoint.py`` (orbax checkpoints with a sha256 of every array; ``--resume`` continues
 bit-identically), ``lm_files.py`` (which ``--out``; the script lists what it wrote in
 ``train_lm.manifest.json`` and never deletes or overwrites anything else) and ``lm_report.py``
@@ -27,8 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-# ``python examples/train_lm.py`` puts examples/ on sys.path; importing this file from
-# elsewhere does not, so add it for the sibling modules.
+# examples/ on sys.path for the sibling modules, also when this file is imported from elsewhere
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
@@ -38,6 +37,7 @@ import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_files  # noqa: E402
 import lm_model  # noqa: E402
+import lm_model_nnx  # noqa: E402
 import lm_report  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -51,8 +51,11 @@ __all__ = ["build_parser", "main"]
 
 # ---- model, loss, optimiser, train state, step ----------------------------------------------
 
+MODELS = {"linen": lm_model, "nnx": lm_model_nnx}  # --api: same params, outputs, checkpoints
+
+
 def build_model(s: Setup) -> lm_model.GPT:
-    return lm_model.GPT(s.config)
+    return MODELS[s.args.api].GPT(s.config)
 
 
 def loss_fn(apply_fn, params, batch, rng=None):
@@ -98,7 +101,7 @@ def create_state(model, tx, s: Setup, *, abstract: bool = False):
                                         policy=s.policy, rng=dropout_rng(s.config, s.args.seed))
     if abstract:
         return jax.eval_shape(create, lm_model.abstract_params(s.config))
-    _, params = lm_model.init_params(s.config, seed=s.args.seed)
+    _, params = MODELS[s.args.api].init_params(s.config, seed=s.args.seed)
     return lm_checkpoint.strong(create(params))  # the avals of a restored state
 
 

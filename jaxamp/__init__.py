@@ -40,6 +40,7 @@ _EXPORTS = {
     "locate_overflow": "jaxamp.diagnostics",
     "make_eval_step": "jaxamp.train",
     "make_train_step": "jaxamp.train",
+    "nnx_update": "jaxamp.train",
     "ModuleRules": "jaxamp.rules",
     "NoOpLossScale": "jaxamp.loss_scale",
     "OpRules": "jaxamp.rules",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
         default_loss_scale,
         make_eval_step,
         make_train_step,
+        nnx_update,
     )
     from jaxamp.transform import AmpState, amp, amp_state, scale_loss
 

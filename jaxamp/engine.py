@@ -1,9 +1,10 @@
 """``autocast``: run an unmodified JAX/Flax function under mixed-precision policies.
 
 How it works, in one paragraph: the function is traced once in its own (float32) dtypes to a
-jaxpr, with every Flax linen module call that matches a rule wrapped in a named scope
-``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated equation by equation, each primitive
-re-bound in the dtype its op rule and its region's policy ask for (see :mod:`jaxamp.rules`).
+jaxpr, with every Flax module call (linen, or NNX through :mod:`jaxamp.nnx_frontend`) that matches a
+rule wrapped in a named scope ``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated
+equation by equation, each primitive re-bound in the dtype its op rule and its region's policy
+ask for (see :mod:`jaxamp.rules`).
 Because the result is ordinary JAX code, ``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with
 it, and the backward pass follows the forward's dtypes (a float16 matmul has float16 gradient
 matmuls; the cast of a float32 parameter transposes into a float32 gradient).
@@ -51,7 +52,7 @@ import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp import _attention
+from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import (
     Tracer,
     bind_with_params,
@@ -201,10 +202,13 @@ class _Regions:
         self.attention = _attention.Recorder(self.call)  # its fused-attention calls
 
     def interceptor(self, next_fun, args, kwargs, context):
+        """A linen method interceptor, and an NNX one (:func:`jaxamp.nnx_frontend.intercept_calls`,
+        whose ``context`` carries the path an NNX module does not know)."""
         module = context.module
         if self.stack and self.stack[-1] is module:
             return next_fun(*args, **kwargs)  # a module calling its own methods: same region
-        policy, pattern = self.rules.match(module)
+        path = getattr(context, "path", None)
+        policy, pattern = self.rules.match(module, path)
         if pattern is not None:
             self.matched_patterns.add(pattern)
         self.stack.append(module)
@@ -212,7 +216,7 @@ class _Regions:
             if policy is None:
                 return next_fun(*args, **kwargs)
             self.policies.append(policy)
-            self.paths.append(module_path(module))
+            self.paths.append(module_path(module, path))
             with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
                 return next_fun(*args, **kwargs)
         finally:
@@ -681,8 +685,14 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
     """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
 
     ``fn`` is any JAX function, typically a Flax linen ``model.apply`` (then module rules
-    apply per module) or a loss. Its author writes no dtype code: matmuls/convolutions run in
-    the compute dtype; exp/log/softmax/logsumexp, sums and normalisation statistics in float32;
+    apply per module) or a loss; or a Flax NNX module (``autocast(model)(x)``), a function
+    taking NNX modules (``autocast(f)(model, x)``), or one that merges them from
+    ``nnx.split``'s ``(graphdef, state)``: module rules then apply per NNX module, by class or
+    by NNX path (``"blocks/3/attn"``). NNX models passed in are not traced into (copies are
+    merged inside the trace); Variables the call changes (BatchNorm statistics) are written
+    back to them, as calling the model would. Its author writes no dtype code:
+    matmuls/convolutions run in the compute dtype; exp/log/softmax/logsumexp, sums and
+    normalisation statistics in float32;
     float inputs (params) stay stored in their dtype and are cast where they are used, so
     gradients with respect to them come back in their dtype; integer inputs are never cast.
     The float outputs are cast to the policy's ``output_dtype``.
@@ -718,9 +728,33 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
                         f"{type(op_rules).__name__}. Use jaxamp.DEFAULT_OP_RULES.extend(...).")
     rules = ModuleRules.create(policy, overrides)
     apply_module = _linen_apply_module(fn)
+    if nnx_frontend.is_module(fn):  # autocast(model)(x): model(x), the model passed as an argument
+        model = fn
 
-    @functools.wraps(fn)
+        def fn(*args, **kwargs):
+            return args[0](*args[1:], **kwargs)
+
+        functools.update_wrapper(fn, type(model).__call__)
+        run = _autocast(fn, rules, op_rules, apply_module)
+
+        @functools.wraps(type(model).__call__)
+        def call_model(*args, **kwargs):
+            return run(model, *args, **kwargs)
+
+        return call_model
+    return functools.wraps(fn)(_autocast(fn, rules, op_rules, apply_module))
+
+
+def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
+              apply_module: nn.Module | None) -> Callable:
     def wrapped(*args, **kwargs):
+        modules = None
+        if any(nnx_frontend.is_module(x) for x in jax.tree_util.tree_leaves(
+                (args, kwargs), is_leaf=nnx_frontend.is_module)):
+            # NNX models are split: their state is traced, copies are merged inside the trace
+            # (the user's objects never hold tracers), and changed values are written back.
+            modules = nnx_frontend.ModuleArgs(args, kwargs)
+            args, kwargs = modules.split()
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
         regions = _Regions(rules)
@@ -731,8 +765,12 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
                 full[i] = x
             a, k = jax.tree_util.tree_unflatten(treedef, full)
             with nn.intercept_methods(regions.interceptor), \
+                    nnx_frontend.intercept_calls(regions.interceptor), \
                     _attention.recording(regions.attention):
-                return fn(*a, **k)
+                if modules is None:
+                    return fn(*a, **k)
+                copies, a, k = modules.merge(a, k)
+                return fn(*a, **k), modules.values(copies)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[leaves[i] for i in dyn])
@@ -746,16 +784,23 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
         _warn_unknown(evaluator.unknown)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         cast_mask = [True] * len(out_leaves)
-        if apply_module is not None and kwargs.get("mutable"):
+        if (apply_module is not None and kwargs.get("mutable")) or modules is not None:
+            # linen's updated collections / NNX models' Variables keep their stored dtypes
             n_first = len(jax.tree_util.tree_leaves(out_shape[0]))
             cast_mask = [i < n_first for i in range(len(out_leaves))]
         result = []
-        for v, do_cast in zip(outs, cast_mask):
-            if not do_cast or not v.is_float:
+        for v, do_cast, shape in zip(outs, cast_mask, out_leaves):
+            if not do_cast and modules is not None and v.is_float:
+                result.append(_cast(v, shape.dtype))  # a Variable keeps its dtype
+            elif not do_cast or not v.is_float:
                 result.append(v.val)
-                continue
-            result.append(_cast(v, rules.default.output_dtype))
-        return jax.tree_util.tree_unflatten(out_tree, result)
+            else:
+                result.append(_cast(v, rules.default.output_dtype))
+        out = jax.tree_util.tree_unflatten(out_tree, result)
+        if modules is None:
+            return out
+        modules.write_back(out[1])
+        return out[0]
 
     return wrapped
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp import nnx_frontend
 from jaxamp._compat import dce_jaxpr
 from jaxamp._jaxpr import as_jaxpr
 from jaxamp.engine import REGION_MARKER, autocast
@@ -120,20 +121,24 @@ class Recorder:
         self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
 
     def interceptor(self, next_fun, args, kwargs, context):
+        """A linen method interceptor, and an NNX one (``context.path``: the NNX path)."""
         module = context.module
         if self.stack and self.stack[-1][0] is module:
             return next_fun(*args, **kwargs)
-        policy, _ = self.rules.match(module)
+        parts = getattr(context, "path", None)  # NNX: its front end passes the path
+        if parts is None:
+            parts = module.path
+        policy, _ = self.rules.match(module, parts)
         matched = policy is not None
         if policy is None:
             policy = self.stack[-1][1] if self.stack else self.rules.default
-        if not module.path:
+        if not parts:
             path = type(module).__name__
         else:
             root = self.stack[0][2].split("/")[0] if self.stack else "?"
-            path = "/".join([root, *(str(p) for p in module.path)])
+            path = "/".join([root, *(str(p) for p in parts)])
         if path not in self.modules:
-            self.modules[path] = ModuleInfo(path, module_path(module), type(module),
+            self.modules[path] = ModuleInfo(path, module_path(module, parts), type(module),
                                             dtype_name(policy.compute_dtype),
                                             dtype_name(policy.output_dtype), matched)
         self.stack.append((module, policy, path))
@@ -384,9 +389,11 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
     recorder = Recorder(rules)
+    fn, args = nnx_frontend.functional(fn, tuple(args))  # NNX models -> their params
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor):
+        with nn.intercept_methods(recorder.interceptor), \
+                nnx_frontend.intercept_calls(recorder.interceptor):
             return fn(*a)
 
     amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp import nnx_frontend
 from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
 from jaxamp.diagnostics._trace import (
     LOW,
@@ -530,6 +531,9 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     """
     if isinstance(fn, nn.Module):
         fn = fn.apply
+    if nnx_frontend.is_module(fn) or nnx_frontend.is_module(variables):
+        # NNX: locate_overflow(model, *args) or (fn, model, *args); differentiate its params
+        fn, (variables, *args) = nnx_frontend.functional(fn, (variables, *args))
     if not callable(fn):
         raise TypeError(f"locate_overflow: fn must be callable, got {type(fn).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -564,7 +568,8 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     recorder = Recorder(rules)
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor):
+        with nn.intercept_methods(recorder.interceptor), \
+                nnx_frontend.intercept_calls(recorder.interceptor):
             return loss_of(*a)
 
     amp = autocast(recorded, pol.with_output_dtype(jnp.float32), overrides=overrides,
