@@ -137,6 +137,66 @@ def _saturating(x, dtype: np.dtype):
                       dtype)
 
 
+def _hashable_params(params: Mapping[str, Any]):
+    try:
+        key = tuple(params.items())
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _jitted_bind(prim, params_key):
+    """``prim.bind`` with these params as an inlined ``jax.jit`` call. Under autodiff, JAX
+    linearizes a jitted call once per (params, input types) and reuses the result (as it does
+    for ``jnp``'s own jitted operators), where a bare ``bind`` re-derives the linearization of
+    every equation; under ``make_jaxpr``/``jit`` tracing the call is inlined, so the program is
+    the same."""
+    params = dict(params_key)
+
+    def bound(*vals):
+        return prim.bind(*vals, **params)
+
+    bound.__name__ = prim.name
+    return jax.jit(bound, inline=True)
+
+
+def _bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
+    """``prim.bind(*vals, **params)``; through a cached jitted call when tracing."""
+    if any(isinstance(x, Tracer) for x in vals):
+        key = _hashable_params(params)
+        if key is not None:
+            return _jitted_bind(prim, key)(*vals)
+    return prim.bind(*vals, **params)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_convert(dtype: np.dtype):
+    return jax.jit(functools.partial(lax.convert_element_type, new_dtype=dtype), inline=True)
+
+
+def _convert(x, dtype):
+    """``lax.convert_element_type(x, dtype)``; a cached jitted call when tracing (see
+    :func:`_jitted_bind`)."""
+    if isinstance(x, Tracer):
+        return _jitted_convert(np.dtype(dtype))(x)
+    return lax.convert_element_type(x, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
+    return jax.jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype),
+                   inline=True)
+
+
+def _broadcast_convert(x, shape, dtype):
+    """``x`` broadcast to ``shape``, then cast (a cached jitted call when tracing)."""
+    if isinstance(x, Tracer):
+        return _jitted_broadcast_convert(tuple(shape), dtype)(x)
+    return lax.convert_element_type(jnp.broadcast_to(x, shape), dtype)
+
+
 def _cast(v: _Val, dtype) -> Any:
     """``v.val`` in ``dtype`` (cached: a value is cast to a given dtype at most once)."""
     dtype = np.dtype(dtype)
@@ -151,7 +211,7 @@ def _cast(v: _Val, dtype) -> Any:
         elif v.const and narrower:
             v.casts[dtype] = _saturating(v.val, dtype)
         else:
-            v.casts[dtype] = lax.convert_element_type(v.val, dtype)
+            v.casts[dtype] = _convert(v.val, dtype)
     return v.casts[dtype]
 
 
@@ -413,14 +473,13 @@ class _Evaluator:
                 and all(a in (1, b) for a, b in zip(shape, out_shape))):
             key = ("broadcast", out_shape, np.dtype(dtype))
             if key not in v.casts:
-                wide = jnp.broadcast_to(v.val, out_shape)
-                v.casts[key] = lax.convert_element_type(wide, dtype)
+                v.casts[key] = _broadcast_convert(v.val, out_shape, np.dtype(dtype))
             return v.casts[key]
         return _cast(v, dtype)
 
     def bind(self, eqn, vals, region, *, params=None, stored=False, const=False) -> list[_Val]:
         params = eqn.params if params is None else params
-        out = eqn.primitive.bind(*vals, **params)
+        out = _bind(eqn.primitive, vals, params)
         outs = out if eqn.primitive.multiple_results else [out]
         return [_Val(o, stored, const, region) for o in outs]
 
