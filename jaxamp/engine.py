@@ -61,6 +61,7 @@ from jaxamp._compat import (
     scan_counts,
     source_context,
 )
+from jaxamp._jaxpr import all_consumers_accept, evaluate, name_stack
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
 
 __all__ = ["REGION_MARKER", "autocast"]
@@ -229,22 +230,8 @@ def _computes_f32(eqn, op_rules: OpRules, wants: set) -> bool:
 
 def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) -> set:
     """Vars whose every consumer computes in float32 (so they are best computed in float32)."""
-    consumers: dict[Any, list] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                consumers.setdefault(v, []).append(eqn)
-    wants: set = {v for v, w in zip(jaxpr.outvars, out_wants)
-                  if w and isinstance(v, jcore.Var)}
-    blocked = {v for v, w in zip(jaxpr.outvars, out_wants) if not w and isinstance(v, jcore.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        for out in eqn.outvars:
-            if out in blocked or out in wants:
-                continue
-            uses = consumers.get(out, [])
-            if uses and all(_computes_f32(u, op_rules, wants) for u in uses):
-                wants.add(out)
-    return wants
+    return all_consumers_accept(jaxpr, lambda eqn, wants: _computes_f32(eqn, op_rules, wants),
+                                out_wants)
 
 
 class _Regions:
@@ -294,7 +281,7 @@ class _Evaluator:
         return np.dtype(self.policies[region[-1] if region else 0].compute_dtype)
 
     def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
-        ids = [int(k) for c, k in REGION_MARKER.findall(str(eqn.source_info.name_stack))
+        ids = [int(k) for c, k in REGION_MARKER.findall(name_stack(eqn))
                if int(c) == self.call]
         return base + tuple(i for i in ids if i not in base)
 
@@ -360,20 +347,12 @@ class _Evaluator:
                       for c in closed_consts or []]
         out_wants = out_wants or [False] * len(jaxpr.outvars)
         wants = _wants_f32(jaxpr, self.op_rules, out_wants)
-        env: dict[Any, _Val] = {}
-        for var, v in zip(jaxpr.constvars, consts):
-            env[var] = v
-        for var, v in zip(jaxpr.invars, args):
-            env[var] = v
 
-        def read(var) -> _Val:
-            if isinstance(var, jcore.Literal):
-                return _Val(var.val, True, True, base)
-            return env[var]
+        def literal(lit) -> _Val:
+            return _Val(lit.val, True, True, base)
 
-        for eqn in jaxpr.eqns:
+        def run_eqn(eqn, raw: list[_Val]) -> list[_Val]:
             region = self.region_of(eqn, base)
-            raw = [read(v) for v in eqn.invars]
             if eqn.primitive.name in _INLINE:
                 # An inlined call (jax.nn.silu, any @jax.jit helper) crosses no boundary of
                 # its own: its equations take each operand across as they use it, so a
@@ -384,11 +363,9 @@ class _Evaluator:
                 ins = [self.operand(v, region, f32_use) for v in raw]
             want32 = [o in wants for o in eqn.outvars]
             with source_context(eqn):
-                outs = self.eqn(eqn, ins, region, want32)
-            for var, out in zip(eqn.outvars, outs):
-                if not isinstance(var, jcore.DropVar):
-                    env[var] = out
-        return [read(v) for v in jaxpr.outvars]
+                return self.eqn(eqn, ins, region, want32)
+
+        return evaluate(jaxpr, consts, args, run_eqn, literal)
 
     def eqn(self, eqn, ins: list[_Val], region, want32: list[bool]) -> list[_Val]:
         name = eqn.primitive.name
