@@ -31,6 +31,11 @@ branches agree on the widest output dtype, ``custom_jvp`` and ``custom_vjp`` fun
 their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
 ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
 traced (float32): correct, not accelerated.
+
+Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
+that primitive (:func:`_jitted_bind`), as ``jnp``'s own operators are, so that under
+``jax.grad`` JAX linearizes each (primitive, params, input types) once instead of once per
+equation; the walk itself is :func:`jaxamp._jaxpr.evaluate`, shared with the diagnostics.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from jaxamp._compat import (
     bind_with_params,
     close_jaxpr,
     custom_vjp_name,
+    jit_inlines,
     open_jaxpr,
     scan_counts,
     source_context,
@@ -153,7 +159,7 @@ def _jitted_bind(prim, params_key):
     linearizes a jitted call once per (params, input types) and reuses the result (as it does
     for ``jnp``'s own jitted operators), where a bare ``bind`` re-derives the linearization of
     every equation; under ``make_jaxpr``/``jit`` tracing the call is inlined, so the program is
-    the same."""
+    the same. Used only where JAX inlines such calls (:func:`jaxamp._compat.jit_inlines`)."""
     params = dict(params_key)
 
     def bound(*vals):
@@ -165,7 +171,7 @@ def _jitted_bind(prim, params_key):
 
 def _bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
     """``prim.bind(*vals, **params)``; through a cached jitted call when tracing."""
-    if any(isinstance(x, Tracer) for x in vals):
+    if jit_inlines() and any(isinstance(x, Tracer) for x in vals):
         key = _hashable_params(params)
         if key is not None:
             return _jitted_bind(prim, key)(*vals)
@@ -180,7 +186,7 @@ def _jitted_convert(dtype: np.dtype):
 def _convert(x, dtype):
     """``lax.convert_element_type(x, dtype)``; a cached jitted call when tracing (see
     :func:`_jitted_bind`)."""
-    if isinstance(x, Tracer):
+    if jit_inlines() and isinstance(x, Tracer):
         return _jitted_convert(np.dtype(dtype))(x)
     return lax.convert_element_type(x, dtype)
 
@@ -193,7 +199,7 @@ def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
 
 def _broadcast_convert(x, shape, dtype):
     """``x`` broadcast to ``shape``, then cast (a cached jitted call when tracing)."""
-    if isinstance(x, Tracer):
+    if jit_inlines() and isinstance(x, Tracer):
         return _jitted_broadcast_convert(tuple(shape), dtype)(x)
     return lax.convert_element_type(jnp.broadcast_to(x, shape), dtype)
 
@@ -275,14 +281,25 @@ class _Evaluator:
         self.attention_calls = attention_calls  # jax.nn.dot_product_attention calls recorded
         self.call = call  # region markers of other autocast calls (nested ones) are ignored
         self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
+        self.marks: dict = {}  # name stack -> the region ids of this call's markers in it
 
     # ---- regions -------------------------------------------------------------------------
     def compute_dtype(self, region: tuple[int, ...]) -> np.dtype:
         return np.dtype(self.policies[region[-1] if region else 0].compute_dtype)
 
     def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
-        ids = [int(k) for c, k in REGION_MARKER.findall(name_stack(eqn))
-               if int(c) == self.call]
+        stack = eqn.source_info.name_stack  # equal for the equations of one scope: cache it
+        try:
+            ids = self.marks.get(stack)
+        except TypeError:  # pragma: no cover - an unhashable name stack
+            stack, ids = None, None
+        if ids is None:
+            ids = tuple(int(k) for c, k in REGION_MARKER.findall(name_stack(eqn))
+                        if int(c) == self.call)
+            if stack is not None:
+                self.marks[stack] = ids
+        if not ids:
+            return base
         return base + tuple(i for i in ids if i not in base)
 
     def crossing(self, v: _Val, region: tuple[int, ...]) -> np.dtype | None:

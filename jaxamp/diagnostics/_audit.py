@@ -12,12 +12,16 @@ HLO for this):
 * :func:`audit_step` -- reads a whole user-written train step for the order of loss-scale
   unscaling and gradient clipping.
 
-Findings :func:`audit` reports (``Finding.kind``):
+Findings :func:`audit` reports (``Finding.kind``). Which primitives are matmuls and which must
+run in float32 is read from the ``op_rules`` passed (the rules autocast ran the traced program
+by), so what the audit expects is what autocast did; the softmax/normalisation/loss/reduction
+findings are the seed's advice and hold whatever the rules say:
 
 ``matmul_f32_in_low_precision_region``
-    a ``dot_general``/``conv`` with float32 operands in a module whose policy computes in
-    float16/bfloat16 (module policies are recomputed from ``policy``/``overrides`` with the same
-    rules autocast applies; a module that a rule sets to float32 is not flagged). Typical cause:
+    an op of ``op_rules.matmul`` (``dot_general``/``conv``/...) with float32 operands in a
+    module whose policy computes in float16/bfloat16 (module policies are recomputed from
+    ``policy``/``overrides`` with the same rules autocast applies; a module that a rule sets to
+    float32 is not flagged). Typical cause:
     a ``custom_vjp`` function in ``OpRules.custom_vjp_as_traced`` (run as traced) or another
     primitive autocast does not rewrite. (A manual ``.astype(jnp.float32)`` before a matmul does
     not cause it: autocast casts matmul operands to the region's compute dtype regardless.)
@@ -32,6 +36,10 @@ Findings :func:`audit` reports (``Finding.kind``):
     any other accumulating reduction (``reduce_sum``, ``cumsum``, ...) in float16/bfloat16.
     Sums of 0/1 indicators (converted from booleans: exact counts) are not flagged; max/min
     reductions are exact in any dtype and never flagged.
+``fp32_op_low_precision``
+    any other op of ``op_rules.fp32`` (e.g. a ``tanh`` a user added to that list) in
+    float16/bfloat16: what autocast would have run in float32 did not (a program traced under
+    other rules, or code autocast does not rewrite).
 ``lossy_round_trip``
     a forward value cast float32 -> float16/bfloat16 -> float32 (precision thrown away).
 ``duplicate_cast``
