@@ -119,3 +119,14 @@ def test_walk_maps_sub_program_inputs_to_caller_vars():
          enter=lambda e, sub, stack: entered.append(e.primitive.name))
     assert seen == ["sin", "mul"]
     assert entered in (["scan", "pjit"], ["scan", "jit"])  # the primitive's name by version
+
+
+def test_rebinding_leaves_no_call_per_primitive(mlp):
+    """autocast binds primitives through cached jitted calls where JAX inlines them
+    (``_compat.jit_inlines``): the program autocast produces has no call per primitive."""
+    model, params, x = mlp
+    amp = jaxamp.autocast(lambda p, x: jnp.sum(model.apply(p, x)), F16)
+    for closed in (jax.make_jaxpr(amp)(params, x),
+                   jax.make_jaxpr(jax.value_and_grad(amp))(params, x)):
+        calls = [e for e in iter_eqns(closed) if e.primitive.name in ("jit", "pjit")]
+        assert not calls, [e.params.get("name") for e in calls]
