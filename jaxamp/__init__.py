@@ -13,8 +13,9 @@ without importing JAX.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from jaxamp._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -79,14 +80,4 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
     from jaxamp.transform import AmpState, amp, amp_state, scale_loss
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

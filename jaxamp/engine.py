@@ -68,7 +68,8 @@ from jaxamp._compat import (
     source_context,
 )
 from jaxamp._jaxpr import all_consumers_accept, evaluate, name_stack
-from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.policy_spec import DEFAULT_POLICY
+from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
 __all__ = ["REGION_MARKER", "autocast"]
 
@@ -264,7 +265,7 @@ class _Regions:
             if policy is None:
                 return next_fun(*args, **kwargs)
             self.policies.append(policy)
-            self.paths.append("/".join(str(p) for p in module.path))
+            self.paths.append(module_path(module))
             with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
                 return next_fun(*args, **kwargs)
         finally:
@@ -727,8 +728,8 @@ def _linen_apply_module(fn) -> nn.Module | None:
     return None
 
 
-def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=float16,"
-             "output=float32", *, overrides: Mapping[Any, str | jmp.Policy] | None = None,
+def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
+             overrides: Mapping[Any, str | jmp.Policy] | None = None,
              op_rules: OpRules = DEFAULT_OP_RULES) -> Callable:
     """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
 

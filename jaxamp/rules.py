@@ -68,6 +68,7 @@ __all__ = [
     "FP32_MODULES",
     "ModuleRules",
     "OpRules",
+    "module_path",
 ]
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -208,6 +209,16 @@ FP32_MODULES: tuple[type[nn.Module], ...] = (
 EMBED_MODULES: tuple[type[nn.Module], ...] = (nn.Embed,)
 
 
+def module_path(module: nn.Module) -> str:
+    """A linen module's path as path rules match it and as every jaxamp report prints it.
+
+    The names below the root module joined by ``/`` (``"blocks_0/mlp/fc"``, what
+    ``overrides={"blocks_*/mlp/fc": ...}`` matches); the root module, which has no path, is
+    named by its class (``"GPT"``).
+    """
+    return "/".join(str(p) for p in module.path) or type(module).__name__
+
+
 def _path_regex(pattern: str) -> re.Pattern[str]:
     """'a/layers_*/attn' -> regex; '*' stays inside one path segment, '**' crosses segments."""
     out = []
@@ -275,7 +286,7 @@ class ModuleRules:
 
     def match(self, module: nn.Module) -> tuple[jmp.Policy | None, str | None]:
         """Returns (policy, matched path pattern or None), or (None, None) to inherit."""
-        path = "/".join(str(p) for p in module.path)
+        path = module_path(module) if module.path else ""
         best = None
         for pattern, regex, pol in self.path_rules:
             if regex.match(path):

@@ -37,6 +37,7 @@ from flax.training import train_state
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxamp import policy_spec
 from jaxamp.engine import autocast
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
@@ -54,7 +55,7 @@ __all__ = ["DEFAULT_POLICY", "TrainState", "default_loss_scale", "make_eval_step
            "make_train_step"]
 
 #: The policy of a state created without ``policy=`` and of :func:`make_eval_step`.
-DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
+DEFAULT_POLICY = policy_spec.DEFAULT_POLICY
 
 
 def _positive_int(value: Any, name: str, where: str) -> int:
@@ -182,7 +183,7 @@ class TrainState(train_state.TrainState):
             loss_scale = default_loss_scale(policy)
         check_loss_scale(loss_scale, where)
         if isinstance(loss_scale, NoOpLossScale) and \
-                np.dtype(policy.compute_dtype) == np.float16:
+                policy_spec.loss_scaling(np.dtype(policy.compute_dtype).name) == "dynamic":
             warnings.warn(
                 f"{where}: the policy computes in float16 ({policy_to_str(policy)}) but "
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "

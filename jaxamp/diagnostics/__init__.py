@@ -13,8 +13,9 @@ only through its public names and the documented internal modules ``jaxamp._jaxp
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from jaxamp._lazy import lazy_exports
 
 _EXPORTS = {
     "AuditReport": "jaxamp.diagnostics._audit",
@@ -46,14 +47,4 @@ if TYPE_CHECKING:
     from jaxamp.diagnostics.review import RunFinding, RunReview, review_metrics, review_run
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxamp.diagnostics' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

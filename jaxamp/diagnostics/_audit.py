@@ -7,8 +7,9 @@ HLO for this):
 * :func:`precision_table` -- rows ``{"module", "op", "forward", "backward"}``: every equation of
   ``jax.value_and_grad`` of the autocast function, grouped by module path (from the name stack
   Flax linen records) and op class, with the float dtypes seen in each pass.
-* :func:`audit` -- the same table plus :class:`Finding` s (the seed's review checklist, §5) and
-  the seed's §4 reference table (:meth:`AuditReport.seed_rows`).
+* :func:`audit` -- the same table plus :class:`Finding` s (the mixed-precision review checklist)
+  and the reference table of what each part of a Transformer should run in
+  (:meth:`AuditReport.reference_table`).
 * :func:`audit_step` -- reads a whole user-written train step for the order of loss-scale
   unscaling and gradient clipping.
 
@@ -97,15 +98,15 @@ from jaxamp.diagnostics._trace import (
     trace_model,
 )
 from jaxamp.policy import policy_to_str
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 
 __all__ = ["AuditReport", "Finding", "audit", "audit_step", "format_precision_table",
            "precision_table"]
 
-_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
-def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
+def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
                     overrides: dict | None = None, argnums: int = 0,
                     op_rules: OpRules = DEFAULT_OP_RULES) -> list[dict[str, str]]:
     """Rows ``{"module", "op", "forward", "backward"}`` for ``fn`` run under ``policy``.
@@ -224,7 +225,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
             "float16/bfloat16 only for its matmuls.", "Softmax"),
         "normalisation_low_precision": (
             "normalisation statistics ran in low precision: {ops}. Mean/variance need float32 "
-            "(seed mistake 1: a global .half() overflows LayerNorm); drop the override that "
+            "(a global .half() overflows LayerNorm); drop the override that "
             "sets this norm to a low-precision compute dtype.", "LayerNorm"),
         "loss_low_precision": (
             "the loss (outside all modules) ran in low precision: {ops}. log-sum-exp needs "
@@ -261,7 +262,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
         raw.append(("lossy_round_trip", r.module,
                     "a float32 value is cast to low precision and straight back to float32: the "
                     "low-precision copy only throws mantissa bits away. Usually a manual "
-                    ".astype() in the model fighting autocast (seed mistake 2); remove it.",
+                    ".astype() in the model fighting autocast; remove it.",
                     None))
     for _, b in duplicate_casts(t.jaxpr):
         r = by_eqn.get(id(b))
@@ -271,8 +272,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
             continue
         raw.append(("duplicate_cast", r.module,
                     f"the same value is cast to {dtype_name(b.params['new_dtype'])} twice "
-                    f"({_pass(r)}); the second cast is redundant work (seed §3: cast "
-                    "elimination).", None))
+                    f"({_pass(r)}); the second cast is redundant work.", None))
     raw += storage_findings(params, opt_state)
     order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
              "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
@@ -283,11 +283,11 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
     return found
 
 
-def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
+def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
           overrides: dict | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
           argnums: int | None = 0, opt_state: Any = None) -> AuditReport:
     """Audits ``fn`` run under ``jaxamp.autocast``: the dtypes every module and op class used
-    (forward and backward) and the precision mistakes of the seed's review checklist.
+    (forward and backward) and the common mixed-precision mistakes it can see.
 
     ``fn`` is traced (never compiled or run) under ``autocast(fn, policy, overrides=...,
     op_rules=...)``; if ``args[argnums]`` has float leaves, ``jax.value_and_grad`` of the sum of
@@ -304,7 +304,7 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
       opt_state: optional optimizer state, checked for float16/bfloat16 leaves.
 
     Returns:
-      An :class:`AuditReport`: ``.rows``, ``.findings``, ``.seed_rows()``, ``.to_json()``,
+      An :class:`AuditReport`: ``.rows``, ``.findings``, ``.reference_table()``, ``.to_json()``,
       ``.to_markdown()``, ``.print()``.
 
     Example:

@@ -1,8 +1,8 @@
-"""The seed's §4 reference table, reproduced from a traced program.
+"""The mixed-precision reference table, reproduced from a traced program.
 
-The seed document's §4 lists, for a GPT-style model, which dtype each part should run in
+The table lists, for a GPT-style model, which dtype each part should run in
 (embedding lookup, Q/K/V projections, attention scores, softmax, LayerNorm, FFN, loss,
-parameter update). :meth:`jaxamp.AuditReport.seed_rows` rebuilds that table from the
+parameter update). :meth:`jaxamp.AuditReport.reference_table` rebuilds that table from the
 :class:`~jaxamp.diagnostics._trace.Eqn` records of a trace; its docstring documents the mapping.
 
 The mapping is a heuristic: it recognises a module's role by its class (``nn.LayerNorm``,
@@ -98,9 +98,9 @@ def _is_ffn(key: str, modules) -> bool:
 # The table
 # ---------------------------------------------------------------------------------------------
 
-_SEED_ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
+_ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
               "FFN Linear", "CrossEntropy loss", "Parameter update")
-_SEED_NOTES = {
+_NOTES = {
     "Embedding lookup": "the lookup computes nothing; its output is cast to the compute dtype",
     "Q/K/V Linear": "main Tensor Core work",
     "Attention scores": "cast to float32 before the softmax",
@@ -137,7 +137,7 @@ def _use_dtype(rec: Eqn, jaxpr: jcore.Jaxpr) -> str | None:
 
 def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
                opt_dtypes: Sequence[str]) -> list[dict[str, Any]]:
-    """The rows of :meth:`jaxamp.AuditReport.seed_rows` (which documents them) for trace
+    """The rows of :meth:`jaxamp.AuditReport.reference_table` (which documents them) for trace
     ``t``; ``param_dtypes``/``opt_dtypes``: the float dtypes of the parameters and optimizer
     state (the "Parameter update" row). Empty without a trace."""
     if t is None:
@@ -146,7 +146,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
     low = dtype_name(t.policy.compute_dtype)
     recs = [r for r in t.records if r.dtypes]
     groups: dict[str, dict[str, Any]] = {
-        name: {"forward": set(), "backward": set(), "modules": set()} for name in _SEED_ROWS}
+        name: {"forward": set(), "backward": set(), "modules": set()} for name in _ROWS}
 
     def add(name, r, forward=True, backward=True):
         g = groups[name]
@@ -163,7 +163,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
         key, prim = r.key, r.prim
         if prim in t.op_rules.matmul:
             if _is_embed(key, mods):
-                continue  # a tied head: not a seed row
+                continue  # a tied head: not a reference row
             if _is_qkv(key):
                 add("Q/K/V Linear", r)
             elif _is_attention(key, mods):
@@ -194,7 +194,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
         if _is_attention(key, mods) and sensitive:
             add("Softmax", r)
     rows = []
-    for name in _SEED_ROWS:
+    for name in _ROWS:
         g = groups[name]
         if name == "Embedding lookup":
             if emb_fwd is None:
@@ -218,6 +218,6 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
                                                         or exp_b == "-"))
         rows.append({"row": name, "forward": fwd, "backward": bwd,
                      "expected_forward": exp_f, "expected_backward": exp_b, "ok": ok,
-                     "modules": sorted(g["modules"]), "note": _SEED_NOTES[name]})
+                     "modules": sorted(g["modules"]), "note": _NOTES[name]})
     return rows
 

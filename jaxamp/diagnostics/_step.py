@@ -190,7 +190,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 "loss scale, and the gradients it clips are divided by the scale only "
                 f"afterwards ({len(later)} unscale op(s) depend on that norm). Clipping "
                 "scaled gradients shrinks the clip threshold by the scale and over-suppresses "
-                "every update (seed §2 step 5, mistake 3). Unscale first "
+                "every update. Unscale first "
                 "(grads = loss_scale.unscale(grads)), then clip (optax.clip_by_global_norm), "
                 "or use jaxamp.make_train_step(clip_norm=...)."))
         else:
@@ -236,7 +236,7 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
       params, opt_state: optional trees checked for float16/bfloat16 storage.
 
     Returns:
-      An :class:`AuditReport` (its ``seed_rows()`` is empty: module policies are unknown).
+      An :class:`AuditReport` (its ``reference_table()`` is empty: module policies are unknown).
     """
     closed = jax.make_jaxpr(step_fn)(*args)
     jaxpr, _ = dce(closed.jaxpr)

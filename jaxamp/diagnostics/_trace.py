@@ -13,7 +13,7 @@ and reads the jaxpr, the StableHLO dtypes a GPU would run:
   :class:`Trace`, and :func:`table_rows` groups its records into :func:`jaxamp.precision_table`
   rows.
 
-This module knows nothing about findings or the seed table; :mod:`jaxamp.audit`,
+This module knows nothing about findings or the reference table; :mod:`jaxamp.audit`,
 :mod:`jaxamp.diagnostics._reference`, :mod:`jaxamp.diagnostics._step` and
 :mod:`jaxamp.diagnostics.overflow` build on it.
 """
@@ -43,6 +43,7 @@ from jaxamp.rules import (
     SUM_PRIMITIVES,
     ModuleRules,
     OpRules,
+    module_path,
 )
 
 _OP_CLASSES = {
@@ -64,7 +65,7 @@ EXPLOG = SOFTMAX_PRIMITIVES
 ACCUM = SUM_PRIMITIVES
 # Primitives whose result is exact in any float dtype (data movement, selection, comparison):
 # they carry a dtype but round nothing, so they are never flagged and do not count towards the
-# seed rows' dtypes.
+# reference rows' dtypes.
 _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
     "concatenate", "pad", "dynamic_update_slice", "select_n", "max", "min", "neg", "abs",
     "sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "stop_gradient", "clamp", "floor",
@@ -110,7 +111,8 @@ def low_leaves(tree) -> list[tuple[str, str]]:
 
 @dataclasses.dataclass
 class ModuleInfo:
-    path: str  # name-stack style: "GPT/blocks/attn"
+    path: str  # name-stack style: "GPT/blocks/attn" (how equations are matched to modules)
+    name: str  # as reports print it and path rules match it (rules.module_path): "blocks/attn"
     cls: type
     compute: str  # the compute dtype autocast's rules give this module
     output: str
@@ -140,8 +142,9 @@ class Recorder:
             root = self.stack[0][2].split("/")[0] if self.stack else "?"
             path = "/".join([root, *(str(p) for p in module.path)])
         if path not in self.modules:
-            self.modules[path] = ModuleInfo(path, type(module), dtype_name(policy.compute_dtype),
-                                         dtype_name(policy.output_dtype), matched)
+            self.modules[path] = ModuleInfo(path, module_path(module), type(module),
+                                            dtype_name(policy.compute_dtype),
+                                            dtype_name(policy.output_dtype), matched)
         self.stack.append((module, policy, path))
         try:
             return next_fun(*args, **kwargs)
@@ -302,6 +305,18 @@ def _module_key(path: str, modules: dict[str, ModuleInfo]) -> str:
     return ""
 
 
+def display_path(path: str, modules: dict[str, ModuleInfo]) -> str:
+    """A canonical name-stack path as reports print it (:func:`jaxamp.rules.module_path`):
+    ``GPT/blocks/attn`` -> ``blocks/attn``, ``GPT/embed.attend`` -> ``embed.attend``; the root
+    module keeps its class name; paths outside modules are unchanged."""
+    if path in modules:
+        return modules[path].name
+    head, sep, rest = path.partition("/")
+    if sep and head in modules and "/" not in modules[head].path:  # below a root module
+        return rest
+    return path
+
+
 def canonical_path(path: str, modules: dict[str, ModuleInfo]) -> str:
     """``path`` with a hoisted scan prefix restored (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
     if path == TOP_LEVEL or not modules or path in modules:
@@ -380,6 +395,7 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
     for r in records:
         r.module = canonical_path(r.module, recorder.modules)
         r.key = _module_key(r.module, recorder.modules)
+        r.module = display_path(r.module, recorder.modules)
     leaves = jax.tree.leaves(out_shape)
     out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
     scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()

@@ -37,10 +37,20 @@ import numpy as np
 
 from jaxamp._compat import bind_with_params, scan_counts
 from jaxamp._jaxpr import evaluate, name_stack, sub_programs
-from jaxamp.diagnostics._trace import LOW, SCAFFOLD, Recorder, canonical_path, clean_path, dce
+from jaxamp.diagnostics._trace import (
+    LOW,
+    SCAFFOLD,
+    Recorder,
+    canonical_path,
+    clean_path,
+    dce,
+    display_path,
+)
 from jaxamp.engine import autocast
 from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.transform import default_loss_scale
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -55,7 +65,6 @@ NEAR_OVERFLOW_BITS = 2.0
 #: flush to zero in float16 even with the loss scale.
 UNDERFLOW_FRACTION = 0.01
 
-_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +163,7 @@ class _Evaluator:
 
     def _record(self, eqn, full: str, vals, outs) -> None:
         module, backward = clean_path(full)
-        module = canonical_path(module, self.modules)
+        module = display_path(canonical_path(module, self.modules), self.modules)
         out_idx = []
         for o in outs:
             if _is_float(o):
@@ -425,7 +434,7 @@ def _pct(x) -> str:
 
 def _scale_value(loss_scale, policy: jmp.Policy) -> float:
     if loss_scale is None:
-        return 2.0**16 if np.dtype(policy.compute_dtype) == np.float16 else 1.0
+        loss_scale = default_loss_scale(policy)  # the train step's default for this policy
     value = getattr(loss_scale, "loss_scale", loss_scale)
     value = float(np.asarray(value))
     if not math.isfinite(value) or value <= 0:
@@ -441,7 +450,7 @@ def _param_module(path, root: str | None) -> str:
 
 
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
-                    policy: str | jmp.Policy = _DEFAULT_POLICY,
+                    policy: str | jmp.Policy = DEFAULT_POLICY,
                     overrides: Mapping | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
                     loss_fn: Callable[[Any], Any] | None = None,
                     loss_scale: Any = None) -> OverflowReport:
@@ -489,7 +498,7 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
       >>> rep = jaxamp.locate_overflow(model.apply, variables, x,
       ...                              loss_fn=lambda y: jnp.mean(y ** 2))
       >>> rep.first_nonfinite
-      {'module': 'Model/fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
+      {'module': 'fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
     """
     if isinstance(fn, nn.Module):
         fn = fn.apply
@@ -559,7 +568,8 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
                                  jax.tree_util.tree_leaves_with_path(true_grads)):
         if not _is_float(g):
             continue
-        mod = canonical_path(_param_module(path, root), recorder.modules)
+        mod = display_path(canonical_path(_param_module(path, root), recorder.modules),
+                           recorder.modules)
         pg.setdefault(mod, _Acc()).add(_summary(g, 1.0), np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(_summary(t, scale), np.dtype(t.dtype).name)
 

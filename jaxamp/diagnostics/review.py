@@ -1,8 +1,8 @@
-"""Review a finished (or running) mixed-precision run from its logs: the seed's §5 checklist.
+"""Review a finished (or running) mixed-precision run from its logs: the mixed-precision
+review checklist (loss scale, gradients, memory).
 
-A run directory holds ``metrics.jsonl`` (one JSON object per step with ``step``, ``loss``,
-``loss_scale``, ``grad_norm``, ``grads_finite``, ``skipped``, optionally ``tokens_per_s``,
-``loss_scale_at_min``) and optionally ``summary.json`` (as ``examples/train_lm.py`` writes it).
+A run directory holds ``metrics.jsonl`` and optionally ``summary.json``, in the format
+:mod:`jaxamp.diagnostics.metrics` documents and writes (``examples/train_lm.py`` uses it).
 :func:`review_run` reads them and reports :class:`RunFinding` s:
 
 =============================== =================================================================
@@ -42,6 +42,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from jaxamp import policy_spec
+from jaxamp.diagnostics import metrics
 
 __all__ = ["ReviewError", "RunFinding", "RunReview", "main", "review_metrics", "review_run"]
 
@@ -169,48 +172,24 @@ def _num(x) -> float:
 
 def read_run(run_dir: str | Path) -> tuple[list[dict], dict]:
     """``metrics.jsonl`` rows (sorted by step, the last line of a repeated step wins) and
-    ``summary.json`` (``{}`` if absent). Raises :class:`ReviewError` on missing/corrupt files."""
+    ``summary.json`` (``{}`` if absent), read by :mod:`jaxamp.diagnostics.metrics`. Raises
+    :class:`ReviewError` on a missing run directory or a missing/corrupt file."""
     d = Path(run_dir)
     if not d.exists():
         raise ReviewError(f"{d}: no such run directory")
     if not d.is_dir():
         raise ReviewError(f"{d}: not a directory (pass the run directory that holds "
-                          "metrics.jsonl)")
-    mpath = d / "metrics.jsonl"
-    if not mpath.is_file():
-        raise ReviewError(f"{d}: no metrics.jsonl in the run directory")
+                          f"{metrics.METRICS_FILE})")
+    if not (d / metrics.METRICS_FILE).is_file():
+        raise ReviewError(f"{d}: no {metrics.METRICS_FILE} in the run directory")
     try:
-        text = mpath.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReviewError(f"{mpath}: cannot read ({e})") from None
-    rows: dict[int, dict] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ReviewError(f"{mpath} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ReviewError(f"{mpath} line {n}: expected a JSON object per line")
-        step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, (int, float)):
-            raise ReviewError(f"{mpath} line {n}: missing or non-numeric 'step'")
-        if not (math.isfinite(step) and step == int(step)):
-            raise ReviewError(f"{mpath} line {n}: 'step' must be a whole number, got {step!r}")
-        rows[int(step)] = row
+        rows = metrics.read_metrics(d / metrics.METRICS_FILE)
+        summary = metrics.read_summary(d / metrics.SUMMARY_FILE)
+    except metrics.MetricsError as e:
+        raise ReviewError(str(e)) from None
     if not rows:
-        raise ReviewError(f"{mpath}: no steps logged")
-    summary: dict = {}
-    spath = d / "summary.json"
-    if spath.exists():
-        try:
-            summary = json.loads(spath.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ReviewError(f"{spath}: not valid JSON ({getattr(e, 'msg', e)})") from None
-        if not isinstance(summary, dict):
-            raise ReviewError(f"{spath}: expected a JSON object")
-    return [rows[k] for k in sorted(rows)], summary
+        raise ReviewError(f"{d / metrics.METRICS_FILE}: no steps logged")
+    return rows, summary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,47 +287,25 @@ def _spikes(steps, loss, skipped, cfg) -> list[int]:
 
 
 def _clip_norm(summary: Mapping, override: float | None) -> float | None:
-    if override is not None:
-        return override if math.isfinite(override) and override > 0 else None
-    for src in (summary, summary.get("run_config") or {}, summary.get("args") or {},
-                summary.get("config") or {}):
-        if isinstance(src, Mapping):
-            v = src.get("clip_norm", src.get("clip_grad_norm"))
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and \
-                    math.isfinite(v) and v > 0:
-                return float(v)
+    v = summary.get("clip_norm") if override is None else override
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return float(v)
     return None
 
 
 def _policy_compute(summary: Mapping) -> str | None:
+    """The canonical compute dtype name of the logged policy (None: absent or unreadable)."""
     pol = summary.get("policy")
-    if not isinstance(pol, str):
+    try:
+        return policy_spec.parse(pol)["compute"] if isinstance(pol, str) else None
+    except ValueError:
         return None
-    for part in pol.split(","):
-        key, _, val = part.partition("=")
-        if key.strip() in ("compute", "c"):
-            return val.strip()
-    if "=" not in pol:
-        return pol.strip()
-    return None
-
-
-_MEM_PAIRS = (("memory_bytes", "memory_bytes_f32"), ("memory_amp", "memory_f32"))
 
 
 def _memory_pair(summary: Mapping) -> tuple[dict, dict] | None:
-    for amp_key, f32_key in _MEM_PAIRS:
-        a, f = summary.get(amp_key), summary.get(f32_key)
-        if isinstance(a, Mapping) and isinstance(f, Mapping) and a and f:
-            return dict(a), dict(f)
-    mem = summary.get("memory")
-    if isinstance(mem, Mapping):
-        a = next((mem[k] for k in ("amp", "mixed", "policy") if isinstance(mem.get(k), Mapping)),
-                 None)
-        f = next((mem[k] for k in ("float32", "f32", "fp32") if isinstance(mem.get(k), Mapping)),
-                 None)
-        if a and f:
-            return dict(a), dict(f)
+    a, f = summary.get("memory_bytes"), summary.get("memory_bytes_f32")
+    if isinstance(a, Mapping) and isinstance(f, Mapping) and a and f:
+        return dict(a), dict(f)
     return None
 
 
@@ -366,34 +323,21 @@ def _mem_value(m: Mapping) -> tuple[str, float] | None:
     return None
 
 
-def _largest_buffers(summary: Mapping, amp: Mapping) -> list[str]:
-    for src in (summary, amp):
-        for key in ("largest_f32_buffers", "largest_buffers", "buffers"):
-            bufs = src.get(key) if isinstance(src, Mapping) else None
-            if not isinstance(bufs, list) or not bufs:
-                continue
-            out = []
-            for b in bufs:
-                if isinstance(b, str):
-                    out.append(b)
-                elif isinstance(b, Mapping):
-                    dtype = str(b.get("dtype", ""))
-                    if dtype and dtype not in ("float32", "f32"):
-                        continue
-                    name = b.get("name") or b.get("path") or "?"
-                    shape = b.get("shape")
-                    size = b.get("bytes")
-                    desc = str(name)
-                    if shape is not None:
-                        desc += f" {list(shape)}"
-                    if dtype:
-                        desc += f" {dtype}"
-                    if isinstance(size, (int, float)):
-                        desc += f" ({_fmt_bytes(size)})"
-                    out.append(desc)
-            if out:
-                return out[:5]
-    return []
+def _largest_buffers(summary: Mapping) -> list[str]:
+    """``summary["largest_f32_buffers"]`` (``{"name", "shape", "dtype", "bytes"}`` each) as
+    text, float32 ones only, at most five."""
+    bufs = summary.get("largest_f32_buffers")
+    out = []
+    for b in bufs if isinstance(bufs, list) else []:
+        if not isinstance(b, Mapping) or str(b.get("dtype", "float32")) != "float32":
+            continue
+        desc = str(b.get("name", "?"))
+        if isinstance(b.get("shape"), list):
+            desc += f" {b['shape']}"
+        if isinstance(b.get("bytes"), (int, float)):
+            desc += f" ({_fmt_bytes(b['bytes'])})"
+        out.append(desc)
+    return out[:5]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -412,11 +356,10 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
       rows: one dict per step (``step``, ``loss``, ``loss_scale``, ``grad_norm``,
         ``grads_finite``, ``skipped``; missing keys disable the checks that need them; a
         ``None`` loss or grad norm means non-finite).
-      summary: ``summary.json``'s content (``clip_norm`` or ``run_config.clip_norm``,
-        ``loss_scale_mode``, ``min_loss_scale``, ``policy``, ``memory_bytes`` /
-        ``memory_bytes_f32`` or ``memory: {"amp": {...}, "float32": {...}}`` with
-        ``temp``/``argument``/``output``/``total`` bytes, optional ``largest_f32_buffers``:
-        a list of ``{"name", "shape", "dtype", "bytes"}`` or strings).
+      summary: ``summary.json``'s content, with the keys :mod:`jaxamp.diagnostics.metrics`
+        documents (``policy``, ``clip_norm``, ``loss_scale_mode``, ``min_loss_scale``,
+        ``final_val_loss``, ``memory_bytes`` / ``memory_bytes_f32``, and optionally
+        ``largest_f32_buffers``); others are ignored.
       clip_norm: the clip threshold (overrides the summary's).
       **thresholds: overrides of :data:`DEFAULTS`.
 
@@ -473,7 +416,7 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 f"{near} steps of a loss-scale change ({desc}). With correct AMP a scale change "
                 "never moves the loss: gradients are unscaled with the scale of their own step "
                 "and overflowing steps are skipped. Spikes that track the scale mean the scale "
-                "is adjusted too aggressively (seed §5a) or overflowed/partly-inf gradients are "
+                "is adjusted too aggressively or overflowed/partly-inf gradients are "
                 "being applied. Fix: make sure non-finite steps are skipped and unscaled with "
                 "the scale that produced them (jaxamp.make_train_step does both), lengthen the "
                 "growth interval (DynamicLossScale(growth_interval=2000)) or lower the growth "
@@ -485,7 +428,7 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
         findings.append(diverged)
 
     # (b) scale stuck at its floor; many consecutive skips
-    mode = str(summary.get("loss_scale_mode", summary.get("loss_scale_kind", ""))).lower()
+    mode = str(summary.get("loss_scale_mode", "")).lower()
     finite_scales = [s for s in scale if math.isfinite(s)]
     varies = len(set(finite_scales)) > 1
     if has_scale and varies and mode not in ("none", "static"):
@@ -544,8 +487,8 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 f"the gradient norm equals clip_norm / loss_scale ({clip:g} / scale) at "
                 f"{len(at_clip_scaled)} of {len(applied)} applied steps (median "
                 f"{med:.3g}): the gradients were clipped while still multiplied by the loss "
-                "scale and then unscaled, so every update is shrunk by the scale (seed §5b, "
-                "mistake 3: clip before unscale). Fix: unscale first, then clip "
+                "scale and then unscaled, so every update is shrunk by the scale (clip "
+                "before unscale). Fix: unscale first, then clip "
                 "(jaxamp.make_train_step(clip_norm=...) does it in that order)."))
         elif med < cfg["tiny_grad_norm"] or len(zeros) > 0.1 * len(applied):
             which = zeros if len(zeros) > 0.1 * len(applied) else [s for s, _, _ in applied]
@@ -554,7 +497,7 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 f"the gradient norm is implausibly small (median {med:.3g} over "
                 f"{len(applied)} applied steps; exactly 0 at {len(zeros)}). Typical causes: the "
                 "gradients are divided by the loss scale twice or unscaled in the wrong order "
-                "(seed §5b), they were clipped while scaled, or they underflowed to zero in "
+                "they were clipped while scaled, or they underflowed to zero in "
                 "float16 (loss scale too small or missing). Fix: scale the loss once, unscale "
                 "the gradients once with the same scale before clipping and the update; check "
                 "with jaxamp.audit_step and jaxamp.locate_overflow (underflow fractions)."))
@@ -571,13 +514,13 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 "applied steps: every update is clipped. That is the signature of clipping "
                 "(or measuring) *scaled* gradients: their norm is loss_scale times too large, "
                 "so the clip always triggers and the effective threshold shrinks by the scale "
-                "(seed mistake 3). Fix: unscale the gradients before computing the norm and "
+                "Fix: unscale the gradients before computing the norm and "
                 "clipping; log the norm of the unscaled gradients before clipping."))
 
     # (d) memory that did not drop vs float32
     pair = _memory_pair(summary)
     compute = _policy_compute(summary)
-    if pair is not None and compute not in ("float32", "f32", "full"):
+    if pair is not None and compute != "float32":
         amp, f32 = pair
         va, vf = _mem_value(amp), _mem_value(f32)
         if va and vf and va[0] == vf[0] and vf[1] > 0 and va[1] >= cfg["memory_ratio"] * vf[1]:
@@ -588,14 +531,14 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
             if isinstance(args_a, (int, float)) and isinstance(args_f, (int, float)):
                 extra = (f" (arguments: {_fmt_bytes(args_a)} vs {_fmt_bytes(args_f)}; params and "
                          "optimizer state stay float32 under AMP)")
-            bufs = _largest_buffers(summary, amp)
+            bufs = _largest_buffers(summary)
             named = (" Largest float32 buffers: " + "; ".join(bufs) + ".") if bufs else ""
             findings.append(RunFinding(
                 "memory_not_reduced", (),
                 f"the compiled step's {kind} memory is {_fmt_bytes(va[1])} under mixed "
                 f"precision vs {_fmt_bytes(vf[1])} for the same step in float32 (x{ratio:.2f})"
-                f"{extra}: memory did not drop, so many float32 tensors stay resident (seed "
-                f"§5c).{named} Likely causes: activations saved for the backward are float32 "
+                f"{extra}: memory did not drop, so many float32 tensors stay resident."
+                f"{named} Likely causes: activations saved for the backward are float32 "
                 "(modules computing in float32 via overrides, manual .astype(jnp.float32), "
                 "custom_vjp functions in OpRules.custom_vjp_as_traced), float32 copies of the "
                 "weights kept per use, or a step dominated by parameters/optimizer state, "
@@ -624,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m jaxamp.review RUN_DIR``: 0 healthy, 1 findings, 2 error."""
     parser = _Parser(prog="python -m jaxamp.review",
                      description="Review a mixed-precision run's metrics.jsonl/summary.json "
-                                 "for the seed's checklist problems.")
+                                 "for mixed-precision problems.")
     parser.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
     parser.add_argument("--clip-norm", type=float, default=None,
                         help="the gradient clip threshold (default: from summary.json)")
