@@ -32,6 +32,11 @@ branches agree on the widest output dtype, ``custom_jvp`` and ``custom_vjp`` fun
 their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
 ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
 traced (float32): correct, not accelerated.
+
+Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
+that primitive (:func:`_jitted_bind`), as ``jnp``'s own operators are, so that under
+``jax.grad`` JAX linearizes each (primitive, params, input types) once instead of once per
+equation; the walk itself is :func:`jaxamp._jaxpr.evaluate`, shared with the diagnostics.
 """
 
 from __future__ import annotations
@@ -58,10 +63,12 @@ from jaxamp._compat import (
     bind_with_params,
     close_jaxpr,
     custom_vjp_name,
+    jit_inlines,
     open_jaxpr,
     scan_counts,
     source_context,
 )
+from jaxamp._jaxpr import all_consumers_accept, evaluate, name_stack
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
@@ -139,6 +146,66 @@ def _saturating(x, dtype: np.dtype):
                       dtype)
 
 
+def _hashable_params(params: Mapping[str, Any]):
+    try:
+        key = tuple(params.items())
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _jitted_bind(prim, params_key):
+    """``prim.bind`` with these params as an inlined ``jax.jit`` call. Under autodiff, JAX
+    linearizes a jitted call once per (params, input types) and reuses the result (as it does
+    for ``jnp``'s own jitted operators), where a bare ``bind`` re-derives the linearization of
+    every equation; under ``make_jaxpr``/``jit`` tracing the call is inlined, so the program is
+    the same. Used only where JAX inlines such calls (:func:`jaxamp._compat.jit_inlines`)."""
+    params = dict(params_key)
+
+    def bound(*vals):
+        return prim.bind(*vals, **params)
+
+    bound.__name__ = prim.name
+    return jax.jit(bound, inline=True)
+
+
+def _bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
+    """``prim.bind(*vals, **params)``; through a cached jitted call when tracing."""
+    if jit_inlines() and any(isinstance(x, Tracer) for x in vals):
+        key = _hashable_params(params)
+        if key is not None:
+            return _jitted_bind(prim, key)(*vals)
+    return prim.bind(*vals, **params)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_convert(dtype: np.dtype):
+    return jax.jit(functools.partial(lax.convert_element_type, new_dtype=dtype), inline=True)
+
+
+def _convert(x, dtype):
+    """``lax.convert_element_type(x, dtype)``; a cached jitted call when tracing (see
+    :func:`_jitted_bind`)."""
+    if jit_inlines() and isinstance(x, Tracer):
+        return _jitted_convert(np.dtype(dtype))(x)
+    return lax.convert_element_type(x, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
+    return jax.jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype),
+                   inline=True)
+
+
+def _broadcast_convert(x, shape, dtype):
+    """``x`` broadcast to ``shape``, then cast (a cached jitted call when tracing)."""
+    if jit_inlines() and isinstance(x, Tracer):
+        return _jitted_broadcast_convert(tuple(shape), dtype)(x)
+    return lax.convert_element_type(jnp.broadcast_to(x, shape), dtype)
+
+
 def _cast(v: _Val, dtype) -> Any:
     """``v.val`` in ``dtype`` (cached: a value is cast to a given dtype at most once)."""
     dtype = np.dtype(dtype)
@@ -153,7 +220,7 @@ def _cast(v: _Val, dtype) -> Any:
         elif v.const and narrower:
             v.casts[dtype] = _saturating(v.val, dtype)
         else:
-            v.casts[dtype] = lax.convert_element_type(v.val, dtype)
+            v.casts[dtype] = _convert(v.val, dtype)
     return v.casts[dtype]
 
 
@@ -171,22 +238,8 @@ def _computes_f32(eqn, op_rules: OpRules, wants: set) -> bool:
 
 def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) -> set:
     """Vars whose every consumer computes in float32 (so they are best computed in float32)."""
-    consumers: dict[Any, list] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                consumers.setdefault(v, []).append(eqn)
-    wants: set = {v for v, w in zip(jaxpr.outvars, out_wants)
-                  if w and isinstance(v, jcore.Var)}
-    blocked = {v for v, w in zip(jaxpr.outvars, out_wants) if not w and isinstance(v, jcore.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        for out in eqn.outvars:
-            if out in blocked or out in wants:
-                continue
-            uses = consumers.get(out, [])
-            if uses and all(_computes_f32(u, op_rules, wants) for u in uses):
-                wants.add(out)
-    return wants
+    return all_consumers_accept(jaxpr, lambda eqn, wants: _computes_f32(eqn, op_rules, wants),
+                                out_wants)
 
 
 class _Regions:
@@ -233,14 +286,25 @@ class _Evaluator:
         self.attention_calls = attention_calls  # jax.nn.dot_product_attention calls recorded
         self.call = call  # region markers of other autocast calls (nested ones) are ignored
         self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
+        self.marks: dict = {}  # name stack -> the region ids of this call's markers in it
 
     # ---- regions -------------------------------------------------------------------------
     def compute_dtype(self, region: tuple[int, ...]) -> np.dtype:
         return np.dtype(self.policies[region[-1] if region else 0].compute_dtype)
 
     def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
-        ids = [int(k) for c, k in REGION_MARKER.findall(str(eqn.source_info.name_stack))
-               if int(c) == self.call]
+        stack = eqn.source_info.name_stack  # equal for the equations of one scope: cache it
+        try:
+            ids = self.marks.get(stack)
+        except TypeError:  # pragma: no cover - an unhashable name stack
+            stack, ids = None, None
+        if ids is None:
+            ids = tuple(int(k) for c, k in REGION_MARKER.findall(name_stack(eqn))
+                        if int(c) == self.call)
+            if stack is not None:
+                self.marks[stack] = ids
+        if not ids:
+            return base
         return base + tuple(i for i in ids if i not in base)
 
     def crossing(self, v: _Val, region: tuple[int, ...]) -> np.dtype | None:
@@ -305,20 +369,12 @@ class _Evaluator:
                       for c in closed_consts or []]
         out_wants = out_wants or [False] * len(jaxpr.outvars)
         wants = _wants_f32(jaxpr, self.op_rules, out_wants)
-        env: dict[Any, _Val] = {}
-        for var, v in zip(jaxpr.constvars, consts):
-            env[var] = v
-        for var, v in zip(jaxpr.invars, args):
-            env[var] = v
 
-        def read(var) -> _Val:
-            if isinstance(var, jcore.Literal):
-                return _Val(var.val, True, True, base)
-            return env[var]
+        def literal(lit) -> _Val:
+            return _Val(lit.val, True, True, base)
 
-        for eqn in jaxpr.eqns:
+        def run_eqn(eqn, raw: list[_Val]) -> list[_Val]:
             region = self.region_of(eqn, base)
-            raw = [read(v) for v in eqn.invars]
             if eqn.primitive.name in _INLINE:
                 # An inlined call (jax.nn.silu, any @jax.jit helper) crosses no boundary of
                 # its own: its equations take each operand across as they use it, so a
@@ -329,11 +385,9 @@ class _Evaluator:
                 ins = [self.operand(v, region, f32_use) for v in raw]
             want32 = [o in wants for o in eqn.outvars]
             with source_context(eqn):
-                outs = self.eqn(eqn, ins, region, want32)
-            for var, out in zip(eqn.outvars, outs):
-                if not isinstance(var, jcore.DropVar):
-                    env[var] = out
-        return [read(v) for v in jaxpr.outvars]
+                return self.eqn(eqn, ins, region, want32)
+
+        return evaluate(jaxpr, consts, args, run_eqn, literal)
 
     def eqn(self, eqn, ins: list[_Val], region, want32: list[bool]) -> list[_Val]:
         name = eqn.primitive.name
@@ -418,14 +472,13 @@ class _Evaluator:
                 and all(a in (1, b) for a, b in zip(shape, out_shape))):
             key = ("broadcast", out_shape, np.dtype(dtype))
             if key not in v.casts:
-                wide = jnp.broadcast_to(v.val, out_shape)
-                v.casts[key] = lax.convert_element_type(wide, dtype)
+                v.casts[key] = _broadcast_convert(v.val, out_shape, np.dtype(dtype))
             return v.casts[key]
         return _cast(v, dtype)
 
     def bind(self, eqn, vals, region, *, params=None, stored=False, const=False) -> list[_Val]:
         params = eqn.params if params is None else params
-        out = eqn.primitive.bind(*vals, **params)
+        out = _bind(eqn.primitive, vals, params)
         outs = out if eqn.primitive.multiple_results else [out]
         return [_Val(o, stored, const, region) for o in outs]
 

@@ -91,6 +91,12 @@ FP32_PRIMITIVES = frozenset({
     "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
 })
 
+#: The ``fp32`` primitives behind softmax, log-softmax and logsumexp, and the accumulating ones
+#: (sums): the groups the audit names in its advice ("softmax exp/log ran in low precision",
+#: "accumulating reductions ran in low precision"). Both are subsets of FP32_PRIMITIVES.
+SOFTMAX_PRIMITIVES = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "cumlogsumexp"})
+SUM_PRIMITIVES = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+
 STRUCTURAL_PRIMITIVES = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
     "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_max", "reduce_min", "argmax",

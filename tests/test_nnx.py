@@ -13,13 +13,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jaxamp.engine import REGION_MARKER
 from models import init_testnet
 from nnx_models import twin_of
 
 import jaxamp
 from jaxamp import nnx_frontend as _nnx
 from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp.engine import REGION_MARKER
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"

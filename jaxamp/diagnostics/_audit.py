@@ -13,12 +13,16 @@ HLO for this):
 * :func:`audit_step` -- reads a whole user-written train step for the order of loss-scale
   unscaling and gradient clipping.
 
-Findings :func:`audit` reports (``Finding.kind``):
+Findings :func:`audit` reports (``Finding.kind``). Which primitives are matmuls and which must
+run in float32 is read from the ``op_rules`` passed (the rules autocast ran the traced program
+by), so what the audit expects is what autocast did; the softmax/normalisation/loss/reduction
+findings are the seed's advice and hold whatever the rules say:
 
 ``matmul_f32_in_low_precision_region``
-    a ``dot_general``/``conv`` with float32 operands in a module whose policy computes in
-    float16/bfloat16 (module policies are recomputed from ``policy``/``overrides`` with the same
-    rules autocast applies; a module that a rule sets to float32 is not flagged). Typical cause:
+    an op of ``op_rules.matmul`` (``dot_general``/``conv``/...) with float32 operands in a
+    module whose policy computes in float16/bfloat16 (module policies are recomputed from
+    ``policy``/``overrides`` with the same rules autocast applies; a module that a rule sets to
+    float32 is not flagged). Typical cause:
     a ``custom_vjp`` function in ``OpRules.custom_vjp_as_traced`` (run as traced) or another
     primitive autocast does not rewrite. (A manual ``.astype(jnp.float32)`` before a matmul does
     not cause it: autocast casts matmul operands to the region's compute dtype regardless.)
@@ -33,6 +37,10 @@ Findings :func:`audit` reports (``Finding.kind``):
     any other accumulating reduction (``reduce_sum``, ``cumsum``, ...) in float16/bfloat16.
     Sums of 0/1 indicators (converted from booleans: exact counts) are not flagged; max/min
     reductions are exact in any dtype and never flagged.
+``fp32_op_low_precision``
+    any other op of ``op_rules.fp32`` (e.g. a ``tanh`` a user added to that list) in
+    float16/bfloat16: what autocast would have run in float32 did not (a program traced under
+    other rules, or code autocast does not rewrite).
 ``lossy_round_trip``
     a forward value cast float32 -> float16/bfloat16 -> float32 (precision thrown away).
 ``duplicate_cast``
@@ -80,7 +88,6 @@ from jaxamp.diagnostics._trace import (
     ACCUM,
     EXPLOG,
     LOW,
-    MATMUL,
     TOP_LEVEL,
     Eqn,
     Trace,
@@ -164,7 +171,12 @@ def _prims(recs: Sequence[Eqn]) -> str:
     return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
-def _findings(t: Trace, params, opt_state) -> list[Finding]:
+def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> list[Finding]:
+    """The findings of trace ``t``. What must be a matmul in the compute dtype and what must
+    run in float32 comes from ``op_rules`` (default: the rules autocast ran ``t`` by, so the
+    audit expects what autocast did); the softmax/sum/loss/normalisation findings are the
+    seed's advice and hold under any rules."""
+    rules = t.op_rules if op_rules is None else op_rules
     mods = t.modules
     low_default = dtype_name(t.policy.compute_dtype) in LOW
     raw: list[tuple[str, str, str, str | None]] = []
@@ -173,7 +185,7 @@ def _findings(t: Trace, params, opt_state) -> list[Finding]:
         if not r.dtypes:
             continue
         prim = r.prim
-        if prim in MATMUL:
+        if prim in rules.matmul:
             compute = mods[r.key].compute if r.key in mods else dtype_name(t.policy.compute_dtype)
             if (compute in LOW or (not r.key and low_default)) and "float32" in r.in_dtypes:
                 by_kind.setdefault(("matmul_f32_in_low_precision_region", r.module),
@@ -191,6 +203,8 @@ def _findings(t: Trace, params, opt_state) -> list[Finding]:
             by_kind.setdefault(("softmax_low_precision", r.module), []).append(r)
         elif sensitive:
             by_kind.setdefault(("reduction_low_precision", r.module), []).append(r)
+        elif prim in rules.fp32:
+            by_kind.setdefault(("fp32_op_low_precision", r.module), []).append(r)
     # sums inside a module whose exp/log ran in low precision belong to the softmax finding
     soft = {m for (k, m) in by_kind if k == "softmax_low_precision"}
     for (k, m) in list(by_kind):
@@ -217,6 +231,12 @@ def _findings(t: Trace, params, opt_state) -> list[Finding]:
             "the loss (outside all modules) ran in low precision: {ops}. log-sum-exp needs "
             "float32: compute the loss on float32 logits (jaxamp.softmax_cross_entropy) and "
             "keep exp/log/reduce_sum in the fp32 op list.", "CrossEntropy loss"),
+        "fp32_op_low_precision": (
+            "operation(s) in the op rules' fp32 list ran in low precision: {ops}. autocast runs "
+            "them in float32; this program did not (traced under other op rules, or by code "
+            "autocast does not rewrite): trace it under these rules, or move the op out of "
+            "fp32 with op_rules=jaxamp.DEFAULT_OP_RULES.extend(promote={...}) if low "
+            "precision is intended.", None),
         "reduction_low_precision": (
             "accumulating reduction(s) ran in low precision: {ops}. Sums of many float16 "
             "values lose precision and overflow; keep reduce_sum/cumsum in the fp32 op list.",

@@ -19,11 +19,10 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-from jaxamp._jaxpr import iter_jaxprs
+from jaxamp._jaxpr import consumers, containing
 from jaxamp.diagnostics._trace import (
     ACCUM,
     EXPLOG,
-    MATMUL,
     PASS_THROUGH,
     TOP_LEVEL,
     Eqn,
@@ -116,16 +115,10 @@ _NOTES = {
 def _use_dtype(rec: Eqn, jaxpr: jcore.Jaxpr) -> str | None:
     """The dtype a gathered value is cast to before its first arithmetic use (following
     reshapes and other data movement), or None if it is used as is."""
-    for j in iter_jaxprs(jaxpr):
-        if rec.eqn in j.eqns:
-            break
-    else:
+    j = containing(jaxpr, rec.eqn)
+    if j is None:
         return None
-    consumers: dict = {}
-    for e in j.eqns:
-        for v in e.invars:
-            if isinstance(v, jcore.Var):
-                consumers.setdefault(v, []).append(e)
+    uses = consumers(j)
     frontier = list(rec.eqn.outvars)
     seen = set()
     while frontier:
@@ -133,7 +126,7 @@ def _use_dtype(rec: Eqn, jaxpr: jcore.Jaxpr) -> str | None:
         if v in seen:
             continue
         seen.add(v)
-        for e in consumers.get(v, []):
+        for e in uses.get(v, []):
             name = e.primitive.name
             if name == "convert_element_type":
                 return dtype_name(e.params["new_dtype"])
@@ -168,7 +161,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
     emb_fwd = None
     for r in recs:
         key, prim = r.key, r.prim
-        if prim in MATMUL:
+        if prim in t.op_rules.matmul:
             if _is_embed(key, mods):
                 continue  # a tied head: not a reference row
             if _is_qkv(key):

@@ -19,13 +19,13 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jaxamp._compat import scan_counts
+from jaxamp._jaxpr import walk
 from jaxamp.diagnostics._report import AuditReport, Finding, group_findings, storage_findings
 from jaxamp.diagnostics._trace import (
     clean_path,
     collect_eqns,
     dce,
     float_dtypes,
-    sub_io,
     table_rows,
 )
 
@@ -36,9 +36,9 @@ class _Graph:
     def __init__(self, jaxpr: jcore.Jaxpr):
         self.preds: dict = {}
         self.producer: dict = {}
-        self.eqns: list[tuple[Any, str]] = []
+        self.leaves: list[tuple[Any, str]] = []  # (equation, name stack)
         self.outer: dict = {}  # a sub-jaxpr's input var -> the caller's var it is bound to
-        self._build(jaxpr, "")
+        self._build(jaxpr)
 
     def canonical(self, v):
         """The outermost var a sub-jaxpr input stands for (a loss scale passed into a
@@ -50,41 +50,39 @@ class _Graph:
     def _edge(self, dst, srcs):
         self.preds.setdefault(dst, []).extend(s for s in srcs if isinstance(s, jcore.Var))
 
-    def _build(self, j: jcore.Jaxpr, prefix: str):
-        for eqn in j.eqns:
-            stack = str(eqn.source_info.name_stack)
-            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            subs = sub_io(eqn)
-            if subs:
-                mapped = True
-                for sub, sin, sout in subs:
-                    for v, o in zip(sub.invars, sin):
-                        if o is None:
-                            mapped = False
-                            self._edge(v, eqn.invars)
-                        else:
-                            self._edge(v, [o])
-                            self.outer[v] = o
-                    for v, o in zip(sub.outvars, sout):
-                        if o is not None:
-                            self._edge(o, [v])
-                    if eqn.primitive.name in ("scan", "while"):  # loop-carried values
-                        if eqn.primitive.name == "scan":
-                            first, nc = scan_counts(eqn.params)
-                        else:
-                            first, nc = len(sub.invars) - len(sub.outvars), len(sub.outvars)
-                        for k in range(nc):
-                            if first + k < len(sub.invars) and k < len(sub.outvars):
-                                self._edge(sub.invars[first + k], [sub.outvars[k]])
-                    self._build(sub, full)
-                if not mapped or any(o is None for _, _, so in subs for o in so):
-                    for o in eqn.outvars:
-                        self._edge(o, eqn.invars)
-                continue
-            self.eqns.append((eqn, full))
+    def _build(self, jaxpr: jcore.Jaxpr) -> None:
+        def enter(eqn, sub, stack) -> None:
+            for v, o in zip(sub.jaxpr.invars, sub.ins):
+                if o is None:
+                    self._edge(v, eqn.invars)
+                else:
+                    self._edge(v, [o])
+                    self.outer[v] = o
+            for v, o in zip(sub.jaxpr.outvars, sub.outs):
+                if o is not None:
+                    self._edge(o, [v])
+            if eqn.primitive.name in ("scan", "while"):  # loop-carried values
+                if eqn.primitive.name == "scan":
+                    first, nc = scan_counts(eqn.params)
+                else:
+                    first, nc = len(sub.jaxpr.invars) - len(sub.jaxpr.outvars), \
+                        len(sub.jaxpr.outvars)
+                for k in range(nc):
+                    if first + k < len(sub.jaxpr.invars) and k < len(sub.jaxpr.outvars):
+                        self._edge(sub.jaxpr.invars[first + k], [sub.jaxpr.outvars[k]])
+
+        def leave(eqn, subs, stack) -> None:
+            if any(o is None for s in subs for o in (*s.ins, *s.outs)):
+                for o in eqn.outvars:
+                    self._edge(o, eqn.invars)
+
+        def leaf(eqn, stack) -> None:
+            self.leaves.append((eqn, stack))
             for o in eqn.outvars:
                 self._edge(o, eqn.invars)
                 self.producer[o] = eqn
+
+        walk(jaxpr, leaf, enter=enter, leave=leave)
 
     def ancestors(self, roots) -> set:
         seen: set = set()
@@ -122,7 +120,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     g = _Graph(jaxpr)
     # 1. global norms: scalar sqrt of a sum
     norms = []
-    for eqn, stack in g.eqns:
+    for eqn, stack in g.leaves:
         if eqn.primitive.name == "sqrt" and _shape(eqn.outvars[0]) == () \
                 and _is_float_var(eqn.outvars[0]):
             anc = g.ancestors(eqn.invars)
@@ -141,7 +139,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     # 2. loss-scale candidates: scalars multiplied with another scalar (the loss, or the
     # cotangent seed) that also divide non-scalar values (directly or via a reciprocal)
     scalar_mul: set = set()
-    for eqn, _ in g.eqns:
+    for eqn, _ in g.leaves:
         if eqn.primitive.name == "mul" and len(eqn.invars) == 2 and \
                 all(_shape(v) == () for v in eqn.invars):
             for a in eqn.invars:
@@ -159,7 +157,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
         return v
 
     unscale: list[tuple[Any, Any]] = []  # (eqn, the tensor operand)
-    for eqn, _ in g.eqns:
+    for eqn, _ in g.leaves:
         name = eqn.primitive.name
         if name == "div" and len(eqn.invars) == 2:
             x, s = eqn.invars

@@ -34,10 +34,18 @@ import numpy as np
 
 from jaxamp import nnx_frontend
 from jaxamp._compat import dce_jaxpr
-from jaxamp._jaxpr import as_jaxpr
+from jaxamp._jaxpr import walk
 from jaxamp.engine import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
-from jaxamp.rules import STRUCTURAL_PRIMITIVES, ModuleRules, OpRules, module_path
+from jaxamp.rules import (
+    DEFAULT_OP_RULES,
+    SOFTMAX_PRIMITIVES,
+    STRUCTURAL_PRIMITIVES,
+    SUM_PRIMITIVES,
+    ModuleRules,
+    OpRules,
+    module_path,
+)
 
 _OP_CLASSES = {
     "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
@@ -52,9 +60,10 @@ SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left o
 TOP_LEVEL = "(top level)"
 
 LOW = frozenset({"float16", "bfloat16"})
-MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
-EXPLOG = frozenset({"exp", "exp2", "log", "log1p", "expm1", "cumlogsumexp"})
-ACCUM = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+# The op classes come from jaxamp.rules (one taxonomy): which ops are matmuls and which must run
+# in float32 from the OpRules given to autocast; the advice groups are fixed subsets of fp32.
+EXPLOG = SOFTMAX_PRIMITIVES
+ACCUM = SUM_PRIMITIVES
 # Primitives whose result is exact in any float dtype (data movement, selection, comparison):
 # they carry a dtype but round nothing, so they are never flagged and do not count towards the
 # reference rows' dtypes.
@@ -193,38 +202,6 @@ def dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
     return jaxpr, [True] * len(jaxpr.invars)
 
 
-_CONTAINERS = frozenset({
-    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond",
-    "shard_map", "xla_call", "xla_pmap", "custom_lin"})
-
-
-def sub_io(eqn) -> list[tuple[jcore.Jaxpr, list, list]]:
-    """(sub-jaxpr, outer operand for each of its inputs, outer result for each of its outputs)
-    for the sub-programs of an equation; ``None`` where the correspondence is unknown."""
-    name = eqn.primitive.name
-    p = eqn.params
-    ins, outs = list(eqn.invars), list(eqn.outvars)
-    subs = [as_jaxpr(s) for s in jcore.jaxprs_in_params(p)]
-    if not subs:
-        return []
-    if name not in _CONTAINERS and not any(len(s.invars) == len(ins) for s in subs):
-        return []  # e.g. scatter-add's combiner: the equation itself is the operation
-    if name == "cond":
-        return [(as_jaxpr(b), ins[1:], outs) for b in p["branches"]]
-    if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        carry = ins[cn + bn:]
-        return [(as_jaxpr(p["cond_jaxpr"]), ins[:cn] + carry, [None]),
-                (as_jaxpr(p["body_jaxpr"]), ins[cn:cn + bn] + carry, outs)]
-    found = []
-    for sub in subs:
-        sin = ins if len(sub.invars) == len(ins) else [None] * len(sub.invars)
-        sout = outs if len(sub.outvars) == len(outs) else [None] * len(sub.outvars)
-        found.append((sub, sin, sout))
-    return found
-
-
 @dataclasses.dataclass
 class Eqn:
     """One equation as the audit sees it."""
@@ -258,52 +235,53 @@ PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim",
                            "copy_p", "split", "concatenate", "rev"})
 
 
-def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool]) -> list[Eqn]:
+def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
+                 op_rules: OpRules = DEFAULT_OP_RULES) -> list[Eqn]:
     """Every equation (sub-programs inlined, execution order) with its module path, pass and
-    whether a matmul operand is a parameter."""
+    whether a matmul (an op in ``op_rules.matmul``) has a parameter operand."""
     records: list[Eqn] = []
+    # whether a var is (casts/reshapes of) a parameter; sub-program vars are distinct objects
+    flags: dict = {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)}
+    producer: dict = {}
 
-    def run(j: jcore.Jaxpr, prefix: str, flags: dict) -> None:
-        producer: dict = {}
-        for eqn in j.eqns:
-            stack = str(eqn.source_info.name_stack)
-            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            subs = sub_io(eqn)
-            if subs:
-                out_flags = [False] * len(eqn.outvars)
-                for sub, sin, sout in subs:
-                    inner = {v: bool(o is not None and isinstance(o, jcore.Var)
-                                     and flags.get(o, False)) for v, o in zip(sub.invars, sin)}
-                    run(sub, full, inner)
-                    for v, o in zip(sub.outvars, sout):
-                        if o is not None and isinstance(v, jcore.Var) and inner.get(v, False):
-                            idx = eqn.outvars.index(o) if o in eqn.outvars else None
-                            if idx is not None:
-                                out_flags[idx] = True
-                for o, f in zip(eqn.outvars, out_flags):
-                    flags[o] = f
-                continue
-            if SCAFFOLD in full:
-                continue
-            module, backward = clean_path(full)
-            name = eqn.primitive.name
-            ins = [v for v in eqn.invars]
-            pflags = [isinstance(v, jcore.Var) and flags.get(v, False) for v in ins]
-            if name in PASS_THROUGH and any(pflags):
-                for o in eqn.outvars:
-                    flags[o] = True
-            count = False
-            if name in ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
-                src = producer[ins[0]]
-                count = (src.primitive.name == "convert_element_type"
-                         and not float_dtypes(src.invars))
-            for o in eqn.outvars:
-                producer[o] = eqn
-            records.append(Eqn(eqn, full, module, "", _OP_CLASSES.get(name, "elementwise"),
-                                backward, float_dtypes(ins), float_dtypes(eqn.outvars),
-                                name in MATMUL and any(pflags), count))
+    def is_param(v) -> bool:
+        return isinstance(v, jcore.Var) and flags.get(v, False)
 
-    run(jaxpr, "", {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)})
+    def enter(eqn, sub, stack) -> None:
+        for v, o in zip(sub.jaxpr.invars, sub.ins):
+            flags[v] = o is not None and is_param(o)
+
+    def leave(eqn, subs, stack) -> None:
+        out_flags = [False] * len(eqn.outvars)
+        for sub in subs:
+            for v, o in zip(sub.jaxpr.outvars, sub.outs):
+                if o is not None and is_param(v) and o in eqn.outvars:
+                    out_flags[eqn.outvars.index(o)] = True
+        for o, f in zip(eqn.outvars, out_flags):
+            flags[o] = f
+
+    def leaf(eqn, full) -> None:
+        if SCAFFOLD in full:
+            return
+        module, backward = clean_path(full)
+        name = eqn.primitive.name
+        ins = list(eqn.invars)
+        pflags = [is_param(v) for v in ins]
+        for o in eqn.outvars:  # set every time: a sub-program walked again has new inputs
+            flags[o] = name in PASS_THROUGH and any(pflags)
+        count = False
+        if name in ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
+            src = producer[ins[0]]
+            count = (src.primitive.name == "convert_element_type"
+                     and not float_dtypes(src.invars))
+        for o in eqn.outvars:
+            producer[o] = eqn
+        matmul = name in op_rules.matmul
+        op = _OP_CLASSES.get(name, "matmul" if matmul else "elementwise")
+        records.append(Eqn(eqn, full, module, "", op, backward, float_dtypes(ins),
+                           float_dtypes(eqn.outvars), matmul and any(pflags), count))
+
+    walk(jaxpr, leaf, enter=enter, leave=leave)
     return records
 
 
@@ -373,6 +351,7 @@ class Trace:
     out_scalar: bool
     policy: jmp.Policy
     grad: bool
+    op_rules: OpRules = DEFAULT_OP_RULES  # what autocast ran by: the audit expects the same
 
 
 def _n_leaves(tree) -> int:
@@ -419,7 +398,7 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
         param_inputs = [False] * len(closed.jaxpr.invars)
     jaxpr, used = dce(closed.jaxpr)
     param_inputs = [f for f, u in zip(param_inputs, used) if u]
-    records = collect_eqns(jaxpr, param_inputs)
+    records = collect_eqns(jaxpr, param_inputs, op_rules=op_rules)
     for r in records:
         r.module = canonical_path(r.module, recorder.modules)
         r.key = _module_key(r.module, recorder.modules)
@@ -427,7 +406,7 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
     leaves = jax.tree.leaves(out_shape)
     out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
     scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()
-    return Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad)
+    return Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad, op_rules)
 
 
 def table_rows(records: Sequence[Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:

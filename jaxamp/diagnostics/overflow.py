@@ -36,7 +36,8 @@ import jmp
 import numpy as np
 
 from jaxamp import nnx_frontend
-from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
+from jaxamp._compat import bind_with_params, scan_counts
+from jaxamp._jaxpr import evaluate, name_stack, sub_programs
 from jaxamp.diagnostics._trace import (
     LOW,
     SCAFFOLD,
@@ -186,46 +187,21 @@ class _Evaluator:
         self.events.append((where, ins, out_idx))
 
     def run(self, jaxpr: jcore.Jaxpr, consts, args, prefix: str = ""):
-        env: dict = {}
-
-        def read(v):
-            if isinstance(v, jcore.Literal):
-                return v.val
-            return env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            stack = str(eqn.source_info.name_stack)
-            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            outs = self.eqn(eqn, [read(v) for v in eqn.invars], full)
-            for v, x in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    def sub(self, closed, vals, full):
-        jaxpr, consts = open_jaxpr(closed)
-        return self.run(jaxpr, consts or [], vals, full)
+        return evaluate(jaxpr, consts, args,
+                        lambda eqn, vals: self.eqn(eqn, vals, name_stack(eqn, prefix)))
 
     def eqn(self, eqn, vals, full):
         name = eqn.primitive.name
-        p = eqn.params
         if SCAFFOLD in full:
             return self.bind(eqn, vals)
         if name == "scan":
             return self.scan(eqn, vals, full)
-        subs = list(jcore.jaxprs_in_params(p))
-        if subs and name not in ("while", "cond", "custom_lin"):
-            inline = [s for s in subs if len(_open(s).invars) == len(vals)]
+        if name not in ("while", "cond", "custom_lin"):
+            # a call (jit, remat, custom_jvp/vjp: its primal body): inlined, so its values
+            # are recorded; while/cond run as one operation
+            inline = [s for s in sub_programs(eqn) if None not in s.ins]
             if len(inline) == 1:
-                for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-                    obj = p.get(key)
-                    if obj is not None and _open(obj) is _open(inline[0]):
-                        return self.sub(obj, vals, full)
-                return self.sub(inline[0], vals, full)
+                return self.run(inline[0].jaxpr, inline[0].consts, vals, full)
         outs = self.bind(eqn, vals)
         self._record(eqn, full, vals, outs)
         return outs
@@ -241,7 +217,7 @@ class _Evaluator:
         ys = []
         steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
         for i in steps:
-            outs = self.sub(p["jaxpr"], consts + carry + [x[i] for x in xs], full)
+            outs = self.run(p["jaxpr"], None, consts + carry + [x[i] for x in xs], full)
             carry = outs[:nk]
             ys.append(outs[nk:])
         if p["reverse"]:
@@ -298,10 +274,6 @@ def _interpret(closed, flat_args, modules, scale: float):
         if ins_ok and not all(finite[i] for i in outs_idx):
             origins.append(where)
     return outs, acc, origins
-
-
-def _open(j):
-    return open_jaxpr(j)[0]
 
 
 # ---------------------------------------------------------------------------------------------
