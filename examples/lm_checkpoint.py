@@ -12,19 +12,30 @@ Each checkpoint ``checkpoints/<step>/`` holds three orbax items written in one a
 :func:`restore` recomputes them from what it read and raises :class:`CorruptCheckpoint` on
 any difference, so flipped bytes in a data file (which tensorstore may decode without
 complaint into NaNs) are an error naming the checkpoint, never a silently wrong state.
+
+For train_lm.py: :func:`resume` restores the latest checkpoint in ``--out`` (or, with
+``--resume latest-intact``, the newest intact one) after checking it was made with the same
+settings; :class:`Checkpoints` saves the run's state with the meta a resume needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import lm_files
 import numpy as np
+from lm_cli import Setup, UsageError
 
-__all__ = ["CorruptCheckpoint", "manager", "restore_meta", "restore_state", "save",
-           "tree_digests"]
+from jaxamp.diagnostics.metrics import MetricsError, read_metrics, strict
+
+__all__ = ["Checkpoints", "CorruptCheckpoint", "closed_event_loop_filter", "latest_step",
+           "manager", "metrics_before", "restore_meta", "restore_state", "resume", "run_config",
+           "save", "strong", "tree_digests"]
 
 ITEMS = ("state", "meta", "integrity")
 #: Checkpoints kept in checkpoints/ (orbax deletes older ones).
@@ -126,3 +137,180 @@ def restore_state(mgr, step: int, where: Path, abstract_state, integrity: dict):
         raise CorruptCheckpoint(step, where, f"{len(bad)} of {len(got)} arrays fail their "
                                 f"sha256 check, e.g. {bad[0]}")
     return restored
+
+
+# ---------------------------------------------------------------------------------------------
+# train_lm.py's checkpoints: what a resume needs, and the checks it makes
+# ---------------------------------------------------------------------------------------------
+
+
+def strong(tree):
+    """Drops weak types, so a fresh and a restored state have identical avals."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), tree)
+
+
+def run_config(s: Setup) -> dict:
+    """The settings a resumed run must share with the checkpointed one (they shape the
+    trajectory). --steps may differ (to extend a run); eval/checkpoint intervals may too."""
+    a = s.args
+    return {
+        "preset": a.preset, "model": dataclasses.asdict(s.config), "policy": s.policy_str,
+        "loss_scale": s.loss_scale_kind, "init_scale": a.init_scale,
+        "growth_interval": a.growth_interval, "lr": a.lr, "schedule": a.schedule,
+        "warmup": a.warmup, "clip_norm": a.clip_norm, "batch_size": a.batch_size,
+        "micro_batches": a.micro_batches, "seed": a.seed, "eval_batches": a.eval_batches,
+        "data_fingerprint": s.corpus.fingerprint,
+    }
+
+
+_FLAG_OF = {"preset": "--preset", "model": "--preset", "policy": "--policy",
+            "loss_scale": "--loss-scale", "init_scale": "--init-scale",
+            "growth_interval": "--growth-interval", "lr": "--lr", "schedule": "--schedule",
+            "warmup": "--warmup", "clip_norm": "--clip-norm", "batch_size": "--batch-size",
+            "micro_batches": "--micro-batches", "seed": "--seed",
+            "eval_batches": "--eval-batches", "data_fingerprint": "--data"}
+
+
+class Checkpoints:
+    """``--out``/checkpoints/: :meth:`save` records the step in the manifest, then writes the
+    state, the meta a resume needs and their checksums (:func:`save`)."""
+
+    def __init__(self, s: Setup, *, initial_val_loss: float):
+        self.s, self.initial_val_loss = s, initial_val_loss
+        self.manager = manager(s.out / lm_files.CHECKPOINT_DIR)
+
+    def save(self, state, step: int) -> None:
+        a = self.s.args
+        meta = {
+            "step": step, "run_config": run_config(self.s),
+            "initial_val_loss": self.initial_val_loss,
+            "data": {"next_step": step, "seed": a.seed,
+                     "sampler": "np.random.default_rng([seed, 0, step])",
+                     "fingerprint": self.s.corpus.fingerprint, "source": self.s.corpus.source},
+            "rng": {"seed": a.seed, "init": "jax.random.key(seed)",
+                    "dropout": "fold_in(state.rng = PRNGKey(seed), step), in the checkpoint",
+                    "note": "batches depend only on (seed, step)"},
+            "steps": a.steps,
+        }
+        self.s.folder.record(step=int(step))
+        save(self.manager, int(step), state, strict(meta))
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def latest_step(out: Path) -> int | None:
+    """The latest checkpoint step in ``out`` (None if there is none or it is unreadable)."""
+    try:
+        m = manager(out / lm_files.CHECKPOINT_DIR, create=False)
+        try:
+            return m.latest_step()
+        finally:
+            m.close()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def resume(s: Setup, abstract_state) -> tuple[object, dict, list[CorruptCheckpoint]]:
+    """(state, meta, corrupted) from the latest checkpoint in --out; UsageError if none or
+    unusable, or if it is beyond ``--steps``.
+
+    Orbax writes a checkpoint into a temporary folder and renames it when complete, so a run
+    killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*`` folder, which orbax does not
+    list as a step: the latest *complete* checkpoint is the one restored. Every checkpoint
+    carries a sha256 of each array and of its meta: one that fails them is an error, or with
+    ``--resume latest-intact`` is passed over for the next older one (returned in
+    ``corrupted``). Nothing is removed here.
+    """
+    folder = s.out / lm_files.CHECKPOINT_DIR
+    no_checkpoint = UsageError(f"--resume: no checkpoints in {folder}; start a new run there "
+                               "with --overwrite instead of --resume")
+    if not folder.is_dir():
+        raise no_checkpoint
+    try:
+        mgr = manager(folder, create=False)
+    except Exception as e:  # noqa: BLE001 - any orbax failure means an unusable folder
+        raise UsageError(f"--resume: cannot read checkpoints in {folder} "
+                         f"({_first_line(e)})") from None
+    fallback = s.args.resume == "latest-intact"
+    with mgr:
+        steps = sorted(mgr.all_steps(), reverse=True)
+        if not steps:
+            raise no_checkpoint
+        bad = []
+        for step in steps:
+            where = folder / str(step)
+            try:
+                meta, integrity = restore_meta(mgr, step, where)
+                if "run_config" not in meta:
+                    raise CorruptCheckpoint(step, where, "its meta item is not from train_lm.py")
+                _check_same_settings(s, meta, folder)
+                restored = restore_state(mgr, step, where, abstract_state, integrity)
+                if int(restored.step) != step or int(meta.get("step", -1)) != step:
+                    raise CorruptCheckpoint(
+                        step, where, f"it holds step {int(restored.step)}, not {step}")
+            except CorruptCheckpoint as e:
+                if not fallback:
+                    older = (f"pass --resume latest-intact to resume from the newest intact "
+                             f"earlier checkpoint (steps {', '.join(map(str, steps[1:]))})"
+                             if len(steps) > 1 else "no earlier checkpoint exists")
+                    raise UsageError(f"--resume: checkpoint {where} is corrupted ({e.reason}); "
+                                     f"{older}, or start again with --overwrite") from None
+                bad.append(e)
+                continue
+            break
+        else:
+            raise UsageError(f"--resume latest-intact: every checkpoint in {folder} is "
+                             f"corrupted (steps {', '.join(map(str, steps))}; newest: "
+                             f"{bad[0].reason}); start again with --overwrite") from None
+    if int(meta["step"]) > s.args.steps:
+        raise UsageError(f"--steps {s.args.steps} is below the step of the latest checkpoint "
+                         f"in {folder} ({int(meta['step'])}); pass --steps "
+                         f">= {int(meta['step'])}")
+    restored = strong(jax.tree.map(jnp.asarray, restored))
+    jax.block_until_ready(restored)
+    return restored, meta, bad
+
+
+def _check_same_settings(s: Setup, meta: dict, folder: Path) -> None:
+    now = run_config(s)
+    old = meta["run_config"]
+    mismatch = [k for k, v in now.items() if old.get(k) != v]
+    if mismatch:
+        detail = "; ".join(f"{_FLAG_OF[k]}: checkpoint has {_show(old.get(k))}, now "
+                           f"{_show(now[k])}" for k in mismatch)
+        raise UsageError(f"--resume: the checkpoint in {folder} was made with other "
+                         f"settings ({detail}); pass the original flags or choose another "
+                         "--out")
+
+
+def _show(v) -> str:
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+def closed_event_loop_filter(default):
+    """An ``unraisablehook`` that keeps orbax's clean-up noise off stderr after a failed restore.
+
+    When reading a corrupted checkpoint fails, tensorstore still completes the other pending
+    reads from its own threads and tries to hand them to orbax's asyncio event loop, which is
+    already closed: Python then prints "RuntimeError: Event loop is closed" tracebacks through
+    ``sys.unraisablehook``. They carry no information (the failure itself is reported as one
+    ``error:`` line), so exactly those are dropped; anything else goes to ``default``.
+    """
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        default(unraisable)
+
+    return hook
+
+
+def metrics_before(path: Path, step: int) -> list[dict]:
+    """The ``metrics.jsonl`` rows up to a resumed checkpoint's ``step`` (read before anything
+    is changed, so an unreadable file is an error, not lost lines)."""
+    try:
+        rows = read_metrics(path, missing_ok=True)
+    except MetricsError as e:
+        raise UsageError(f"--resume: {e}; move it away to resume without it") from None
+    return [r for r in rows if r["step"] <= step]

@@ -1,4 +1,4 @@
-"""The files train_lm.py writes in ``--out``: which folder, what it may replace, strict JSON.
+"""The files train_lm.py writes in ``--out``: which folder, and what it may replace.
 
 Rules (see examples/README.md, "What lands in --out"):
 
@@ -13,20 +13,22 @@ Rules (see examples/README.md, "What lands in --out"):
   ``--resume`` to continue it). Without ``--out`` the default folder ``runs/<preset>-<dtype>``
   is used when free, else the first free ``runs/<preset>-<dtype>-2``, ``-3``, ... so the
   README's command keeps working; ``--resume`` without ``--out`` continues the newest of them.
-* Metrics, summary and manifest are strict JSON: non-finite floats are written as ``null``.
+* Metrics, summary and manifest are strict JSON: non-finite floats are written as ``null``
+  (``jaxamp.diagnostics.metrics.dumps``; that module owns the metrics and summary format).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
 from pathlib import Path
 
-__all__ = ["MANIFEST", "OUTPUT_FILES", "RunFolder", "FolderError", "choose_out", "dumps",
-           "strict"]
+from jaxamp.diagnostics.metrics import dumps
+
+__all__ = ["CHECKPOINT_DIR", "MANIFEST", "OUTPUT_FILES", "RunFolder", "FolderError",
+           "choose_out"]
 
 #: The list of what train_lm.py wrote in --out (the only files ``--overwrite`` removes).
 MANIFEST = "train_lm.manifest.json"
@@ -39,22 +41,6 @@ _MAX_NUMBERED = 10_000
 
 class FolderError(Exception):
     """--out cannot be used as asked; the message says why and what to pass instead."""
-
-
-def strict(obj):
-    """``obj`` with every non-finite float replaced by ``None`` (strict JSON has no NaN)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict(v) for v in obj]
-    return obj
-
-
-def dumps(obj, **kw) -> str:
-    """Strict JSON (``null`` for inf/nan)."""
-    return json.dumps(strict(obj), allow_nan=False, **kw)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -208,3 +194,28 @@ def choose_out(out: str | None, default: Path, *, resume: bool, overwrite: bool)
                                   f"(--resume continues the newest, --overwrite replaces "
                                   f"{default}, --out chooses the folder)")
     raise FolderError(f"{default}-2 ... -{_MAX_NUMBERED - 1} all exist; pass --out")
+
+
+def prepare(folder: RunFolder, *, overwrite: bool, note: str | None = None,
+            corrupted=(), start_step: int = 0) -> list[str]:
+    """Readies ``--out`` for the run, once every input is valid; returns the notes to print.
+
+    Removes the corrupted checkpoints ``--resume latest-intact`` passed over (``corrupted``:
+    ``lm_checkpoint.CorruptCheckpoint``s; orbax skips saving a step at or below its latest one,
+    and the script wrote them: an --out holding steps it did not list is refused) and, with
+    ``--overwrite``, the previous run's files; then records ``metrics.jsonl`` in the manifest,
+    before it is (re)written.
+    """
+    notes = [note] if note else []
+    if corrupted:
+        removed = folder.remove_steps({e.step for e in corrupted})
+        notes.append(f"note: --resume latest-intact: checkpoint(s) "
+                     f"{', '.join(str(e.step) for e in corrupted)} corrupted "
+                     f"({corrupted[0].reason}); removed {len(removed)} of them, resuming "
+                     f"from the newest intact checkpoint, step {start_step}")
+    if overwrite and folder.holds_run():
+        removed = folder.remove_recorded()
+        notes.append(f"note: --overwrite: removed the previous run's {len(removed)} files and "
+                     f"checkpoints in {folder.path} (only what train_lm.py wrote there)")
+    folder.record(OUTPUT_FILES[0])  # metrics.jsonl
+    return notes

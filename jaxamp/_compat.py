@@ -8,6 +8,7 @@ what it does not cover is here, checked on jax 0.10.2, 0.11.x and 0.12.0.1.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ __all__ = [
     "dce_jaxpr",
     "mesh_context",
     "mesh_is_set",
+    "jit_inlines",
     "open_jaxpr",
     "scan_counts",
     "source_context",
@@ -113,3 +115,21 @@ def mesh_is_set() -> bool:
         return False
     mesh = get()
     return mesh is not None and not mesh.empty
+
+
+@functools.cache
+def jit_inlines() -> bool:
+    """Whether ``jax.jit(f, inline=True)`` is inlined into the jaxpr that calls it (jax 0.10;
+    jax 0.12 keeps a ``jit`` equation there and leaves inlining to the lowering)."""
+    try:
+        f = jax.jit(lambda x: x + 1, inline=True)
+        closed = jax.make_jaxpr(lambda x: f(x) * 2)(1.0)
+        return not any(e.primitive.name in ("jit", "pjit") for e in _eqns_of(closed))
+    except Exception:  # pragma: no cover - be conservative
+        return False
+
+
+def _eqns_of(closed):
+    from jaxamp._jaxpr import iter_eqns  # the one reader of equations
+
+    return list(iter_eqns(closed))

@@ -1,20 +1,204 @@
-"""Small readers of jaxprs shared by autocast's checks, the tests and the audit."""
+"""The one walker of jaxprs: autocast's interpreter, the overflow locator, the audit and the step
+audit all read programs through the functions here (no other module reads ``.eqns``).
+
+* :func:`evaluate` runs a jaxpr's equations in order through a caller's per-equation function
+  (the environment of values, literals, outputs): autocast's re-evaluation and the overflow
+  locator's recording interpreter are both this loop with their own equation handler;
+* :func:`sub_programs` says what an equation's sub-programs are (``pjit``/``closed_call``/
+  ``remat``/``custom_jvp``/``custom_vjp`` bodies, ``scan``/``while`` bodies, ``cond`` branches)
+  and which caller variable each of their inputs and outputs stands for;
+* :func:`walk` visits every equation of a jaxpr and of its sub-programs, in execution order,
+  with its full name stack (the audit's records, the step audit's dataflow graph);
+* :func:`iter_jaxprs`/:func:`iter_eqns` list them without order or mapping (tests, benchmarks);
+* :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
 import numpy as np
 
 from jaxamp._compat import open_jaxpr
 
+__all__ = [
+    "LOW_PRECISION",
+    "Sub",
+    "all_consumers_accept",
+    "as_jaxpr",
+    "consumers",
+    "containing",
+    "duplicate_casts",
+    "evaluate",
+    "iter_eqns",
+    "iter_jaxprs",
+    "jaxpr_of",
+    "lossy_round_trips",
+    "name_stack",
+    "sub_programs",
+    "walk",
+]
+
 LOW_PRECISION = (np.dtype("float16"), np.dtype("bfloat16"))
 
 
 def as_jaxpr(j: Any) -> jcore.Jaxpr:
     return open_jaxpr(j)[0]
+
+
+def name_stack(eqn, prefix: str = "") -> str:
+    """``eqn``'s name stack as a string, below ``prefix`` (the stack of the equation that
+    called the sub-program it is in)."""
+    stack = str(eqn.source_info.name_stack)
+    return f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
+
+
+# ---- running a jaxpr ------------------------------------------------------------------------
+
+
+def evaluate(j: Any, consts: Sequence[Any] | None, args: Sequence[Any],
+             run_eqn: Callable[[Any, list], Sequence[Any]],
+             literal: Callable[[Any], Any] = lambda lit: lit.val) -> list:
+    """Runs ``j``'s equations in order: ``run_eqn(eqn, operand values)`` returns the values of
+    its outputs. ``consts`` bind the constvars (None: the closed jaxpr's own consts, as is);
+    ``literal(lit)`` gives a literal operand's value. Returns the output values."""
+    jaxpr, own = open_jaxpr(j)
+    env: dict[Any, Any] = {}
+    for var, x in zip(jaxpr.constvars, (own or []) if consts is None else consts):
+        env[var] = x
+    for var, x in zip(jaxpr.invars, args):
+        env[var] = x
+
+    def read(var):
+        return literal(var) if isinstance(var, jcore.Literal) else env[var]
+
+    for eqn in jaxpr.eqns:
+        outs = run_eqn(eqn, [read(v) for v in eqn.invars])
+        for var, out in zip(eqn.outvars, outs):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def consumers(j: Any) -> dict[Any, list]:
+    """Each var of ``j`` (not of its sub-programs) -> the equations that read it."""
+    uses: dict[Any, list] = {}
+    for eqn in as_jaxpr(j).eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                uses.setdefault(v, []).append(eqn)
+    return uses
+
+
+def all_consumers_accept(j: Any, accept: Callable[[Any, set], bool], seeds: Sequence[bool]
+                         ) -> set:
+    """Vars of ``j`` whose every consumer equation satisfies ``accept(eqn, found)``, found
+    backwards from the outputs (``seeds``: which outputs count as accepted; the others are
+    not). ``found`` is the set so far: an equation can accept because its outputs are in it."""
+    jaxpr = as_jaxpr(j)
+    uses = consumers(jaxpr)
+    found = {v for v, s in zip(jaxpr.outvars, seeds) if s and isinstance(v, jcore.Var)}
+    blocked = {v for v, s in zip(jaxpr.outvars, seeds) if not s and isinstance(v, jcore.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        for out in eqn.outvars:
+            if out in blocked or out in found:
+                continue
+            eqn_uses = uses.get(out, [])
+            if eqn_uses and all(accept(u, found) for u in eqn_uses):
+                found.add(out)
+    return found
+
+
+# ---- the sub-programs of an equation --------------------------------------------------------
+
+
+class Sub(NamedTuple):
+    """A sub-program of an equation: its (open) jaxpr and consts, and for each of its inputs
+    and outputs the caller's operand/result it stands for (None where none does: a loop's
+    carry seen from outside, a body of unknown arity)."""
+
+    jaxpr: jcore.Jaxpr
+    consts: list
+    ins: list
+    outs: list
+
+
+_CONTAINERS = frozenset({
+    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond",
+    "shard_map", "xla_call", "xla_pmap", "custom_lin"})
+
+
+def _sub(j, ins, outs) -> Sub:
+    jaxpr, consts = open_jaxpr(j)
+    return Sub(jaxpr, consts or [], list(ins), list(outs))
+
+
+def sub_programs(eqn) -> list[Sub]:
+    """The sub-programs of ``eqn`` with the caller vars their inputs and outputs are bound to;
+    empty for a first-order equation (and for a typed combiner such as scatter-add's, where the
+    equation itself is the operation)."""
+    name = eqn.primitive.name
+    p = eqn.params
+    ins, outs = list(eqn.invars), list(eqn.outvars)
+    subs = list(jcore.jaxprs_in_params(p))
+    if not subs:
+        return []
+    if name not in _CONTAINERS and not any(len(as_jaxpr(s).invars) == len(ins) for s in subs):
+        return []
+    if name == "cond":
+        return [_sub(b, ins[1:], outs) for b in p["branches"]]
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        carry = ins[cn + bn:]
+        return [_sub(p["cond_jaxpr"], ins[:cn] + carry, [None]),
+                _sub(p["body_jaxpr"], ins[cn:cn + bn] + carry, outs)]
+    found = []
+    for s in subs:
+        jaxpr = as_jaxpr(s)
+        sin = ins if len(jaxpr.invars) == len(ins) else [None] * len(jaxpr.invars)
+        sout = outs if len(jaxpr.outvars) == len(outs) else [None] * len(jaxpr.outvars)
+        found.append(_sub(s, sin, sout))
+    return found
+
+
+def jaxpr_of(eqn, sub: Sub) -> Any:
+    """The params entry of ``eqn`` that ``sub`` was read from (a closed jaxpr keeps its
+    consts), or ``sub.jaxpr``."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        obj = eqn.params.get(key)
+        if obj is not None and as_jaxpr(obj) is sub.jaxpr:
+            return obj
+    return sub.jaxpr
+
+
+# ---- visiting every equation ----------------------------------------------------------------
+
+
+def walk(j: Any, leaf: Callable[[Any, str], None], *,
+         enter: Callable[[Any, Sub, str], None] | None = None,
+         leave: Callable[[Any, list[Sub], str], None] | None = None,
+         prefix: str = "") -> None:
+    """Visits every equation of ``j`` and its sub-programs in execution order.
+
+    ``leaf(eqn, stack)`` for an equation without sub-programs; for one with them,
+    ``enter(eqn, sub, stack)`` before each sub-program is walked and ``leave(eqn, subs,
+    stack)`` after all of them. ``stack`` is the full name stack (:func:`name_stack`).
+    """
+    for eqn in as_jaxpr(j).eqns:
+        stack = name_stack(eqn, prefix)
+        subs = sub_programs(eqn)
+        if not subs:
+            leaf(eqn, stack)
+            continue
+        for sub in subs:
+            if enter is not None:
+                enter(eqn, sub, stack)
+            walk(sub.jaxpr, leaf, enter=enter, leave=leave, prefix=stack)
+        if leave is not None:
+            leave(eqn, subs, stack)
 
 
 def iter_jaxprs(j: Any) -> Iterator[jcore.Jaxpr]:
@@ -30,6 +214,17 @@ def iter_eqns(j: Any) -> Iterator[jcore.JaxprEqn]:
     """Every equation of a jaxpr and of its sub-jaxprs."""
     for jaxpr in iter_jaxprs(j):
         yield from jaxpr.eqns
+
+
+def containing(j: Any, eqn) -> jcore.Jaxpr | None:
+    """The jaxpr among ``j`` and its sub-jaxprs whose equations include ``eqn``."""
+    for jaxpr in iter_jaxprs(j):
+        if any(e is eqn for e in jaxpr.eqns):
+            return jaxpr
+    return None
+
+
+# ---- checks on casts ------------------------------------------------------------------------
 
 
 def _is_cast(eqn) -> bool:

@@ -14,7 +14,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     """Mean cross-entropy of integer ``labels`` under ``logits``, computed in float32.
 
     The log-sum-exp of float16 logits overflows beyond ~11 and loses the small probabilities,
-    so the loss runs in float32 (the seed's rule): called on low-precision logits it casts
+    so the loss runs in float32 (the mixed-precision rule): called on low-precision logits it casts
     them to float32 first; under :func:`jaxamp.autocast`, where the function is traced in
     float32, the op rules run its exp, log and sums in float32.
 

@@ -21,75 +21,29 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp import policy_spec
+
 __all__ = ["DTYPE_NAMES", "get_policy", "policy_to_str"]
 
+_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
 DTYPE_NAMES: Mapping[str, Any] = MappingProxyType(
-    {
-        "float32": jnp.float32,
-        "f32": jnp.float32,
-        "full": jnp.float32,
-        "float16": jnp.float16,
-        "f16": jnp.float16,
-        "bfloat16": jnp.bfloat16,
-        "bf16": jnp.bfloat16,
-    }
-)
+    {name: _DTYPES[canonical] for name, canonical in policy_spec.DTYPE_ALIASES.items()})
 """Read-only mapping from dtype name to the dtype jmp uses (``jnp.float32`` etc.).
 
 ``"half"`` is also accepted by :func:`get_policy` but is not in this mapping because it depends
 on the backend (see :func:`get_policy`). Names are matched case-insensitively.
 """
 
-_HALF = "half"
-_KEYS = {
-    "params": "params",
-    "p": "params",
-    "compute": "compute",
-    "c": "compute",
-    "output": "output",
-    "o": "output",
-}
 _CANONICAL_NAMES = {
     np.dtype(jnp.float32): "float32",
     np.dtype(jnp.float16): "float16",
     np.dtype(jnp.bfloat16): "bfloat16",
 }
-_NON_FLOAT_NAMES = frozenset(
-    {"bool", "complex64", "complex128", "c64", "c128"}
-    | {f"{p}{n}" for p in ("int", "uint", "i", "u") for n in (4, 8, 16, 32, 64)}
-)
-_FLOAT64_NAMES = frozenset({"float64", "f64", "double"})
-
-_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o."
-_ALLOWED_DTYPES = "Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half."
-_EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
 
 
-def _error(message: str, *hints: str) -> ValueError:
-    return ValueError(" ".join((message, *hints, _EXAMPLE)))
-
-
-def _parse_dtype(value: str, part: str, spec: str) -> Any:
-    name = value.strip().lower()
-    where = f"'{value.strip()}' in '{part.strip()}'"
-    if not name:
-        raise _error(f"Empty dtype in '{part.strip()}' of '{spec}'.", _ALLOWED_DTYPES)
-    if name == _HALF:
-        return jmp.half_dtype()
-    if name in DTYPE_NAMES:
-        return DTYPE_NAMES[name]
-    if name in _FLOAT64_NAMES:
-        raise _error(
-            f"Unsupported dtype {where}: JAX computes in float64 only with jax_enable_x64, "
-            "and mixed precision has no use for it.",
-            _ALLOWED_DTYPES,
-        )
-    if name in _NON_FLOAT_NAMES:
-        raise _error(
-            f"Dtype {where} is not a floating type; policies only cast floating-point values.",
-            _ALLOWED_DTYPES,
-        )
-    raise _error(f"Unknown dtype {where}.", _ALLOWED_DTYPES)
+def _dtype(name: str) -> Any:
+    return jmp.half_dtype() if name == policy_spec.HALF else _DTYPES[name]
 
 
 def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
@@ -135,59 +89,9 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     """
     if isinstance(spec, jmp.Policy):
         return spec
-    if not isinstance(spec, str):
-        raise TypeError(
-            f"Policy must be a str or jmp.Policy, got {type(spec).__name__}: {spec!r}. {_EXAMPLE}"
-        )
-    if not spec.strip():
-        raise _error(
-            f"Empty policy string {spec!r}.",
-            "Give a dtype name or comma-separated key=dtype parts.",
-            _ALLOWED_KEYS,
-            _ALLOWED_DTYPES,
-        )
-
-    if "=" not in spec and "," not in spec:
-        dtype = _parse_dtype(spec, spec, spec)
-        return jmp.Policy(param_dtype=dtype, compute_dtype=dtype, output_dtype=dtype)
-
-    dtypes: dict[str, Any] = {}
-    seen: dict[str, str] = {}
-    for index, part in enumerate(spec.split(","), start=1):
-        if not part.strip():
-            raise _error(
-                f"Empty part #{index} in '{spec}' (stray or trailing comma?).",
-                "Each part must be key=dtype.",
-                _ALLOWED_KEYS,
-            )
-        if part.count("=") != 1:
-            problem = "has more than one '=' (missing comma?)" if "=" in part else "is missing '='"
-            raise _error(
-                f"Part '{part.strip()}' in '{spec}' {problem}; each part must be key=dtype.",
-                _ALLOWED_KEYS,
-                _ALLOWED_DTYPES,
-            )
-        raw_key, value = part.split("=")
-        key = raw_key.strip().lower()
-        if not key:
-            raise _error(f"Empty key in '{part.strip()}' of '{spec}'.", _ALLOWED_KEYS)
-        if key not in _KEYS:
-            raise _error(
-                f"Unknown policy key '{raw_key.strip()}' in '{part.strip()}'.", _ALLOWED_KEYS
-            )
-        field = _KEYS[key]
-        if field in seen:
-            raise _error(
-                f"Duplicate policy key '{raw_key.strip()}' in '{spec}': {field} is already set "
-                f"by '{seen[field]}'. Each of params/p, compute/c, output/o may appear once."
-            )
-        seen[field] = part.strip()
-        dtypes[field] = _parse_dtype(value, part, spec)
-
-    params = dtypes.get("params", jnp.float32)
-    compute = dtypes.get("compute", params)
-    output = dtypes.get("output", compute)
-    return jmp.Policy(param_dtype=params, compute_dtype=compute, output_dtype=output)
+    names = policy_spec.parse(spec)
+    return jmp.Policy(param_dtype=_dtype(names["params"]), compute_dtype=_dtype(names["compute"]),
+                      output_dtype=_dtype(names["output"]))
 
 
 def policy_to_str(policy: jmp.Policy) -> str:
@@ -219,7 +123,6 @@ def policy_to_str(policy: jmp.Policy) -> str:
         try:
             names.append(f"{field}={_CANONICAL_NAMES[np.dtype(dtype)]}")
         except (KeyError, TypeError):
-            raise ValueError(
-                f"The {field} dtype {dtype!r} has no policy-string name. {_ALLOWED_DTYPES}"
-            ) from None
+            raise ValueError(f"The {field} dtype {dtype!r} has no policy-string name. "
+                             f"{policy_spec.ALLOWED_DTYPES}") from None
     return ",".join(names)

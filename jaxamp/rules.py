@@ -33,9 +33,10 @@ Softmax, log-softmax and logsumexp need no entry of their own: they are built fr
 float32 too (so ``x - max(x)`` before the ``exp`` is float32, not only the ``exp``). The same
 propagation keeps the statistics of a hand-written RMSNorm/LayerNorm in float32.
 
-**Module rules** give a Flax linen module (and, by inheritance, its children) a
+**Module rules** give a Flax module, linen or NNX (and, by inheritance, its children) a
 :class:`jmp.Policy`: the default policy, then per class (``{nn.Dense: "compute=float32"}``) or
-per path pattern (``{"decoder/layers_*/attn": "float32"}``). Precedence, most specific first:
+per path pattern (``{"decoder/layers_*/attn": "float32"}``; NNX paths read as NNX names them,
+``"blocks/3/attn"``). Precedence, most specific first:
 
 1. a path rule matching the module's path (among several, the pattern with the most literal
    characters wins; a tie goes to the rule given last);
@@ -53,12 +54,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 import jmp
+from flax import nnx
 
 from jaxamp.policy import get_policy
 
@@ -66,8 +68,10 @@ __all__ = [
     "DEFAULT_OP_RULES",
     "EMBED_MODULES",
     "FP32_MODULES",
+    "MODULE_BASES",
     "ModuleRules",
     "OpRules",
+    "module_path",
 ]
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -86,6 +90,12 @@ FP32_PRIMITIVES = frozenset({
     "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
     "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
 })
+
+#: The ``fp32`` primitives behind softmax, log-softmax and logsumexp, and the accumulating ones
+#: (sums): the groups the audit names in its advice ("softmax exp/log ran in low precision",
+#: "accumulating reductions ran in low precision"). Both are subsets of FP32_PRIMITIVES.
+SOFTMAX_PRIMITIVES = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "cumlogsumexp"})
+SUM_PRIMITIVES = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
 
 STRUCTURAL_PRIMITIVES = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
@@ -194,12 +204,29 @@ class OpRules:
 
 DEFAULT_OP_RULES = OpRules()
 
-#: Module classes that compute in float32 and return the default compute dtype.
-FP32_MODULES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm)
+#: Module classes (linen and NNX) that compute in float32 and return the default compute dtype.
+FP32_MODULES: tuple[type, ...] = (
+    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm,
+    nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm, nnx.InstanceNorm)
 
-#: Module classes whose (gathered) output is returned in the default compute dtype.
-EMBED_MODULES: tuple[type[nn.Module], ...] = (nn.Embed,)
+#: Module classes (linen and NNX) whose (gathered) output is returned in the default compute
+#: dtype.
+EMBED_MODULES: tuple[type, ...] = (nn.Embed, nnx.Embed)
+
+#: The module base classes a class rule may name.
+MODULE_BASES: tuple[type, ...] = (nn.Module, nnx.Module)
+
+
+def module_path(module: Any, path: Sequence[Any] | None = None) -> str:
+    """A linen module's path as path rules match it and as every jaxamp report prints it.
+
+    The names below the root module joined by ``/`` (``"blocks_0/mlp/fc"``, what
+    ``overrides={"blocks_*/mlp/fc": ...}`` matches); the root module, which has no path, is
+    named by its class (``"GPT"``). ``path``: the path when the module does not know it (an
+    NNX module; its front end passes it), else ``module.path``.
+    """
+    parts = module.path if path is None else path
+    return "/".join(str(p) for p in parts) or type(module).__name__
 
 
 def _path_regex(pattern: str) -> re.Pattern[str]:
@@ -234,8 +261,8 @@ class ModuleRules:
             overrides = {}
         if not isinstance(overrides, Mapping):
             raise TypeError(
-                f"overrides must be a dict mapping a flax.linen.Module subclass or a path pattern "
-                f"to a policy, got {type(overrides).__name__}. Example: "
+                f"overrides must be a dict mapping a Flax module class (linen or NNX) or a path "
+                f"pattern to a policy, got {type(overrides).__name__}. Example: "
                 "{nn.Dense: 'compute=float32', 'decoder/layers_*/attn': 'float32'}.")
         class_rules: list[tuple[type, jmp.Policy]] = []
         path_rules: list[tuple[str, re.Pattern[str], jmp.Policy]] = []
@@ -249,17 +276,16 @@ class ModuleRules:
                         "'decoder/layers_*/attn' ('*' matches within one path segment, '**' "
                         "across segments).")
                 path_rules.append((pattern, _path_regex(pattern), pol))
-            elif isinstance(key, type) and issubclass(key, nn.Module):
+            elif isinstance(key, type) and issubclass(key, MODULE_BASES):
                 class_rules.append((key, pol))
             else:
                 hint = ""
-                if isinstance(key, nn.Module):
+                if isinstance(key, MODULE_BASES):
                     hint = f" Use its class, {type(key).__name__}, or its path."
-                elif isinstance(key, type):
-                    hint = " Flax NNX modules are not supported yet; use flax.linen."
                 raise TypeError(
-                    f"override key {key!r} is not a flax.linen.Module subclass or a path pattern "
-                    f"string.{hint} Example: {{nn.Dense: 'compute=float32'}}.")
+                    f"override key {key!r} is not a flax.linen.Module or flax.nnx.Module "
+                    f"subclass or a path pattern string.{hint} Example: "
+                    "{nn.Dense: 'compute=float32'} or {nnx.Linear: 'compute=float32'}.")
         builtin_fp32 = jmp.Policy(default.param_dtype, jnp.float32, default.compute_dtype)
         builtin_embed = jmp.Policy(default.param_dtype, default.compute_dtype,
                                    default.compute_dtype)
@@ -267,9 +293,13 @@ class ModuleRules:
         class_rules += [(c, builtin_embed) for c in EMBED_MODULES]
         return cls(default, tuple(class_rules), tuple(path_rules))
 
-    def match(self, module: nn.Module) -> tuple[jmp.Policy | None, str | None]:
-        """Returns (policy, matched path pattern or None), or (None, None) to inherit."""
-        path = "/".join(str(p) for p in module.path)
+    def match(self, module: Any, path: Sequence[Any] | None = None
+              ) -> tuple[jmp.Policy | None, str | None]:
+        """Returns (policy, matched path pattern or None), or (None, None) to inherit.
+
+        ``path`` is the module's path (a linen module's own ``module.path`` if None; an NNX
+        module does not know its path, its front end passes it)."""
+        path = "/".join(str(p) for p in (module.path if path is None else path))
         best = None
         for pattern, regex, pol in self.path_rules:
             if regex.match(path):

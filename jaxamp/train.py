@@ -38,8 +38,9 @@ from flax.training import train_state
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxamp import nnx_frontend, policy_spec
 from jaxamp._compat import mesh_context
-from jaxamp.autocast import autocast
+from jaxamp.engine import autocast
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.sharding import check_axis_rules, state_shardings
@@ -54,10 +55,10 @@ from jaxamp.transform import (
 )
 
 __all__ = ["DEFAULT_POLICY", "TrainState", "default_loss_scale", "make_eval_step",
-           "make_train_step"]
+           "make_train_step", "nnx_update"]
 
 #: The policy of a state created without ``policy=`` and of :func:`make_eval_step`.
-DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
+DEFAULT_POLICY = policy_spec.DEFAULT_POLICY
 
 
 def _positive_int(value: Any, name: str, where: str) -> int:
@@ -75,10 +76,20 @@ def _positive_int(value: Any, name: str, where: str) -> int:
 def _apply_fn_of(model: Any) -> Callable:
     if isinstance(model, nn.Module):
         return model.apply
+    if nnx_frontend.is_module(model):
+        return nnx_frontend.Apply(model)
     if callable(model):
         return model
-    raise TypeError(f"model must be a flax.linen.Module or an apply function, got "
-                    f"{type(model).__name__}.")
+    raise TypeError(f"model must be a flax.linen.Module, a flax.nnx.Module or an apply "
+                    f"function, got {type(model).__name__}.")
+
+
+def _nnx_loss(loss_fn: Callable) -> Callable:
+    """An NNX ``loss_fn(model, batch[, rng])`` as the linen-style loss the step runs: the
+    model is merged from the params (and collections) inside the traced step."""
+    def loss(apply_fn, params, batch, **kw):
+        return apply_fn({"params": params}, loss_fn, batch, **kw)
+    return loss
 
 
 def _check_float_params(params: Any, where: str) -> None:
@@ -134,7 +145,11 @@ class TrainState(train_state.TrainState):
         """Creates a state: one place for the policy, the loss scale, the RNG and collections.
 
         Args:
-          model: a flax linen Module (its ``apply`` is used) or an apply function.
+          model: a flax linen Module (its ``apply`` is used), a flax NNX Module, or an apply
+            function. For an NNX model ``params`` may be omitted: its ``nnx.Param`` values
+            become ``params`` and its other Variables (BatchNorm statistics) the collection
+            ``"nnx_state"``, both as plain nested dicts (write them back into a model with
+            :func:`jaxamp.nnx_update`).
           params: the params, or the variables ``model.init`` returned: ``{"params": ...}``
             plus any other collections (``batch_stats``), which go to ``collections``. Cast to
             the policy's ``param_dtype``.
@@ -160,13 +175,16 @@ class TrainState(train_state.TrainState):
           'DynamicLossScale'
         """
         where = "TrainState.create"
+        if nnx_frontend.is_module(model) and params is None:
+            params = nnx_frontend.Apply.variables(model)  # {"params": ..., "nnx_state": ...}
         if apply_fn is None:
             if model is None:
                 raise TypeError(f"{where}: pass the model (or apply_fn=...).")
             apply_fn = _apply_fn_of(model)
         if params is None or tx is None:
             raise TypeError(f"{where}: params and tx are required, e.g. "
-                            "TrainState.create(model, params, optax.adam(1e-3)).")
+                            "TrainState.create(model, params, optax.adam(1e-3)) (for an NNX "
+                            "model: TrainState.create(model, tx=optax.adam(1e-3))).")
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
                             f"{type(tx).__name__}.")
@@ -186,7 +204,7 @@ class TrainState(train_state.TrainState):
             loss_scale = default_loss_scale(policy)
         check_loss_scale(loss_scale, where)
         if isinstance(loss_scale, NoOpLossScale) and \
-                np.dtype(policy.compute_dtype) == np.float16:
+                policy_spec.loss_scaling(np.dtype(policy.compute_dtype).name) == "dynamic":
             warnings.warn(
                 f"{where}: the policy computes in float16 ({policy_to_str(policy)}) but "
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
@@ -391,9 +409,12 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
     scale, the optimizer, the RNG and the collections; the step only adds how to run.
 
     Args:
-      model: a flax linen Module (its ``apply`` is used) or an apply function; optional, the
-        state's ``apply_fn`` is used.
-      loss_fn: ``loss_fn(apply_fn, params, batch) -> loss``; it calls
+      model: a flax linen Module (its ``apply`` is used), a flax NNX Module, or an apply
+        function; optional, the state's ``apply_fn`` is used.
+      loss_fn: for an NNX model (a state created from one), ``loss_fn(model, batch) -> loss``
+        (or ``loss_fn(model, batch, rng)``): it gets the model merged from the state's params
+        and collections, and BatchNorm statistics it updates go back to the state. For linen,
+        ``loss_fn(apply_fn, params, batch) -> loss``; it calls
         ``apply_fn({"params": params}, ...)``. The whole loss runs under the policy.
         With an ``rng`` parameter (``loss_fn(apply_fn, params, batch, rng)``) it gets this
         step's key (derived from ``state.rng``) for ``rngs={"dropout": rng}``; with a default
@@ -488,6 +509,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                 "make_train_step then uses the state's.")
         pol = step_policy or state_policy or get_policy(DEFAULT_POLICY)
         apply_fn = apply_fn_arg or state.apply_fn
+        user_loss = _nnx_loss(loss_fn) if isinstance(apply_fn, nnx_frontend.Apply) else loss_fn
         names = _mutable_names(mutable, state.collections, "step")
         use_rng = wants_rng and (state.rng is not None or needs_rng)
         if needs_rng and state.rng is None:
@@ -499,7 +521,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             """-> (loss, aux, new collections); the function autocast runs."""
             bound = _BoundApply(apply_fn, collections, names) if collections else apply_fn
             kw = {"rng": rng} if use_rng else {}
-            out = loss_fn(bound, params, batch, **kw)
+            out = user_loss(bound, params, batch, **kw)
             if has_aux:
                 _check_loss_out(jax.tree.map(_spec, out), True, "step")
             loss, aux = out if has_aux else (out, None)
@@ -637,8 +659,9 @@ def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | 
     """Builds a jitted ``eval_step(params_or_state, batch) -> float32 loss`` under a policy.
 
     Args:
-      model: a flax linen Module or an apply function.
-      loss_fn: ``loss_fn(apply_fn, params, batch) -> loss``, as for :func:`make_train_step`
+      model: a flax linen Module, a flax NNX Module or an apply function.
+      loss_fn: ``loss_fn(apply_fn, params, batch) -> loss`` (NNX: ``loss_fn(model, batch)``),
+        as for :func:`make_train_step`
         (an ``rng`` parameter, if any, must have a default: evaluation passes none).
       policy: the policy; ``None``: the state's when a :class:`TrainState` is passed, else
         :data:`DEFAULT_POLICY`.
@@ -648,6 +671,8 @@ def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | 
     the variables ``apply_fn`` receives, read-only.
     """
     apply_fn = _apply_fn_of(model)
+    if isinstance(apply_fn, nnx_frontend.Apply):
+        loss_fn = _nnx_loss(loss_fn)
     fixed = None if policy is None else get_policy(policy)
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -665,3 +690,25 @@ def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | 
         return run(fixed or get_policy(DEFAULT_POLICY), params, {}, batch)
 
     return eval_step
+
+
+def nnx_update(model: Any, state: TrainState) -> None:
+    """Writes a :class:`TrainState`'s params and NNX state (BatchNorm statistics) into the
+    NNX ``model``'s Variables, in place (what ``nnx.update`` does for an ``nnx.State``).
+
+    Example:
+      >>> from flax import nnx
+      >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+      >>> state = TrainState.create(model, tx=optax.sgd(0.1), policy="float32")
+      >>> state = state.replace(params={"bias": jnp.ones(2), "kernel": jnp.zeros((3, 2))})
+      >>> nnx_update(model, state)
+      >>> model(jnp.ones((1, 3)))
+      Array([[1., 1.]], dtype=float32)
+    """
+    if not nnx_frontend.is_module(model):
+        raise TypeError(f"nnx_update: model must be a flax.nnx.Module, got "
+                        f"{type(model).__name__}.")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"nnx_update: state must be a jaxamp.TrainState, got "
+                        f"{type(state).__name__}.")
+    nnx_frontend.update(model, {"params": state.params, **state.collections})

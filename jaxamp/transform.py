@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxamp import policy_spec
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import get_policy
 
@@ -72,10 +73,8 @@ def default_loss_scale(policy: str | jmp.Policy) -> NoOpLossScale | DynamicLossS
       >>> type(jaxamp.default_loss_scale("params=float32,compute=float16")).__name__
       'DynamicLossScale'
     """
-    policy = get_policy(policy)
-    if np.dtype(policy.compute_dtype) == np.float16:
-        return DynamicLossScale()
-    return NoOpLossScale()
+    compute = np.dtype(get_policy(policy).compute_dtype).name
+    return DynamicLossScale() if policy_spec.loss_scaling(compute) == "dynamic" else NoOpLossScale()
 
 
 def check_loss_scale(loss_scale: Any, where: str) -> None:

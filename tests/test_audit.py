@@ -1,7 +1,7 @@
 """jaxamp.audit / audit_step (GitHub issue #5, part 1): the precision audit of a tiny config of
-the example GPT (examples/lm_model.py) reproduces the seed's §4 table, flags exactly the
-offending rows of a deliberately wrong setup, and flags clip-before-unscale and a model cast
-wholesale to float16. Tracing only: nothing is compiled."""
+the example GPT (examples/lm_model.py) reproduces the mixed-precision reference table, flags
+exactly the offending rows of a deliberately wrong setup, and flags clip-before-unscale and a
+model cast wholesale to float16. Tracing only: nothing is compiled."""
 
 from __future__ import annotations
 
@@ -43,13 +43,13 @@ def gpt():
 
 
 def seed(report) -> dict[str, dict]:
-    rows = report.seed_rows()
+    rows = report.reference_table()
     assert [r["row"] for r in rows] == SEED_ROWS
     return {r["row"]: r for r in rows}
 
 
 @pytest.mark.parametrize("policy,low", [(F16, "float16"), (BF16, "bfloat16")])
-def test_seed_table_reproduced_for_the_example_gpt(gpt, policy, low):
+def test_reference_table_reproduced_for_the_example_gpt(gpt, policy, low):
     _, params, ids, loss = gpt
     report = jaxamp.audit(loss, params, ids, policy=policy,
                           opt_state=jax.eval_shape(optax.adam(1e-3).init, params))
@@ -69,12 +69,12 @@ def test_seed_table_reproduced_for_the_example_gpt(gpt, policy, low):
         assert (rows[name]["forward"], rows[name]["backward"]) == (fwd, bwd), rows[name]
         assert rows[name]["ok"] is True, rows[name]
     # the mapping from module paths to seed rows
-    assert rows["Embedding lookup"]["modules"] == ["GPT/embed"]
-    assert rows["Q/K/V Linear"]["modules"] == ["GPT/blocks/attn/qkv"]
-    assert rows["Attention scores"]["modules"] == ["GPT/blocks/attn"]
-    assert rows["Softmax"]["modules"] == ["GPT/blocks/attn"]
-    assert rows["LayerNorm"]["modules"] == ["GPT/blocks/ln1", "GPT/blocks/ln2", "GPT/ln_f"]
-    assert rows["FFN Linear"]["modules"] == ["GPT/blocks/mlp/fc", "GPT/blocks/mlp/proj"]
+    assert rows["Embedding lookup"]["modules"] == ["embed"]
+    assert rows["Q/K/V Linear"]["modules"] == ["blocks/attn/qkv"]
+    assert rows["Attention scores"]["modules"] == ["blocks/attn"]
+    assert rows["Softmax"]["modules"] == ["blocks/attn"]
+    assert rows["LayerNorm"]["modules"] == ["blocks/ln1", "blocks/ln2", "ln_f"]
+    assert rows["FFN Linear"]["modules"] == ["blocks/mlp/fc", "blocks/mlp/proj"]
     assert rows["CrossEntropy loss"]["modules"] == ["(top level)"]
 
 
@@ -85,15 +85,21 @@ def test_rows_extend_the_precision_table(gpt):
     assert [{k: r[k] for k in ("module", "op", "forward", "backward")}
             for r in report.rows] == table
     by = {(r["module"], r["op"]): r for r in report.rows}
-    assert by[("GPT/blocks/attn", "exp/log")]["category"] == "softmax"
-    assert by[("GPT/blocks/ln1", "reduction")]["category"] == "normalisation"
-    assert by[("GPT/blocks/mlp/fc", "matmul")]["category"] == "matmul"
+    assert by[("blocks/attn", "exp/log")]["category"] == "softmax"
+    assert by[("blocks/ln1", "reduction")]["category"] == "normalisation"
+    assert by[("blocks/mlp/fc", "matmul")]["category"] == "matmul"
     assert by[("(top level)", "exp/log")]["category"] == "loss"
-    # equations hoisted out of the nn.scan body keep their full module path
-    assert not any(r["module"].startswith("blocks/") for r in table)
+    # every row names a module as overrides= writes its path (jaxamp.rules.module_path), also
+    # for equations hoisted out of the nn.scan body (their name stack lost the root module)
+    names = {"GPT", "embed", "blocks", "blocks/ln1", "blocks/ln2", "blocks/attn",
+             "blocks/attn/qkv", "blocks/attn/proj", "blocks/mlp", "blocks/mlp/fc",
+             "blocks/mlp/proj", "ln_f"}
+    assert {r["module"].split(".")[0] for r in table} - {"(top level)", "(output)"} <= names
+    assert {"blocks/ln1", "blocks/attn", "embed"} <= {r["module"] for r in table}
     data = json.loads(report.to_json())
-    assert set(data) == {"policy", "rows", "findings", "seed_rows"}
-    assert data["seed_rows"][3]["row"] == "Softmax"
+    assert set(data) == {"policy", "rows", "findings", "reference_table", "seed_rows"}
+    assert data["reference_table"][3]["row"] == "Softmax"
+    assert data["seed_rows"] == data["reference_table"]
     md = report.to_markdown()
     assert "| Softmax | float32 | float32 |" in md and "No findings." in md
     out = io.StringIO()
@@ -111,13 +117,13 @@ def test_wrong_setup_flags_exactly_the_offending_rows(gpt):
     assert bad == {"Softmax", "LayerNorm", "CrossEntropy loss"}, rows
     for name in bad:
         assert "float16" in rows[name]["forward"], rows[name]
-    assert {f.seed_row for f in report.findings} == bad
+    assert {f.reference_row for f in report.findings} == bad
     by_kind: dict[str, set[str]] = {}
     for f in report.findings:
         by_kind.setdefault(f.kind, set()).add(f.module)
     assert by_kind == {
-        "softmax_low_precision": {"GPT/blocks/attn"},
-        "normalisation_low_precision": {"GPT/blocks/ln1", "GPT/blocks/ln2", "GPT/ln_f"},
+        "softmax_low_precision": {"blocks/attn"},
+        "normalisation_low_precision": {"blocks/ln1", "blocks/ln2", "ln_f"},
         "loss_low_precision": {"(top level)"},
     }
     soft = next(f for f in report.findings if f.kind == "softmax_low_precision")
@@ -233,7 +239,7 @@ def test_audit_step_passes_jaxamps_own_step(step_setup):
     report = jaxamp.audit_step(step, state, {"x": x}, params=state.params,
                                opt_state=state.opt_state)
     assert report.findings == []
-    assert report.seed_rows() == []
+    assert report.reference_table() == []
     assert any(r["op"] == "matmul" and r["forward"] == "float16" for r in report.rows)
 
 

@@ -14,7 +14,7 @@ from models import HandAttention, init_testnet
 
 import jaxamp
 from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
-from jaxamp.autocast import REGION_MARKER
+from jaxamp.engine import REGION_MARKER
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -380,20 +380,20 @@ def test_precision_table_reports_dtypes_per_module():
 
     rows = jaxamp.precision_table(loss, variables["params"], ids, policy=F16)
     by = {(r["module"], r["op"]): r for r in rows}
-    for mod in ("TestNet/blocks/fc1", "TestNet/blocks/mha/query", "TestNet/head"):
+    for mod in ("blocks/fc1", "blocks/mha/query", "head"):
         assert (by[(mod, "matmul")]["forward"], by[(mod, "matmul")]["backward"]) == (
             "float16", "float16")
-    assert by[("TestNet/conv", "conv")]["forward"] == "float16"
-    for ln in ("TestNet/blocks/ln1", "TestNet/ln_f"):
+    assert by[("conv", "conv")]["forward"] == "float16"
+    for ln in ("blocks/ln1", "ln_f"):
         assert by[(ln, "reduction")]["forward"] == "float32"
         assert by[(ln, "elementwise")]["forward"] == "float32"
-    assert by[("TestNet/blocks/attn", "exp/log")] == {
-        "module": "TestNet/blocks/attn", "op": "exp/log", "forward": "float32",
+    assert by[("blocks/attn", "exp/log")] == {
+        "module": "blocks/attn", "op": "exp/log", "forward": "float32",
         "backward": "float32"}
-    assert by[("TestNet/embed", "gather")]["forward"] == "float32"  # rows gathered, then cast
+    assert by[("embed", "gather")]["forward"] == "float32"  # rows gathered, then cast
     assert rows[-1] == {"module": "(output)", "op": "output", "forward": "float32",
                         "backward": "-"}
-    assert "| TestNet/head | matmul | float16 | float16 |" in jaxamp.format_precision_table(rows)
+    assert "| head | matmul | float16 | float16 |" in jaxamp.format_precision_table(rows)
 
 
 def test_fused_attention_runs_in_compute_dtype_with_f32_softmax():

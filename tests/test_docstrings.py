@@ -13,7 +13,9 @@ import pytest
 
 import jaxamp
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(jaxamp.__path__))
+# every module of the package, jaxamp.diagnostics' included ("diagnostics._audit", ...)
+MODULES = sorted(m.name.removeprefix("jaxamp.")
+                 for m in pkgutil.walk_packages(jaxamp.__path__, prefix="jaxamp."))
 
 
 @pytest.mark.parametrize("name", MODULES)

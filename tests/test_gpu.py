@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for sub in ("bench", "examples"):
     sys.path.insert(0, str(ROOT / sub))
 try:
+    import lm_cli
     import lm_model
     import train_lm
     from _gpu_hlo import (
@@ -68,7 +69,7 @@ def example_parts(policy: str, *extra: str):
     if kind == "auto":
         kind = "dynamic" if np.dtype(pol.compute_dtype) == np.float16 else "none"
     return (lm_model.GPT(config), config, train_lm.make_optimizer(args),
-            train_lm.make_loss_scale(kind, args), pol, args)
+            lm_cli.make_loss_scale(kind, args), pol, args)
 
 
 def abstract_batch(config):
@@ -82,7 +83,8 @@ def compiled_example_step(dtype: str):
     model, config, tx, loss_scale, policy, args = example_parts(POLICIES[dtype])
     step = jaxamp.make_train_step(model, train_lm.loss_fn, tx, policy=policy,
                                   clip_norm=args.clip_norm or None)
-    state = train_lm.abstract_train_state(model, config, tx, loss_scale, policy)
+    state = jax.eval_shape(lambda p: jaxamp.TrainState.create(  # train_lm.create_state's
+        model, p, tx, loss_scale=loss_scale, policy=policy), lm_model.abstract_params(config))
     batch = abstract_batch(config)
     text = step.lower(state, batch).compile().as_text()
     allowed = f32_dot_signatures(jax.make_jaxpr(step)(state, batch))
@@ -144,7 +146,7 @@ def test_poisoned_step_is_skipped_on_device():
          "--schedule", "constant", "--warmup", "0"])  # the first update has lr > 0
     policy = jaxamp.get_policy(POLICIES["float16"])
     tx = train_lm.make_optimizer(args)
-    loss_scale = train_lm.make_loss_scale("dynamic", args)
+    loss_scale = lm_cli.make_loss_scale("dynamic", args)
 
     def poisonable_loss(apply_fn, params, batch):
         clean = {k: batch[k] for k in ("inputs", "targets")}

@@ -366,7 +366,7 @@ ENTRY %main {
 
 
 def test_hlo_collectives_reads_kinds_dtypes_bytes_and_mesh_axes():
-    from jaxamp.collectives import hlo_collectives
+    from jaxamp.diagnostics.collectives import hlo_collectives
 
     # what is read of a (data=2, model=4) mesh: its shape and names (no 8 devices needed)
     mesh = types.SimpleNamespace(devices=np.zeros((2, 4)), axis_names=("data", "model"),

@@ -20,3 +20,13 @@ def test_usage_snippet_runs():
     assert int(state.step) == 1
     # a first step at scale 2^16 may overflow in f16: then it is skipped and counted
     assert int(state.skipped_steps) == int(metrics["skipped"]) == 1 - int(metrics["grads_finite"])
+
+
+def test_nnx_snippet_runs():
+    text = README.read_text()
+    section = text[text.index("## Flax NNX"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert int(scope["state"].step) == 1 and bool(jnp.isfinite(scope["metrics"]["loss"]))
+    assert scope["logits"].dtype == jnp.float32 and scope["logits"].shape == (32, 10)

@@ -1,5 +1,5 @@
 """jaxamp.review (GitHub issue #5, part 3): synthetic run directories with each of the four
-planted pathologies of the seed's review checklist (§5) are diagnosed, a healthy run is not,
+planted pathologies of the mixed-precision review checklist are diagnosed, a healthy run is not,
 and ``python -m jaxamp.review`` exits 0 / 1 / 2."""
 
 from __future__ import annotations
@@ -130,13 +130,11 @@ def test_grad_norm_pinned_to_the_clip_threshold(tmp_path):
         if not r["skipped"]:
             r["grad_norm"] = 1.0  # clipped while scaled: the norm always hits the threshold
     summary = healthy_summary()
-    del summary["clip_norm"]
-    summary["run_config"] = {"clip_norm": 1.0}  # where a checkpoint's meta keeps it
     review = review_metrics(rows, summary)
     assert review.codes() == {"grad_norm_at_clip"}, review.to_text()
     assert len(review.findings[0].steps) == STEPS - 1
     # without a threshold anywhere: a constant norm is still recognised
-    del summary["run_config"]
+    del summary["clip_norm"]
     assert review_metrics(rows, summary).codes() == {"grad_norm_at_clip"}
     # --clip-norm on the command line
     write_run(tmp_path / "clip", rows, summary)
@@ -156,12 +154,14 @@ def test_memory_not_reduced_names_the_largest_float32_buffers():
     text = review.findings[0].explanation
     assert "blocks/mlp/fc activations" in text and "ids" not in text
     assert "x0.99" in text
-    # the nested form {"memory": {"amp": ..., "float32": ...}}
-    nested = {"memory": {"amp": summary["memory_bytes"], "float32": F32_MEMORY}}
-    assert review_metrics(healthy_rows(), nested).codes() == {"memory_not_reduced"}
-    # a float32 run is its own reference: nothing to compare
-    f32 = dict(summary, policy="params=float32,compute=float32,output=float32")
-    assert review_metrics(healthy_rows(), f32).ok
+    # a float32 run is its own reference: nothing to compare, however the policy is written
+    # (the one parser, jaxamp.policy_spec: "p=f32" computes in float32 too)
+    for f32_policy in ("params=float32,compute=float32,output=float32", "p=f32", "F32", "full",
+                       "p=f32,o=f32"):
+        assert review_metrics(healthy_rows(), dict(summary, policy=f32_policy)).ok, f32_policy
+    for low in ("p=f32,c=f16", "c=bf16", "bf16"):
+        assert review_metrics(healthy_rows(), dict(summary, policy=low)).codes() == \
+            {"memory_not_reduced"}, low
 
 
 def test_cli_exit_codes(tmp_path, capsys):

@@ -35,11 +35,23 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._audit_trace import _LOW, _SCAFFOLD, _canonical_path, _clean_path, _dce, _Recorder
-from jaxamp._compat import bind_with_params, open_jaxpr, scan_counts
-from jaxamp.autocast import autocast
+from jaxamp import nnx_frontend
+from jaxamp._compat import bind_with_params, scan_counts
+from jaxamp._jaxpr import evaluate, name_stack, sub_programs
+from jaxamp.diagnostics._trace import (
+    LOW,
+    SCAFFOLD,
+    Recorder,
+    canonical_path,
+    clean_path,
+    dce,
+    display_path,
+)
+from jaxamp.engine import autocast
 from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.transform import default_loss_scale
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -54,7 +66,6 @@ NEAR_OVERFLOW_BITS = 2.0
 #: flush to zero in float16 even with the loss scale.
 UNDERFLOW_FRACTION = 0.01
 
-_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +142,7 @@ class _Acc:
         self.count += int(s[6])
         self.saturated += int(s[7])
         self.dtypes.add(dtype)
-        if dtype in _LOW:
+        if dtype in LOW:
             self.subnormal += int(s[5])
             self.low_nonzero += int(s[2])
             if mx > 0:
@@ -162,8 +173,8 @@ class _Evaluator:
         self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
 
     def _record(self, eqn, full: str, vals, outs) -> None:
-        module, backward = _clean_path(full)
-        module = _canonical_path(module, self.modules)
+        module, backward = clean_path(full)
+        module = display_path(canonical_path(module, self.modules), self.modules)
         out_idx = []
         for o in outs:
             if _is_float(o):
@@ -187,46 +198,21 @@ class _Evaluator:
         self.events.append((where, ins, out_idx))
 
     def run(self, jaxpr: jcore.Jaxpr, consts, args, prefix: str = ""):
-        env: dict = {}
-
-        def read(v):
-            if isinstance(v, jcore.Literal):
-                return v.val
-            return env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            stack = str(eqn.source_info.name_stack)
-            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            outs = self.eqn(eqn, [read(v) for v in eqn.invars], full)
-            for v, x in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    def sub(self, closed, vals, full):
-        jaxpr, consts = open_jaxpr(closed)
-        return self.run(jaxpr, consts or [], vals, full)
+        return evaluate(jaxpr, consts, args,
+                        lambda eqn, vals: self.eqn(eqn, vals, name_stack(eqn, prefix)))
 
     def eqn(self, eqn, vals, full):
         name = eqn.primitive.name
-        p = eqn.params
-        if _SCAFFOLD in full:
+        if SCAFFOLD in full:
             return self.bind(eqn, vals)
         if name == "scan":
             return self.scan(eqn, vals, full)
-        subs = list(jcore.jaxprs_in_params(p))
-        if subs and name not in ("while", "cond", "custom_lin"):
-            inline = [s for s in subs if len(_open(s).invars) == len(vals)]
+        if name not in ("while", "cond", "custom_lin"):
+            # a call (jit, remat, custom_jvp/vjp: its primal body): inlined, so its values
+            # are recorded; while/cond run as one operation
+            inline = [s for s in sub_programs(eqn) if None not in s.ins]
             if len(inline) == 1:
-                for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-                    obj = p.get(key)
-                    if obj is not None and _open(obj) is _open(inline[0]):
-                        return self.sub(obj, vals, full)
-                return self.sub(inline[0], vals, full)
+                return self.run(inline[0].jaxpr, inline[0].consts, vals, full)
         outs = self.bind(eqn, vals)
         self._record(eqn, full, vals, outs)
         return outs
@@ -242,7 +228,7 @@ class _Evaluator:
         ys = []
         steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
         for i in steps:
-            outs = self.sub(p["jaxpr"], consts + carry + [x[i] for x in xs], full)
+            outs = self.run(p["jaxpr"], None, consts + carry + [x[i] for x in xs], full)
             carry = outs[:nk]
             ys.append(outs[nk:])
         if p["reverse"]:
@@ -262,7 +248,7 @@ def _interpret(closed, flat_args, modules, scale: float):
     """Runs ``closed`` (dead code removed) once under jit, keeping every value; returns the
     outputs, per-(module, pass) accumulators in first-seen order, and the equations that made
     non-finite values out of finite inputs (in execution order)."""
-    jaxpr, used = _dce(closed.jaxpr)
+    jaxpr, used = dce(closed.jaxpr)
     args = [x for x, u in zip(flat_args, used) if u]
     ev = _Evaluator(modules)
 
@@ -303,10 +289,6 @@ def _interpret(closed, flat_args, modules, scale: float):
         if ins_ok and not all(finite[i] for i in outs_idx):
             origins.append(where)
     return outs, acc, origins
-
-
-def _open(j):
-    return open_jaxpr(j)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +450,7 @@ def _pct(x) -> str:
 
 def _scale_value(loss_scale, policy: jmp.Policy) -> float:
     if loss_scale is None:
-        return 2.0**16 if np.dtype(policy.compute_dtype) == np.float16 else 1.0
+        loss_scale = default_loss_scale(policy)  # the train step's default for this policy
     value = getattr(loss_scale, "loss_scale", loss_scale)
     value = float(np.asarray(value))
     if not math.isfinite(value) or value <= 0:
@@ -484,7 +466,7 @@ def _param_module(path, root: str | None) -> str:
 
 
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
-                    policy: str | jmp.Policy = _DEFAULT_POLICY,
+                    policy: str | jmp.Policy = DEFAULT_POLICY,
                     overrides: Mapping | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
                     loss_fn: Callable[[Any], Any] | None = None,
                     loss_scale: Any = None) -> OverflowReport:
@@ -532,10 +514,13 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
       >>> rep = jaxamp.locate_overflow(model.apply, variables, x,
       ...                              loss_fn=lambda y: jnp.mean(y ** 2))
       >>> rep.first_nonfinite
-      {'module': 'Model/fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
+      {'module': 'fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
     """
     if isinstance(fn, nn.Module):
         fn = fn.apply
+    if nnx_frontend.is_module(fn) or nnx_frontend.is_module(variables):
+        # NNX: locate_overflow(model, *args) or (fn, model, *args); differentiate its params
+        fn, (variables, *args) = nnx_frontend.functional(fn, (variables, *args))
     if not callable(fn):
         raise TypeError(f"locate_overflow: fn must be callable, got {type(fn).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -567,10 +552,11 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
         return loss
 
     rules = ModuleRules.create(pol, overrides)
-    recorder = _Recorder(rules)
+    recorder = Recorder(rules)
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor):
+        with nn.intercept_methods(recorder.interceptor), \
+                nnx_frontend.intercept_calls(recorder.interceptor):
             return loss_of(*a)
 
     amp = autocast(recorded, pol.with_output_dtype(jnp.float32), overrides=overrides,
@@ -578,7 +564,7 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
 
     def scaled(p, *a):
         loss = amp(p, *a).astype(jnp.float32)
-        with jax.named_scope(_SCAFFOLD):
+        with jax.named_scope(SCAFFOLD):
             return loss * scale, loss
 
     closed = jax.make_jaxpr(jax.value_and_grad(scaled, has_aux=True))(params, *args)
@@ -604,7 +590,8 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     g_stats = _summaries([g for _, g, _ in pairs], 1.0)
     t_stats = _summaries([t for _, _, t in pairs], scale)
     for (path, g, t), gs, ts in zip(pairs, g_stats, t_stats):
-        mod = _canonical_path(_param_module(path, root), recorder.modules)
+        mod = display_path(canonical_path(_param_module(path, root), recorder.modules),
+                           recorder.modules)
         pg.setdefault(mod, _Acc()).add(gs, np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(ts, np.dtype(t.dtype).name)
 

@@ -4,16 +4,18 @@ The audit never compiles or runs anything. It traces the function under
 :func:`jaxamp.autocast` (with ``jax.value_and_grad`` when there is something to differentiate)
 and reads the jaxpr, the StableHLO dtypes a GPU would run:
 
-* :class:`_Recorder` is a ``flax.linen`` method interceptor that learns, during that trace, every
-  module's path, class and the policy autocast's rules give it (:class:`_Module`);
-* :func:`_collect` walks the jaxpr (sub-programs inlined, execution order) into :class:`_Eqn`
-  records: the module path cleaned from the name stack (:func:`_clean_path`), forward or
+* :class:`Recorder` is a ``flax.linen`` method interceptor that learns, during that trace, every
+  module's path, class and the policy autocast's rules give it (:class:`ModuleInfo`);
+* :func:`collect_eqns` walks the jaxpr (sub-programs inlined, execution order) into :class:`Eqn`
+  records: the module path cleaned from the name stack (:func:`clean_path`), forward or
   backward pass, float dtypes in and out, whether a matmul reads a parameter;
-* :func:`_trace` ties the two together (dead code is removed first, :func:`_dce`) into a
-  :class:`_Trace`, and :func:`_rows` groups its records into :func:`jaxamp.precision_table` rows.
+* :func:`trace_model` ties the two together (dead code is removed first, :func:`dce`) into a
+  :class:`Trace`, and :func:`table_rows` groups its records into :func:`jaxamp.precision_table`
+  rows.
 
-This module knows nothing about findings or the seed table; :mod:`jaxamp.audit`,
-:mod:`jaxamp._seed_table`, :mod:`jaxamp._step_audit` and :mod:`jaxamp.overflow` build on it.
+This module knows nothing about findings or the reference table; :mod:`jaxamp.audit`,
+:mod:`jaxamp.diagnostics._reference`, :mod:`jaxamp.diagnostics._step` and
+:mod:`jaxamp.diagnostics.overflow` build on it.
 """
 
 from __future__ import annotations
@@ -30,11 +32,20 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp import nnx_frontend
 from jaxamp._compat import dce_jaxpr
-from jaxamp._jaxpr import as_jaxpr
-from jaxamp.autocast import REGION_MARKER, autocast
+from jaxamp._jaxpr import walk
+from jaxamp.engine import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
-from jaxamp.rules import STRUCTURAL_PRIMITIVES, ModuleRules, OpRules
+from jaxamp.rules import (
+    DEFAULT_OP_RULES,
+    SOFTMAX_PRIMITIVES,
+    STRUCTURAL_PRIMITIVES,
+    SUM_PRIMITIVES,
+    ModuleRules,
+    OpRules,
+    module_path,
+)
 
 _OP_CLASSES = {
     "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
@@ -45,16 +56,17 @@ _OP_CLASSES = {
 }
 _NOISE = re.compile(REGION_MARKER.pattern + "|rematted_computation|checkpoint|remat")
 _TRANSFORM = re.compile(r"^(jvp|transpose|vmap|pjit|jit)\((.*)\)$")
-_SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
-_TOP = "(top level)"
+SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
+TOP_LEVEL = "(top level)"
 
-_LOW = frozenset({"float16", "bfloat16"})
-_MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
-_EXPLOG = frozenset({"exp", "exp2", "log", "log1p", "expm1", "cumlogsumexp"})
-_ACCUM = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+LOW = frozenset({"float16", "bfloat16"})
+# The op classes come from jaxamp.rules (one taxonomy): which ops are matmuls and which must run
+# in float32 from the OpRules given to autocast; the advice groups are fixed subsets of fp32.
+EXPLOG = SOFTMAX_PRIMITIVES
+ACCUM = SUM_PRIMITIVES
 # Primitives whose result is exact in any float dtype (data movement, selection, comparison):
 # they carry a dtype but round nothing, so they are never flagged and do not count towards the
-# seed rows' dtypes.
+# reference rows' dtypes.
 _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
     "concatenate", "pad", "dynamic_update_slice", "select_n", "max", "min", "neg", "abs",
     "sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "stop_gradient", "clamp", "floor",
@@ -65,19 +77,19 @@ _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
 })
 
 
-def _low(dtypes) -> bool:
-    return any(d in _LOW for d in dtypes)
+def is_low(dtypes) -> bool:
+    return any(d in LOW for d in dtypes)
 
 
-def _dt(name: Any) -> str:
+def dtype_name(name: Any) -> str:
     return np.dtype(name).name
 
 
-def _join(dtypes) -> str:
+def join_dtypes(dtypes) -> str:
     return ",".join(sorted(set(dtypes))) or "-"
 
 
-def _low_leaves(tree) -> list[tuple[str, str]]:
+def low_leaves(tree) -> list[tuple[str, str]]:
     """(key path, dtype) of the float16/bfloat16 leaves of ``tree``."""
     out = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -88,7 +100,7 @@ def _low_leaves(tree) -> list[tuple[str, str]]:
             name = np.dtype(dtype).name
         except TypeError:
             continue
-        if name in _LOW:
+        if name in LOW:
             out.append((jax.tree_util.keystr(path), name))
     return out
 
@@ -99,39 +111,45 @@ def _low_leaves(tree) -> list[tuple[str, str]]:
 
 
 @dataclasses.dataclass
-class _Module:
-    path: str  # name-stack style: "GPT/blocks/attn"
+class ModuleInfo:
+    path: str  # name-stack style: "GPT/blocks/attn" (how equations are matched to modules)
+    name: str  # as reports print it and path rules match it (rules.module_path): "blocks/attn"
     cls: type
     compute: str  # the compute dtype autocast's rules give this module
     output: str
     matched: bool  # a rule (built-in or user) chose its policy; False: inherited/default
 
 
-class _Recorder:
+class Recorder:
     """A linen method interceptor that learns every module's path, class and policy."""
 
     def __init__(self, rules: ModuleRules):
         self.rules = rules
-        self.modules: dict[str, _Module] = {}
+        self.modules: dict[str, ModuleInfo] = {}
         self.order: list[str] = []  # module paths in order of completion
         self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
 
     def interceptor(self, next_fun, args, kwargs, context):
+        """A linen method interceptor, and an NNX one (``context.path``: the NNX path)."""
         module = context.module
         if self.stack and self.stack[-1][0] is module:
             return next_fun(*args, **kwargs)
-        policy, _ = self.rules.match(module)
+        parts = getattr(context, "path", None)  # NNX: its front end passes the path
+        if parts is None:
+            parts = module.path
+        policy, _ = self.rules.match(module, parts)
         matched = policy is not None
         if policy is None:
             policy = self.stack[-1][1] if self.stack else self.rules.default
-        if not module.path:
+        if not parts:
             path = type(module).__name__
         else:
             root = self.stack[0][2].split("/")[0] if self.stack else "?"
-            path = "/".join([root, *(str(p) for p in module.path)])
+            path = "/".join([root, *(str(p) for p in parts)])
         if path not in self.modules:
-            self.modules[path] = _Module(path, type(module), _dt(policy.compute_dtype),
-                                         _dt(policy.output_dtype), matched)
+            self.modules[path] = ModuleInfo(path, module_path(module, parts), type(module),
+                                            dtype_name(policy.compute_dtype),
+                                            dtype_name(policy.output_dtype), matched)
         self.stack.append((module, policy, path))
         try:
             return next_fun(*args, **kwargs)
@@ -145,7 +163,7 @@ class _Recorder:
 # ---------------------------------------------------------------------------------------------
 
 
-def _clean_path(stack: str) -> tuple[str, bool]:
+def clean_path(stack: str) -> tuple[str, bool]:
     """Module path and whether the equation belongs to the backward pass."""
     backward = "transpose(" in stack
     parts = []
@@ -158,10 +176,10 @@ def _clean_path(stack: str) -> tuple[str, bool]:
         part = _NOISE.sub("", part)
         if part and not any(c in part for c in ",->") and part not in parts[-1:]:
             parts.append(part)
-    return "/".join(parts) or _TOP, backward
+    return "/".join(parts) or TOP_LEVEL, backward
 
 
-def _float_dtypes(vs) -> list[str]:
+def float_dtypes(vs) -> list[str]:
     out = []
     for v in vs:
         dtype = getattr(getattr(v, "aval", None), "dtype", None)
@@ -174,7 +192,7 @@ def _float_dtypes(vs) -> list[str]:
     return out
 
 
-def _dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
+def dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
     """The jaxpr without dead equations, and which inputs it still uses."""
     try:
         new, used = dce_jaxpr(jaxpr)
@@ -184,40 +202,8 @@ def _dce(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:
     return jaxpr, [True] * len(jaxpr.invars)
 
 
-_CONTAINERS = frozenset({
-    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond",
-    "shard_map", "xla_call", "xla_pmap", "custom_lin"})
-
-
-def _sub_io(eqn) -> list[tuple[jcore.Jaxpr, list, list]]:
-    """(sub-jaxpr, outer operand for each of its inputs, outer result for each of its outputs)
-    for the sub-programs of an equation; ``None`` where the correspondence is unknown."""
-    name = eqn.primitive.name
-    p = eqn.params
-    ins, outs = list(eqn.invars), list(eqn.outvars)
-    subs = [as_jaxpr(s) for s in jcore.jaxprs_in_params(p)]
-    if not subs:
-        return []
-    if name not in _CONTAINERS and not any(len(s.invars) == len(ins) for s in subs):
-        return []  # e.g. scatter-add's combiner: the equation itself is the operation
-    if name == "cond":
-        return [(as_jaxpr(b), ins[1:], outs) for b in p["branches"]]
-    if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        carry = ins[cn + bn:]
-        return [(as_jaxpr(p["cond_jaxpr"]), ins[:cn] + carry, [None]),
-                (as_jaxpr(p["body_jaxpr"]), ins[cn:cn + bn] + carry, outs)]
-    found = []
-    for sub in subs:
-        sin = ins if len(sub.invars) == len(ins) else [None] * len(sub.invars)
-        sout = outs if len(sub.outvars) == len(outs) else [None] * len(sub.outvars)
-        found.append((sub, sin, sout))
-    return found
-
-
 @dataclasses.dataclass
-class _Eqn:
+class Eqn:
     """One equation as the audit sees it."""
 
     eqn: Any
@@ -244,67 +230,68 @@ class _Eqn:
         return self.prim not in _EXACT and bool(self.dtypes)
 
 
-_PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
+PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
                            "squeeze", "expand_dims", "slice", "dynamic_slice", "gather", "copy",
                            "copy_p", "split", "concatenate", "rev"})
 
 
-def _collect(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool]) -> list[_Eqn]:
+def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
+                 op_rules: OpRules = DEFAULT_OP_RULES) -> list[Eqn]:
     """Every equation (sub-programs inlined, execution order) with its module path, pass and
-    whether a matmul operand is a parameter."""
-    records: list[_Eqn] = []
+    whether a matmul (an op in ``op_rules.matmul``) has a parameter operand."""
+    records: list[Eqn] = []
+    # whether a var is (casts/reshapes of) a parameter; sub-program vars are distinct objects
+    flags: dict = {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)}
+    producer: dict = {}
 
-    def run(j: jcore.Jaxpr, prefix: str, flags: dict) -> None:
-        producer: dict = {}
-        for eqn in j.eqns:
-            stack = str(eqn.source_info.name_stack)
-            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            subs = _sub_io(eqn)
-            if subs:
-                out_flags = [False] * len(eqn.outvars)
-                for sub, sin, sout in subs:
-                    inner = {v: bool(o is not None and isinstance(o, jcore.Var)
-                                     and flags.get(o, False)) for v, o in zip(sub.invars, sin)}
-                    run(sub, full, inner)
-                    for v, o in zip(sub.outvars, sout):
-                        if o is not None and isinstance(v, jcore.Var) and inner.get(v, False):
-                            idx = eqn.outvars.index(o) if o in eqn.outvars else None
-                            if idx is not None:
-                                out_flags[idx] = True
-                for o, f in zip(eqn.outvars, out_flags):
-                    flags[o] = f
-                continue
-            if _SCAFFOLD in full:
-                continue
-            module, backward = _clean_path(full)
-            name = eqn.primitive.name
-            ins = [v for v in eqn.invars]
-            pflags = [isinstance(v, jcore.Var) and flags.get(v, False) for v in ins]
-            if name in _PASS_THROUGH and any(pflags):
-                for o in eqn.outvars:
-                    flags[o] = True
-            count = False
-            if name in _ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
-                src = producer[ins[0]]
-                count = (src.primitive.name == "convert_element_type"
-                         and not _float_dtypes(src.invars))
-            for o in eqn.outvars:
-                producer[o] = eqn
-            records.append(_Eqn(eqn, full, module, "", _OP_CLASSES.get(name, "elementwise"),
-                                backward, _float_dtypes(ins), _float_dtypes(eqn.outvars),
-                                name in _MATMUL and any(pflags), count))
+    def is_param(v) -> bool:
+        return isinstance(v, jcore.Var) and flags.get(v, False)
 
-    run(jaxpr, "", {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)})
+    def enter(eqn, sub, stack) -> None:
+        for v, o in zip(sub.jaxpr.invars, sub.ins):
+            flags[v] = o is not None and is_param(o)
+
+    def leave(eqn, subs, stack) -> None:
+        out_flags = [False] * len(eqn.outvars)
+        for sub in subs:
+            for v, o in zip(sub.jaxpr.outvars, sub.outs):
+                if o is not None and is_param(v) and o in eqn.outvars:
+                    out_flags[eqn.outvars.index(o)] = True
+        for o, f in zip(eqn.outvars, out_flags):
+            flags[o] = f
+
+    def leaf(eqn, full) -> None:
+        if SCAFFOLD in full:
+            return
+        module, backward = clean_path(full)
+        name = eqn.primitive.name
+        ins = list(eqn.invars)
+        pflags = [is_param(v) for v in ins]
+        for o in eqn.outvars:  # set every time: a sub-program walked again has new inputs
+            flags[o] = name in PASS_THROUGH and any(pflags)
+        count = False
+        if name in ACCUM and isinstance(ins[0], jcore.Var) and ins[0] in producer:
+            src = producer[ins[0]]
+            count = (src.primitive.name == "convert_element_type"
+                     and not float_dtypes(src.invars))
+        for o in eqn.outvars:
+            producer[o] = eqn
+        matmul = name in op_rules.matmul
+        op = _OP_CLASSES.get(name, "matmul" if matmul else "elementwise")
+        records.append(Eqn(eqn, full, module, "", op, backward, float_dtypes(ins),
+                           float_dtypes(eqn.outvars), matmul and any(pflags), count))
+
+    walk(jaxpr, leaf, enter=enter, leave=leave)
     return records
 
 
-def _module_key(path: str, modules: dict[str, _Module]) -> str:
+def _module_key(path: str, modules: dict[str, ModuleInfo]) -> str:
     """The recorded module a cleaned name-stack path belongs to ("" if none).
 
     Handles method suffixes (``GPT/embed.attend`` -> ``GPT/embed``) and equations that a
     transformation hoisted out of a ``scan`` body, whose name stack lost the enclosing modules
     (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
-    if path == _TOP or not modules:
+    if path == TOP_LEVEL or not modules:
         return ""
     segs = path.split("/")
     segs[-1] = segs[-1].split(".")[0]
@@ -323,9 +310,21 @@ def _module_key(path: str, modules: dict[str, _Module]) -> str:
     return ""
 
 
-def _canonical_path(path: str, modules: dict[str, _Module]) -> str:
+def display_path(path: str, modules: dict[str, ModuleInfo]) -> str:
+    """A canonical name-stack path as reports print it (:func:`jaxamp.rules.module_path`):
+    ``GPT/blocks/attn`` -> ``blocks/attn``, ``GPT/embed.attend`` -> ``embed.attend``; the root
+    module keeps its class name; paths outside modules are unchanged."""
+    if path in modules:
+        return modules[path].name
+    head, sep, rest = path.partition("/")
+    if sep and head in modules and "/" not in modules[head].path:  # below a root module
+        return rest
+    return path
+
+
+def canonical_path(path: str, modules: dict[str, ModuleInfo]) -> str:
     """``path`` with a hoisted scan prefix restored (``blocks/ln1`` -> ``GPT/blocks/ln1``)."""
-    if path == _TOP or not modules or path in modules:
+    if path == TOP_LEVEL or not modules or path in modules:
         return path
     head, dot, method = path.partition(".")
     if head in modules:
@@ -342,16 +341,17 @@ def _canonical_path(path: str, modules: dict[str, _Module]) -> str:
 
 
 @dataclasses.dataclass
-class _Trace:
+class Trace:
     """A function traced under autocast: its records, (DCE'd) jaxpr, modules and output."""
 
-    records: list[_Eqn]
+    records: list[Eqn]
     jaxpr: jcore.Jaxpr
-    modules: dict[str, _Module]
+    modules: dict[str, ModuleInfo]
     out_dtypes: list[str]
     out_scalar: bool
     policy: jmp.Policy
     grad: bool
+    op_rules: OpRules = DEFAULT_OP_RULES  # what autocast ran by: the audit expects the same
 
 
 def _n_leaves(tree) -> int:
@@ -363,14 +363,16 @@ def _has_float(tree) -> bool:
                               jnp.floating) for x in jax.tree_util.tree_leaves(tree))
 
 
-def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
-           argnums: int | None) -> _Trace:
+def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
+           argnums: int | None) -> Trace:
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
-    recorder = _Recorder(rules)
+    recorder = Recorder(rules)
+    fn, args = nnx_frontend.functional(fn, tuple(args))  # NNX models -> their params
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor):
+        with nn.intercept_methods(recorder.interceptor), \
+                nnx_frontend.intercept_calls(recorder.interceptor):
             return fn(*a)
 
     amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules)
@@ -379,7 +381,7 @@ def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: Op
     if grad:
         def scalar(*a):
             out = amp(*a)
-            with jax.named_scope(_SCAFFOLD):
+            with jax.named_scope(SCAFFOLD):
                 outs = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
                 total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
             return total, out
@@ -394,19 +396,20 @@ def _trace(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: Op
     else:
         closed, out_shape = jax.make_jaxpr(amp, return_shape=True)(*args)
         param_inputs = [False] * len(closed.jaxpr.invars)
-    jaxpr, used = _dce(closed.jaxpr)
+    jaxpr, used = dce(closed.jaxpr)
     param_inputs = [f for f, u in zip(param_inputs, used) if u]
-    records = _collect(jaxpr, param_inputs)
+    records = collect_eqns(jaxpr, param_inputs, op_rules=op_rules)
     for r in records:
-        r.module = _canonical_path(r.module, recorder.modules)
+        r.module = canonical_path(r.module, recorder.modules)
         r.key = _module_key(r.module, recorder.modules)
+        r.module = display_path(r.module, recorder.modules)
     leaves = jax.tree.leaves(out_shape)
     out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
     scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()
-    return _Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad)
+    return Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad, op_rules)
 
 
-def _rows(records: Sequence[_Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:
+def table_rows(records: Sequence[Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:
     table: dict[tuple[str, str], dict[str, set[str]]] = {}
     for r in records:
         if not r.dtypes:

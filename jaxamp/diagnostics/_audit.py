@@ -7,17 +7,22 @@ HLO for this):
 * :func:`precision_table` -- rows ``{"module", "op", "forward", "backward"}``: every equation of
   ``jax.value_and_grad`` of the autocast function, grouped by module path (from the name stack
   Flax linen records) and op class, with the float dtypes seen in each pass.
-* :func:`audit` -- the same table plus :class:`Finding` s (the seed's review checklist, §5) and
-  the seed's §4 reference table (:meth:`AuditReport.seed_rows`).
+* :func:`audit` -- the same table plus :class:`Finding` s (the mixed-precision review checklist)
+  and the reference table of what each part of a Transformer should run in
+  (:meth:`AuditReport.reference_table`).
 * :func:`audit_step` -- reads a whole user-written train step for the order of loss-scale
   unscaling and gradient clipping.
 
-Findings :func:`audit` reports (``Finding.kind``):
+Findings :func:`audit` reports (``Finding.kind``). Which primitives are matmuls and which must
+run in float32 is read from the ``op_rules`` passed (the rules autocast ran the traced program
+by), so what the audit expects is what autocast did; the softmax/normalisation/loss/reduction
+findings are the seed's advice and hold whatever the rules say:
 
 ``matmul_f32_in_low_precision_region``
-    a ``dot_general``/``conv`` with float32 operands in a module whose policy computes in
-    float16/bfloat16 (module policies are recomputed from ``policy``/``overrides`` with the same
-    rules autocast applies; a module that a rule sets to float32 is not flagged). Typical cause:
+    an op of ``op_rules.matmul`` (``dot_general``/``conv``/...) with float32 operands in a
+    module whose policy computes in float16/bfloat16 (module policies are recomputed from
+    ``policy``/``overrides`` with the same rules autocast applies; a module that a rule sets to
+    float32 is not flagged). Typical cause:
     a ``custom_vjp`` function in ``OpRules.custom_vjp_as_traced`` (run as traced) or another
     primitive autocast does not rewrite. (A manual ``.astype(jnp.float32)`` before a matmul does
     not cause it: autocast casts matmul operands to the region's compute dtype regardless.)
@@ -32,6 +37,10 @@ Findings :func:`audit` reports (``Finding.kind``):
     any other accumulating reduction (``reduce_sum``, ``cumsum``, ...) in float16/bfloat16.
     Sums of 0/1 indicators (converted from booleans: exact counts) are not flagged; max/min
     reductions are exact in any dtype and never flagged.
+``fp32_op_low_precision``
+    any other op of ``op_rules.fp32`` (e.g. a ``tanh`` a user added to that list) in
+    float16/bfloat16: what autocast would have run in float32 did not (a program traced under
+    other rules, or code autocast does not rewrite).
 ``lossy_round_trip``
     a forward value cast float32 -> float16/bfloat16 -> float32 (precision thrown away).
 ``duplicate_cast``
@@ -48,10 +57,10 @@ Findings :func:`audit` reports (``Finding.kind``):
 Dead code is removed before auditing (``jax``'s DCE), so values a program computes and throws
 away (e.g. the JVP of a ``stop_gradient``'ed max) are not reported.
 
-The implementation is split by concept: :mod:`jaxamp._audit_trace` (tracing and reading the
-jaxpr), :mod:`jaxamp._seed_table` (the §4 table and module-role heuristics),
-:mod:`jaxamp._audit_report` (:class:`Finding`, :class:`AuditReport`) and
-:mod:`jaxamp._step_audit` (:func:`audit_step`). This module holds the findings of
+The implementation is split by concept: :mod:`jaxamp.diagnostics._trace` (tracing and reading the
+jaxpr), :mod:`jaxamp.diagnostics._reference` (the §4 table and module-role heuristics),
+:mod:`jaxamp.diagnostics._report` (:class:`Finding`, :class:`AuditReport`) and
+:mod:`jaxamp.diagnostics._step` (:func:`audit_step`). This module holds the findings of
 :func:`audit` and re-exports the public names.
 """
 
@@ -65,40 +74,39 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._audit_report import (
+from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
+from jaxamp.diagnostics._reference import is_norm
+from jaxamp.diagnostics._report import (
     AuditReport,
     Finding,
-    _group,
-    _storage_findings,
     format_precision_table,
+    group_findings,
+    storage_findings,
 )
-from jaxamp._audit_trace import (
-    _ACCUM,
-    _EXPLOG,
-    _LOW,
-    _MATMUL,
-    _TOP,
-    _dt,
-    _Eqn,
-    _join,
-    _low,
-    _rows,
-    _Trace,
-    _trace,
+from jaxamp.diagnostics._step import audit_step
+from jaxamp.diagnostics._trace import (
+    ACCUM,
+    EXPLOG,
+    LOW,
+    TOP_LEVEL,
+    Eqn,
+    Trace,
+    dtype_name,
+    is_low,
+    join_dtypes,
+    table_rows,
+    trace_model,
 )
-from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
-from jaxamp._seed_table import _is_norm
-from jaxamp._step_audit import audit_step
 from jaxamp.policy import policy_to_str
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 
 __all__ = ["AuditReport", "Finding", "audit", "audit_step", "format_precision_table",
            "precision_table"]
 
-_DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 
-def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
+def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
                     overrides: dict | None = None, argnums: int = 0,
                     op_rules: OpRules = DEFAULT_OP_RULES) -> list[dict[str, str]]:
     """Rows ``{"module", "op", "forward", "backward"}`` for ``fn`` run under ``policy``.
@@ -115,8 +123,9 @@ def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAUL
       classes: ``matmul``, ``conv``, ``gather``, ``exp/log``, ``reduction``, ``rsqrt/sqrt``,
       ``cast``, ``elementwise`` (everything else), ``output``.
     """
-    t = _trace(fn, args, policy=policy, overrides=overrides, op_rules=op_rules, argnums=argnums)
-    return _rows(t.records, t.out_dtypes)
+    t = trace_model(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
+                    argnums=argnums)
+    return table_rows(t.records, t.out_dtypes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,14 +139,14 @@ def _category(module: str, op: str, key: str, modules, has_explog: set[str],
         return "matmul"
     if op in ("cast", "gather", "output"):
         return op
-    if _is_norm(key, modules):
+    if is_norm(key, modules):
         return "normalisation"
     if op == "exp/log" or (op == "reduction" and module in has_explog):
-        if module == _TOP and scalar_out:
+        if module == TOP_LEVEL and scalar_out:
             return "loss"
         return "softmax"
     if op == "reduction":
-        return "loss" if module == _TOP and scalar_out else "reduction"
+        return "loss" if module == TOP_LEVEL and scalar_out else "reduction"
     return "elementwise"
 
 
@@ -153,42 +162,49 @@ def _float_leaf_dtypes(tree) -> list[str]:
     return sorted(out)
 
 
-def _pass(r: _Eqn) -> str:
+def _pass(r: Eqn) -> str:
     return "backward" if r.backward else "forward"
 
 
-def _prims(recs: Sequence[_Eqn]) -> str:
-    parts = sorted({f"{r.prim} ({_pass(r)}, {_join(r.dtypes)})" for r in recs})
+def _prims(recs: Sequence[Eqn]) -> str:
+    parts = sorted({f"{r.prim} ({_pass(r)}, {join_dtypes(r.dtypes)})" for r in recs})
     return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
-def _findings(t: _Trace, params, opt_state) -> list[Finding]:
+def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> list[Finding]:
+    """The findings of trace ``t``. What must be a matmul in the compute dtype and what must
+    run in float32 comes from ``op_rules`` (default: the rules autocast ran ``t`` by, so the
+    audit expects what autocast did); the softmax/sum/loss/normalisation findings are the
+    seed's advice and hold under any rules."""
+    rules = t.op_rules if op_rules is None else op_rules
     mods = t.modules
-    low_default = _dt(t.policy.compute_dtype) in _LOW
+    low_default = dtype_name(t.policy.compute_dtype) in LOW
     raw: list[tuple[str, str, str, str | None]] = []
-    by_kind: dict[tuple[str, str], list[_Eqn]] = {}
+    by_kind: dict[tuple[str, str], list[Eqn]] = {}
     for r in t.records:
         if not r.dtypes:
             continue
         prim = r.prim
-        if prim in _MATMUL:
-            compute = mods[r.key].compute if r.key in mods else _dt(t.policy.compute_dtype)
-            if (compute in _LOW or (not r.key and low_default)) and "float32" in r.in_dtypes:
+        if prim in rules.matmul:
+            compute = mods[r.key].compute if r.key in mods else dtype_name(t.policy.compute_dtype)
+            if (compute in LOW or (not r.key and low_default)) and "float32" in r.in_dtypes:
                 by_kind.setdefault(("matmul_f32_in_low_precision_region", r.module),
                                    []).append(r)
             continue
-        if not _low(r.dtypes) or not r.rounds:
+        if not is_low(r.dtypes) or not r.rounds:
             continue
-        sensitive = prim in _EXPLOG or (prim in _ACCUM and not r.count_sum)
-        if _is_norm(r.key, mods):
+        sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
+        if is_norm(r.key, mods):
             by_kind.setdefault(("normalisation_low_precision", r.module), []).append(r)
-        elif not r.key and r.module == _TOP:
+        elif not r.key and r.module == TOP_LEVEL:
             if sensitive:
                 by_kind.setdefault(("loss_low_precision", r.module), []).append(r)
-        elif prim in _EXPLOG:
+        elif prim in EXPLOG:
             by_kind.setdefault(("softmax_low_precision", r.module), []).append(r)
         elif sensitive:
             by_kind.setdefault(("reduction_low_precision", r.module), []).append(r)
+        elif prim in rules.fp32:
+            by_kind.setdefault(("fp32_op_low_precision", r.module), []).append(r)
     # sums inside a module whose exp/log ran in low precision belong to the softmax finding
     soft = {m for (k, m) in by_kind if k == "softmax_low_precision"}
     for (k, m) in list(by_kind):
@@ -209,12 +225,18 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
             "float16/bfloat16 only for its matmuls.", "Softmax"),
         "normalisation_low_precision": (
             "normalisation statistics ran in low precision: {ops}. Mean/variance need float32 "
-            "(seed mistake 1: a global .half() overflows LayerNorm); drop the override that "
+            "(a global .half() overflows LayerNorm); drop the override that "
             "sets this norm to a low-precision compute dtype.", "LayerNorm"),
         "loss_low_precision": (
             "the loss (outside all modules) ran in low precision: {ops}. log-sum-exp needs "
             "float32: compute the loss on float32 logits (jaxamp.softmax_cross_entropy) and "
             "keep exp/log/reduce_sum in the fp32 op list.", "CrossEntropy loss"),
+        "fp32_op_low_precision": (
+            "operation(s) in the op rules' fp32 list ran in low precision: {ops}. autocast runs "
+            "them in float32; this program did not (traced under other op rules, or by code "
+            "autocast does not rewrite): trace it under these rules, or move the op out of "
+            "fp32 with op_rules=jaxamp.DEFAULT_OP_RULES.extend(promote={...}) if low "
+            "precision is intended.", None),
         "reduction_low_precision": (
             "accumulating reduction(s) ran in low precision: {ops}. Sums of many float16 "
             "values lose precision and overflow; keep reduce_sum/cumsum in the fp32 op list.",
@@ -224,12 +246,12 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
         text, row = explain[kind]
         if kind == "matmul_f32_in_low_precision_region":
             compute = mods[recs[0].key].compute if recs[0].key in mods else \
-                _dt(t.policy.compute_dtype)
+                dtype_name(t.policy.compute_dtype)
             text = text.replace("{low}", compute)
         raw.append((kind, module, text.replace("{ops}", _prims(recs)), row))
-    if t.out_scalar and _low(t.out_dtypes):
+    if t.out_scalar and is_low(t.out_dtypes):
         raw.append(("loss_low_precision", "(output)",
-                    f"the function returns a scalar (a loss?) in {_join(t.out_dtypes)}: use "
+                    f"the function returns a scalar (a loss?) in {join_dtypes(t.out_dtypes)}: use "
                     "output=float32 in the policy so the loss (and its scaling) is float32.",
                     "CrossEntropy loss"))
     by_eqn = {id(r.eqn): r for r in t.records}
@@ -240,7 +262,7 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
         raw.append(("lossy_round_trip", r.module,
                     "a float32 value is cast to low precision and straight back to float32: the "
                     "low-precision copy only throws mantissa bits away. Usually a manual "
-                    ".astype() in the model fighting autocast (seed mistake 2); remove it.",
+                    ".astype() in the model fighting autocast; remove it.",
                     None))
     for _, b in duplicate_casts(t.jaxpr):
         r = by_eqn.get(id(b))
@@ -249,24 +271,23 @@ def _findings(t: _Trace, params, opt_state) -> list[Finding]:
             # the same value (e.g. embedding + positional embedding); XLA's CSE merges them
             continue
         raw.append(("duplicate_cast", r.module,
-                    f"the same value is cast to {_dt(b.params['new_dtype'])} twice "
-                    f"({_pass(r)}); the second cast is redundant work (seed §3: cast "
-                    "elimination).", None))
-    raw += _storage_findings(params, opt_state)
+                    f"the same value is cast to {dtype_name(b.params['new_dtype'])} twice "
+                    f"({_pass(r)}); the second cast is redundant work.", None))
+    raw += storage_findings(params, opt_state)
     order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
              "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
              "matmul_f32_in_low_precision_region", "lossy_round_trip", "duplicate_cast"]
-    found = _group(raw)
+    found = group_findings(raw)
     found.sort(key=lambda f: (order.index(f.kind) if f.kind in order else len(order),
                               f.module))
     return found
 
 
-def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
+def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
           overrides: dict | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
           argnums: int | None = 0, opt_state: Any = None) -> AuditReport:
     """Audits ``fn`` run under ``jaxamp.autocast``: the dtypes every module and op class used
-    (forward and backward) and the precision mistakes of the seed's review checklist.
+    (forward and backward) and the common mixed-precision mistakes it can see.
 
     ``fn`` is traced (never compiled or run) under ``autocast(fn, policy, overrides=...,
     op_rules=...)``; if ``args[argnums]`` has float leaves, ``jax.value_and_grad`` of the sum of
@@ -283,7 +304,7 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
       opt_state: optional optimizer state, checked for float16/bfloat16 leaves.
 
     Returns:
-      An :class:`AuditReport`: ``.rows``, ``.findings``, ``.seed_rows()``, ``.to_json()``,
+      An :class:`AuditReport`: ``.rows``, ``.findings``, ``.reference_table()``, ``.to_json()``,
       ``.to_markdown()``, ``.print()``.
 
     Example:
@@ -297,9 +318,9 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = _DEFAULT_POLICY,
       >>> [f.kind for f in report.findings]
       []
     """
-    t = _trace(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
+    t = trace_model(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
                argnums=argnums)
-    rows = _rows(t.records, t.out_dtypes)
+    rows = table_rows(t.records, t.out_dtypes)
     explog = {r.module for r in t.records if r.op == "exp/log"}
     keys = {r.module: r.key for r in t.records}
     for row in rows:

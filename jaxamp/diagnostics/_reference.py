@@ -1,14 +1,14 @@
-"""The seed's §4 reference table, reproduced from a traced program.
+"""The mixed-precision reference table, reproduced from a traced program.
 
-The seed document's §4 lists, for a GPT-style model, which dtype each part should run in
+The table lists, for a GPT-style model, which dtype each part should run in
 (embedding lookup, Q/K/V projections, attention scores, softmax, LayerNorm, FFN, loss,
-parameter update). :meth:`jaxamp.AuditReport.seed_rows` rebuilds that table from the
-:class:`~jaxamp._audit_trace._Eqn` records of a trace; its docstring documents the mapping.
+parameter update). :meth:`jaxamp.AuditReport.reference_table` rebuilds that table from the
+:class:`~jaxamp.diagnostics._trace.Eqn` records of a trace; its docstring documents the mapping.
 
 The mapping is a heuristic: it recognises a module's role by its class (``nn.LayerNorm``,
 ``nn.Embed``, a class with ``Attention`` in its name) or, failing that, by the names common in
 GPT-style code (``ln_1``, ``wte``, ``attn``, ``q_proj``, ``mlp``, ``c_fc``, ...). The same
-predicates (:func:`_is_norm` in particular) classify rows and findings in :mod:`jaxamp.audit`.
+predicates (:func:`is_norm` in particular) classify rows and findings in :mod:`jaxamp.audit`.
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-from jaxamp._audit_trace import (
-    _ACCUM,
-    _EXPLOG,
-    _MATMUL,
-    _PASS_THROUGH,
-    _TOP,
-    _dt,
-    _Eqn,
-    _join,
-    _Module,
-    _Trace,
+from jaxamp._jaxpr import consumers, containing
+from jaxamp.diagnostics._trace import (
+    ACCUM,
+    EXPLOG,
+    PASS_THROUGH,
+    TOP_LEVEL,
+    Eqn,
+    ModuleInfo,
+    Trace,
+    dtype_name,
+    join_dtypes,
 )
-from jaxamp._jaxpr import iter_jaxprs
 from jaxamp.rules import EMBED_MODULES, FP32_MODULES
 
 # ---------------------------------------------------------------------------------------------
@@ -52,7 +51,7 @@ def _last(path: str) -> str:
     return path.rsplit("/", 1)[-1].split(".")[0]
 
 
-def _has_role(key: str, modules: dict[str, _Module], classes: tuple[type, ...], word: str,
+def _has_role(key: str, modules: dict[str, ModuleInfo], classes: tuple[type, ...], word: str,
               name_re: re.Pattern[str]) -> bool:
     """A module plays a role by its class (or class name); an unrecorded one by its name."""
     if not key:
@@ -63,15 +62,15 @@ def _has_role(key: str, modules: dict[str, _Module], classes: tuple[type, ...], 
     return m is None and bool(name_re.search(_last(key)))
 
 
-def _is_norm(key: str, modules: dict[str, _Module]) -> bool:
+def is_norm(key: str, modules: dict[str, ModuleInfo]) -> bool:
     return _has_role(key, modules, FP32_MODULES, "Norm", _NORM_NAME)
 
 
-def _is_embed(key: str, modules: dict[str, _Module]) -> bool:
+def _is_embed(key: str, modules: dict[str, ModuleInfo]) -> bool:
     return _has_role(key, modules, EMBED_MODULES, "Embed", _EMBED_NAME)
 
 
-def _is_attention(key: str, modules: dict[str, _Module]) -> bool:
+def _is_attention(key: str, modules: dict[str, ModuleInfo]) -> bool:
     if not key:
         return False
     m = modules.get(key)
@@ -99,9 +98,9 @@ def _is_ffn(key: str, modules) -> bool:
 # The table
 # ---------------------------------------------------------------------------------------------
 
-_SEED_ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
+_ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
               "FFN Linear", "CrossEntropy loss", "Parameter update")
-_SEED_NOTES = {
+_NOTES = {
     "Embedding lookup": "the lookup computes nothing; its output is cast to the compute dtype",
     "Q/K/V Linear": "main Tensor Core work",
     "Attention scores": "cast to float32 before the softmax",
@@ -113,19 +112,13 @@ _SEED_NOTES = {
 }
 
 
-def _use_dtype(rec: _Eqn, jaxpr: jcore.Jaxpr) -> str | None:
+def _use_dtype(rec: Eqn, jaxpr: jcore.Jaxpr) -> str | None:
     """The dtype a gathered value is cast to before its first arithmetic use (following
     reshapes and other data movement), or None if it is used as is."""
-    for j in iter_jaxprs(jaxpr):
-        if rec.eqn in j.eqns:
-            break
-    else:
+    j = containing(jaxpr, rec.eqn)
+    if j is None:
         return None
-    consumers: dict = {}
-    for e in j.eqns:
-        for v in e.invars:
-            if isinstance(v, jcore.Var):
-                consumers.setdefault(v, []).append(e)
+    uses = consumers(j)
     frontier = list(rec.eqn.outvars)
     seen = set()
     while frontier:
@@ -133,27 +126,27 @@ def _use_dtype(rec: _Eqn, jaxpr: jcore.Jaxpr) -> str | None:
         if v in seen:
             continue
         seen.add(v)
-        for e in consumers.get(v, []):
+        for e in uses.get(v, []):
             name = e.primitive.name
             if name == "convert_element_type":
-                return _dt(e.params["new_dtype"])
-            if name in _PASS_THROUGH:
+                return dtype_name(e.params["new_dtype"])
+            if name in PASS_THROUGH:
                 frontier.extend(e.outvars)
     return None
 
 
-def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
+def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
                opt_dtypes: Sequence[str]) -> list[dict[str, Any]]:
-    """The rows of :meth:`jaxamp.AuditReport.seed_rows` (which documents them) for trace
+    """The rows of :meth:`jaxamp.AuditReport.reference_table` (which documents them) for trace
     ``t``; ``param_dtypes``/``opt_dtypes``: the float dtypes of the parameters and optimizer
     state (the "Parameter update" row). Empty without a trace."""
     if t is None:
         return []
     mods = t.modules
-    low = _dt(t.policy.compute_dtype)
+    low = dtype_name(t.policy.compute_dtype)
     recs = [r for r in t.records if r.dtypes]
     groups: dict[str, dict[str, Any]] = {
-        name: {"forward": set(), "backward": set(), "modules": set()} for name in _SEED_ROWS}
+        name: {"forward": set(), "backward": set(), "modules": set()} for name in _ROWS}
 
     def add(name, r, forward=True, backward=True):
         g = groups[name]
@@ -168,9 +161,9 @@ def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
     emb_fwd = None
     for r in recs:
         key, prim = r.key, r.prim
-        if prim in _MATMUL:
+        if prim in t.op_rules.matmul:
             if _is_embed(key, mods):
-                continue  # a tied head: not a seed row
+                continue  # a tied head: not a reference row
             if _is_qkv(key):
                 add("Q/K/V Linear", r)
             elif _is_attention(key, mods):
@@ -183,7 +176,7 @@ def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
             elif _is_ffn(key, mods):
                 add("FFN Linear", r)
             continue
-        if _is_norm(key, mods):
+        if is_norm(key, mods):
             if r.rounds:
                 add("LayerNorm", r)
             continue
@@ -193,15 +186,15 @@ def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
             emb_fwd = (table[0] if table else "-", out)
             groups["Embedding lookup"]["modules"].add(r.module)
             continue
-        sensitive = prim in _EXPLOG or (prim in _ACCUM and not r.count_sum)
-        if not key and r.module == _TOP:
+        sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
+        if not key and r.module == TOP_LEVEL:
             if (not r.backward and sensitive) or (r.backward and r.rounds):
                 add("CrossEntropy loss", r)
             continue
         if _is_attention(key, mods) and sensitive:
             add("Softmax", r)
     rows = []
-    for name in _SEED_ROWS:
+    for name in _ROWS:
         g = groups[name]
         if name == "Embedding lookup":
             if emb_fwd is None:
@@ -212,10 +205,10 @@ def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
             exp_f, exp_b = f"float32 -> {low}", low
         elif name == "Parameter update":
             fwd = "-"
-            bwd = _join(list(param_dtypes) + list(opt_dtypes))
+            bwd = join_dtypes(list(param_dtypes) + list(opt_dtypes))
             exp_f, exp_b = "-", "float32"
         else:
-            fwd, bwd = _join(g["forward"]), _join(g["backward"])
+            fwd, bwd = join_dtypes(g["forward"]), join_dtypes(g["backward"])
             compute = name in ("Q/K/V Linear", "Attention scores", "FFN Linear")
             exp_f = exp_b = low if compute else "float32"
         if not t.grad and name != "Parameter update":
@@ -225,6 +218,6 @@ def _seed_rows(t: _Trace | None, param_dtypes: Sequence[str],
                                                         or exp_b == "-"))
         rows.append({"row": name, "forward": fwd, "backward": bwd,
                      "expected_forward": exp_f, "expected_backward": exp_b, "ok": ok,
-                     "modules": sorted(g["modules"]), "note": _SEED_NOTES[name]})
+                     "modules": sorted(g["modules"]), "note": _NOTES[name]})
     return rows
 

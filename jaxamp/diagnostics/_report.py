@@ -2,8 +2,9 @@
 
 :func:`jaxamp.audit` and :func:`jaxamp.audit_step` both return an :class:`AuditReport`: the
 precision-table rows (with a coarse ``category`` per row), the :class:`Finding` s, and, for
-:func:`jaxamp.audit`, the trace the seed's §4 table is rebuilt from on demand
-(:meth:`AuditReport.seed_rows`, see :mod:`jaxamp._seed_table`). Output as a dict, JSON, Markdown
+:func:`jaxamp.audit`, the trace the reference table is rebuilt from on demand
+(:meth:`AuditReport.reference_table`, see :mod:`jaxamp.diagnostics._reference`). Output as a dict,
+JSON, Markdown
 (:func:`format_precision_table` for the plain table) or a rich console print.
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from typing import Any
 
-from jaxamp._audit_trace import _low, _low_leaves, _Trace
-from jaxamp._seed_table import _seed_rows
+from jaxamp.diagnostics._reference import reference_rows
+from jaxamp.diagnostics._trace import Trace, is_low, low_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,19 +28,28 @@ class Finding:
       module: the module path it concerns (``"(top level)"`` outside modules, ``"(params)"``,
         ``"(opt_state)"`` or ``"(train step)"`` for non-module findings).
       detail: a plain-English explanation with the likely fix.
-      seed_row: the seed §4 table row it concerns, if any (e.g. ``"LayerNorm"``).
+      reference_row: the reference-table row it concerns, if any (e.g. ``"LayerNorm"``).
     """
 
     kind: str
     module: str
     detail: str
-    seed_row: str | None = None
+    reference_row: str | None = None
+
+    @property
+    def seed_row(self) -> str | None:
+        """Deprecated name of :attr:`reference_row`."""
+        warnings.warn("Finding.seed_row is deprecated; use Finding.reference_row",
+                      DeprecationWarning, stacklevel=2)
+        return self.reference_row
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["seed_row"] = self.reference_row  # the key before 0.2, kept for readers of old JSON
+        return d
 
 
-def _group(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
+def group_findings(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
     """One Finding per (kind, module), merging details."""
     merged: dict[tuple[str, str], list] = {}
     for kind, module, detail, row in findings:
@@ -48,11 +59,11 @@ def _group(findings: list[tuple[str, str, str, str | None]]) -> list[Finding]:
     return [Finding(k, m, " ".join(d), row) for (k, m), (d, row) in merged.items()]
 
 
-def _storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, str | None]]:
-    """Raw findings (for :func:`_group`) for params / optimizer state stored in float16/bf16."""
+def storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, str | None]]:
+    """Raw findings (for :func:`group_findings`): params / optimizer state stored in f16/bf16."""
     raw = []
-    param_low = _low_leaves(params) if params is not None else []
-    opt_low = _low_leaves(opt_state) if opt_state is not None else []
+    param_low = low_leaves(params) if params is not None else []
+    opt_low = low_leaves(opt_state) if opt_state is not None else []
 
     def listing(low):
         more = f" and {len(low) - 4} more" if len(low) > 4 else ""
@@ -98,7 +109,7 @@ class AuditReport:
     rows: list[dict[str, str]]
     findings: list[Finding]
     policy: str
-    _trace: _Trace | None = dataclasses.field(default=None, repr=False)
+    _trace: Trace | None = dataclasses.field(default=None, repr=False)
     _param_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
     _opt_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
 
@@ -111,12 +122,21 @@ class AuditReport:
         """The set of finding kinds."""
         return {f.kind for f in self.findings}
 
-    # ---- the seed's §4 table -------------------------------------------------------------
+    # ---- the reference table -------------------------------------------------------------
     def seed_rows(self) -> list[dict[str, Any]]:
-        """The seed's §4 reference table, reproduced from the traced program.
+        """Deprecated name of :meth:`reference_table`."""
+        warnings.warn("AuditReport.seed_rows() is deprecated; use reference_table()",
+                      DeprecationWarning, stacklevel=2)
+        return self.reference_table()
 
-        Returns one dict per seed row, in the seed's order: ``row``, ``forward``, ``backward``
-        (dtypes actually used), ``expected_forward``, ``expected_backward`` (the seed's, with
+    def reference_table(self) -> list[dict[str, Any]]:
+        """What each part of a Transformer ran in vs what mixed precision wants, from the
+        traced program.
+
+        Returns one dict per row, in this order (embedding lookup, Q/K/V linear, attention
+        scores, softmax, LayerNorm, FFN linear, cross-entropy loss, parameter update):
+        ``row``, ``forward``, ``backward``
+        (dtypes actually used), ``expected_forward``, ``expected_backward`` (the reference's, with
         the policy's compute dtype for FP16), ``ok`` (``True``/``False``, ``None`` when the
         model has no such part), ``modules`` (the module paths that make up the row) and
         ``note``.
@@ -149,29 +169,30 @@ class AuditReport:
         * **Parameter update**: the dtypes of the parameters (``args[argnums]``) and of
           ``opt_state`` if given; forward ``-``.
         """
-        return _seed_rows(self._trace, self._param_dtypes, self._opt_dtypes)
+        return reference_rows(self._trace, self._param_dtypes, self._opt_dtypes)
 
     # ---- output --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "rows": self.rows,
                 "findings": [f.to_dict() for f in self.findings],
-                "seed_rows": self.seed_rows()}
+                "reference_table": (table := self.reference_table()),
+                "seed_rows": table}  # the key before 0.2, kept for readers of old JSON
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The report (rows, findings, seed rows) as a JSON string."""
+        """The report (rows, findings, reference table) as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_markdown(self) -> str:
-        """Findings, the seed table and the full precision table as Markdown."""
+        """Findings, the reference table and the full precision table as Markdown."""
         out = [f"## Precision audit ({self.policy})", ""]
         if self.findings:
             out += ["### Findings", ""]
             out += [f"- **{f.kind}** `{f.module}`: {f.detail}" for f in self.findings]
         else:
             out.append("No findings.")
-        seed = self.seed_rows()
+        seed = self.reference_table()
         if seed:
-            out += ["", "### Seed reference table (§4)", "",
+            out += ["", "### Mixed-precision reference table", "",
                     "| module / op | forward | backward | expected | ok |", "|---|---|---|---|---|"]
             for r in seed:
                 ok = {True: "yes", False: "**NO**", None: "n/a"}[r["ok"]]
@@ -187,9 +208,10 @@ class AuditReport:
         from rich.table import Table
 
         console = console or Console()
-        seed = self.seed_rows()
+        seed = self.reference_table()
         if seed:
-            t = Table(title=f"seed reference table ({self.policy})", title_justify="left")
+            t = Table(title=f"mixed-precision reference table ({self.policy})",
+                      title_justify="left")
             for col in ("module / op", "forward", "backward", "expected", "ok"):
                 t.add_column(col)
             for r in seed:
@@ -205,7 +227,7 @@ class AuditReport:
         for r in self.rows:
             if r.get("category") in ("cast", "elementwise"):
                 continue
-            style = "red" if _low(r["forward"].split(",") + r["backward"].split(",")) and \
+            style = "red" if is_low(r["forward"].split(",") + r["backward"].split(",")) and \
                 r.get("category") in ("softmax", "normalisation", "loss", "reduction") else None
             t.add_row(escape(r["module"]), r["op"], r["forward"], r["backward"], style=style)
         console.print(t)

@@ -1,9 +1,10 @@
 """``autocast``: run an unmodified JAX/Flax function under mixed-precision policies.
 
 How it works, in one paragraph: the function is traced once in its own (float32) dtypes to a
-jaxpr, with every Flax linen module call that matches a rule wrapped in a named scope
-``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated equation by equation, each primitive
-re-bound in the dtype its op rule and its region's policy ask for (see :mod:`jaxamp.rules`).
+jaxpr, with every Flax module call (linen, or NNX through :mod:`jaxamp.nnx_frontend`) that matches a
+rule wrapped in a named scope ``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated
+equation by equation, each primitive re-bound in the dtype its op rule and its region's policy
+ask for (see :mod:`jaxamp.rules`).
 Because the result is ordinary JAX code, ``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with
 it, and the backward pass follows the forward's dtypes (a float16 matmul has float16 gradient
 matmuls; the cast of a float32 parameter transposes into a float32 gradient).
@@ -37,6 +38,11 @@ branches agree on the widest output dtype, ``custom_jvp`` and ``custom_vjp`` fun
 their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
 ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
 traced (float32): correct, not accelerated.
+
+Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
+that primitive (:func:`_jitted_bind`), as ``jnp``'s own operators are, so that under
+``jax.grad`` JAX linearizes each (primitive, params, input types) once instead of once per
+equation; the walk itself is :func:`jaxamp._jaxpr.evaluate`, shared with the diagnostics.
 """
 
 from __future__ import annotations
@@ -57,19 +63,22 @@ import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp import _attention
+from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import (
     Tracer,
     bind_with_params,
     close_jaxpr,
     custom_vjp_name,
+    jit_inlines,
     mesh_is_set,
     open_jaxpr,
     scan_counts,
     source_context,
 )
+from jaxamp._jaxpr import all_consumers_accept, evaluate, name_stack
 from jaxamp._wgrad import dot_f32_weight_grads
-from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.policy_spec import DEFAULT_POLICY
+from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
 __all__ = ["REGION_MARKER", "autocast"]
 
@@ -145,6 +154,66 @@ def _saturating(x, dtype: np.dtype):
                       dtype)
 
 
+def _hashable_params(params: Mapping[str, Any]):
+    try:
+        key = tuple(params.items())
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _jitted_bind(prim, params_key):
+    """``prim.bind`` with these params as an inlined ``jax.jit`` call. Under autodiff, JAX
+    linearizes a jitted call once per (params, input types) and reuses the result (as it does
+    for ``jnp``'s own jitted operators), where a bare ``bind`` re-derives the linearization of
+    every equation; under ``make_jaxpr``/``jit`` tracing the call is inlined, so the program is
+    the same. Used only where JAX inlines such calls (:func:`jaxamp._compat.jit_inlines`)."""
+    params = dict(params_key)
+
+    def bound(*vals):
+        return prim.bind(*vals, **params)
+
+    bound.__name__ = prim.name
+    return jax.jit(bound, inline=True)
+
+
+def _bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
+    """``prim.bind(*vals, **params)``; through a cached jitted call when tracing."""
+    if jit_inlines() and any(isinstance(x, Tracer) for x in vals):
+        key = _hashable_params(params)
+        if key is not None:
+            return _jitted_bind(prim, key)(*vals)
+    return prim.bind(*vals, **params)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_convert(dtype: np.dtype):
+    return jax.jit(functools.partial(lax.convert_element_type, new_dtype=dtype), inline=True)
+
+
+def _convert(x, dtype):
+    """``lax.convert_element_type(x, dtype)``; a cached jitted call when tracing (see
+    :func:`_jitted_bind`)."""
+    if jit_inlines() and isinstance(x, Tracer):
+        return _jitted_convert(np.dtype(dtype))(x)
+    return lax.convert_element_type(x, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
+    return jax.jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype),
+                   inline=True)
+
+
+def _broadcast_convert(x, shape, dtype):
+    """``x`` broadcast to ``shape``, then cast (a cached jitted call when tracing)."""
+    if jit_inlines() and isinstance(x, Tracer):
+        return _jitted_broadcast_convert(tuple(shape), dtype)(x)
+    return lax.convert_element_type(jnp.broadcast_to(x, shape), dtype)
+
+
 def _cast(v: _Val, dtype) -> Any:
     """``v.val`` in ``dtype`` (cached: a value is cast to a given dtype at most once)."""
     dtype = np.dtype(dtype)
@@ -159,7 +228,7 @@ def _cast(v: _Val, dtype) -> Any:
         elif v.const and narrower:
             v.casts[dtype] = _saturating(v.val, dtype)
         else:
-            v.casts[dtype] = lax.convert_element_type(v.val, dtype)
+            v.casts[dtype] = _convert(v.val, dtype)
     return v.casts[dtype]
 
 
@@ -177,22 +246,8 @@ def _computes_f32(eqn, op_rules: OpRules, wants: set) -> bool:
 
 def _wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) -> set:
     """Vars whose every consumer computes in float32 (so they are best computed in float32)."""
-    consumers: dict[Any, list] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                consumers.setdefault(v, []).append(eqn)
-    wants: set = {v for v, w in zip(jaxpr.outvars, out_wants)
-                  if w and isinstance(v, jcore.Var)}
-    blocked = {v for v, w in zip(jaxpr.outvars, out_wants) if not w and isinstance(v, jcore.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        for out in eqn.outvars:
-            if out in blocked or out in wants:
-                continue
-            uses = consumers.get(out, [])
-            if uses and all(_computes_f32(u, op_rules, wants) for u in uses):
-                wants.add(out)
-    return wants
+    return all_consumers_accept(jaxpr, lambda eqn, wants: _computes_f32(eqn, op_rules, wants),
+                                out_wants)
 
 
 class _Regions:
@@ -208,10 +263,13 @@ class _Regions:
         self.attention = _attention.Recorder(self.call)  # its fused-attention calls
 
     def interceptor(self, next_fun, args, kwargs, context):
+        """A linen method interceptor, and an NNX one (:func:`jaxamp.nnx_frontend.intercept_calls`,
+        whose ``context`` carries the path an NNX module does not know)."""
         module = context.module
         if self.stack and self.stack[-1] is module:
             return next_fun(*args, **kwargs)  # a module calling its own methods: same region
-        policy, pattern = self.rules.match(module)
+        path = getattr(context, "path", None)
+        policy, pattern = self.rules.match(module, path)
         if pattern is not None:
             self.matched_patterns.add(pattern)
         self.stack.append(module)
@@ -219,7 +277,7 @@ class _Regions:
             if policy is None:
                 return next_fun(*args, **kwargs)
             self.policies.append(policy)
-            self.paths.append("/".join(str(p) for p in module.path))
+            self.paths.append(module_path(module, path))
             with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
                 return next_fun(*args, **kwargs)
         finally:
@@ -236,14 +294,25 @@ class _Evaluator:
         self.attention_calls = attention_calls  # jax.nn.dot_product_attention calls recorded
         self.call = call  # region markers of other autocast calls (nested ones) are ignored
         self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
+        self.marks: dict = {}  # name stack -> the region ids of this call's markers in it
 
     # ---- regions -------------------------------------------------------------------------
     def compute_dtype(self, region: tuple[int, ...]) -> np.dtype:
         return np.dtype(self.policies[region[-1] if region else 0].compute_dtype)
 
     def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
-        ids = [int(k) for c, k in REGION_MARKER.findall(str(eqn.source_info.name_stack))
-               if int(c) == self.call]
+        stack = eqn.source_info.name_stack  # equal for the equations of one scope: cache it
+        try:
+            ids = self.marks.get(stack)
+        except TypeError:  # pragma: no cover - an unhashable name stack
+            stack, ids = None, None
+        if ids is None:
+            ids = tuple(int(k) for c, k in REGION_MARKER.findall(name_stack(eqn))
+                        if int(c) == self.call)
+            if stack is not None:
+                self.marks[stack] = ids
+        if not ids:
+            return base
         return base + tuple(i for i in ids if i not in base)
 
     def crossing(self, v: _Val, region: tuple[int, ...]) -> np.dtype | None:
@@ -308,20 +377,12 @@ class _Evaluator:
                       for c in closed_consts or []]
         out_wants = out_wants or [False] * len(jaxpr.outvars)
         wants = _wants_f32(jaxpr, self.op_rules, out_wants)
-        env: dict[Any, _Val] = {}
-        for var, v in zip(jaxpr.constvars, consts):
-            env[var] = v
-        for var, v in zip(jaxpr.invars, args):
-            env[var] = v
 
-        def read(var) -> _Val:
-            if isinstance(var, jcore.Literal):
-                return _Val(var.val, True, True, base)
-            return env[var]
+        def literal(lit) -> _Val:
+            return _Val(lit.val, True, True, base)
 
-        for eqn in jaxpr.eqns:
+        def run_eqn(eqn, raw: list[_Val]) -> list[_Val]:
             region = self.region_of(eqn, base)
-            raw = [read(v) for v in eqn.invars]
             if eqn.primitive.name in _INLINE:
                 # An inlined call (jax.nn.silu, any @jax.jit helper) crosses no boundary of
                 # its own: its equations take each operand across as they use it, so a
@@ -332,11 +393,9 @@ class _Evaluator:
                 ins = [self.operand(v, region, f32_use) for v in raw]
             want32 = [o in wants for o in eqn.outvars]
             with source_context(eqn):
-                outs = self.eqn(eqn, ins, region, want32)
-            for var, out in zip(eqn.outvars, outs):
-                if not isinstance(var, jcore.DropVar):
-                    env[var] = out
-        return [read(v) for v in jaxpr.outvars]
+                return self.eqn(eqn, ins, region, want32)
+
+        return evaluate(jaxpr, consts, args, run_eqn, literal)
 
     def eqn(self, eqn, ins: list[_Val], region, want32: list[bool]) -> list[_Val]:
         name = eqn.primitive.name
@@ -429,14 +488,13 @@ class _Evaluator:
                 and all(a in (1, b) for a, b in zip(shape, out_shape))):
             key = ("broadcast", out_shape, np.dtype(dtype))
             if key not in v.casts:
-                wide = jnp.broadcast_to(v.val, out_shape)
-                v.casts[key] = lax.convert_element_type(wide, dtype)
+                v.casts[key] = _broadcast_convert(v.val, out_shape, np.dtype(dtype))
             return v.casts[key]
         return _cast(v, dtype)
 
     def bind(self, eqn, vals, region, *, params=None, stored=False, const=False) -> list[_Val]:
         params = eqn.params if params is None else params
-        out = eqn.primitive.bind(*vals, **params)
+        out = _bind(eqn.primitive, vals, params)
         outs = out if eqn.primitive.multiple_results else [out]
         return [_Val(o, stored, const, region) for o in outs]
 
@@ -690,14 +748,20 @@ def _linen_apply_module(fn) -> nn.Module | None:
     return None
 
 
-def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=float16,"
-             "output=float32", *, overrides: Mapping[Any, str | jmp.Policy] | None = None,
+def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
+             overrides: Mapping[Any, str | jmp.Policy] | None = None,
              op_rules: OpRules = DEFAULT_OP_RULES) -> Callable:
     """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
 
     ``fn`` is any JAX function, typically a Flax linen ``model.apply`` (then module rules
-    apply per module) or a loss. Its author writes no dtype code: matmuls/convolutions run in
-    the compute dtype; exp/log/softmax/logsumexp, sums and normalisation statistics in float32;
+    apply per module) or a loss; or a Flax NNX module (``autocast(model)(x)``), a function
+    taking NNX modules (``autocast(f)(model, x)``), or one that merges them from
+    ``nnx.split``'s ``(graphdef, state)``: module rules then apply per NNX module, by class or
+    by NNX path (``"blocks/3/attn"``). NNX models passed in are not traced into (copies are
+    merged inside the trace); Variables the call changes (BatchNorm statistics) are written
+    back to them, as calling the model would. Its author writes no dtype code:
+    matmuls/convolutions run in the compute dtype; exp/log/softmax/logsumexp, sums and
+    normalisation statistics in float32;
     float inputs (params) stay stored in their dtype and are cast where they are used, so
     gradients with respect to them come back in their dtype; integer inputs are never cast.
     The float outputs are cast to the policy's ``output_dtype``.
@@ -733,9 +797,33 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
                         f"{type(op_rules).__name__}. Use jaxamp.DEFAULT_OP_RULES.extend(...).")
     rules = ModuleRules.create(policy, overrides)
     apply_module = _linen_apply_module(fn)
+    if nnx_frontend.is_module(fn):  # autocast(model)(x): model(x), the model passed as an argument
+        model = fn
 
-    @functools.wraps(fn)
+        def fn(*args, **kwargs):
+            return args[0](*args[1:], **kwargs)
+
+        functools.update_wrapper(fn, type(model).__call__)
+        run = _autocast(fn, rules, op_rules, apply_module)
+
+        @functools.wraps(type(model).__call__)
+        def call_model(*args, **kwargs):
+            return run(model, *args, **kwargs)
+
+        return call_model
+    return functools.wraps(fn)(_autocast(fn, rules, op_rules, apply_module))
+
+
+def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
+              apply_module: nn.Module | None) -> Callable:
     def wrapped(*args, **kwargs):
+        modules = None
+        if any(nnx_frontend.is_module(x) for x in jax.tree_util.tree_leaves(
+                (args, kwargs), is_leaf=nnx_frontend.is_module)):
+            # NNX models are split: their state is traced, copies are merged inside the trace
+            # (the user's objects never hold tracers), and changed values are written back.
+            modules = nnx_frontend.ModuleArgs(args, kwargs)
+            args, kwargs = modules.split()
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
         regions = _Regions(rules)
@@ -746,8 +834,12 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
                 full[i] = x
             a, k = jax.tree_util.tree_unflatten(treedef, full)
             with nn.intercept_methods(regions.interceptor), \
+                    nnx_frontend.intercept_calls(regions.interceptor), \
                     _attention.recording(regions.attention):
-                return fn(*a, **k)
+                if modules is None:
+                    return fn(*a, **k)
+                copies, a, k = modules.merge(a, k)
+                return fn(*a, **k), modules.values(copies)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[leaves[i] for i in dyn])
@@ -761,16 +853,23 @@ def autocast(fn: Callable, policy: str | jmp.Policy = "params=float32,compute=fl
         _warn_unknown(evaluator.unknown)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         cast_mask = [True] * len(out_leaves)
-        if apply_module is not None and kwargs.get("mutable"):
+        if (apply_module is not None and kwargs.get("mutable")) or modules is not None:
+            # linen's updated collections / NNX models' Variables keep their stored dtypes
             n_first = len(jax.tree_util.tree_leaves(out_shape[0]))
             cast_mask = [i < n_first for i in range(len(out_leaves))]
         result = []
-        for v, do_cast in zip(outs, cast_mask):
-            if not do_cast or not v.is_float:
+        for v, do_cast, shape in zip(outs, cast_mask, out_leaves):
+            if not do_cast and modules is not None and v.is_float:
+                result.append(_cast(v, shape.dtype))  # a Variable keeps its dtype
+            elif not do_cast or not v.is_float:
                 result.append(v.val)
-                continue
-            result.append(_cast(v, rules.default.output_dtype))
-        return jax.tree_util.tree_unflatten(out_tree, result)
+            else:
+                result.append(_cast(v, rules.default.output_dtype))
+        out = jax.tree_util.tree_unflatten(out_tree, result)
+        if modules is None:
+            return out
+        modules.write_back(out[1])
+        return out[0]
 
     return wrapped
 

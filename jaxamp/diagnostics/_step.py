@@ -18,16 +18,16 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._audit_report import AuditReport, Finding, _group, _storage_findings
-from jaxamp._audit_trace import (
-    _clean_path,
-    _collect,
-    _dce,
-    _float_dtypes,
-    _rows,
-    _sub_io,
-)
 from jaxamp._compat import scan_counts
+from jaxamp._jaxpr import walk
+from jaxamp.diagnostics._report import AuditReport, Finding, group_findings, storage_findings
+from jaxamp.diagnostics._trace import (
+    clean_path,
+    collect_eqns,
+    dce,
+    float_dtypes,
+    table_rows,
+)
 
 
 class _Graph:
@@ -36,9 +36,9 @@ class _Graph:
     def __init__(self, jaxpr: jcore.Jaxpr):
         self.preds: dict = {}
         self.producer: dict = {}
-        self.eqns: list[tuple[Any, str]] = []
+        self.leaves: list[tuple[Any, str]] = []  # (equation, name stack)
         self.outer: dict = {}  # a sub-jaxpr's input var -> the caller's var it is bound to
-        self._build(jaxpr, "")
+        self._build(jaxpr)
 
     def canonical(self, v):
         """The outermost var a sub-jaxpr input stands for (a loss scale passed into a
@@ -50,41 +50,39 @@ class _Graph:
     def _edge(self, dst, srcs):
         self.preds.setdefault(dst, []).extend(s for s in srcs if isinstance(s, jcore.Var))
 
-    def _build(self, j: jcore.Jaxpr, prefix: str):
-        for eqn in j.eqns:
-            stack = str(eqn.source_info.name_stack)
-            full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-            subs = _sub_io(eqn)
-            if subs:
-                mapped = True
-                for sub, sin, sout in subs:
-                    for v, o in zip(sub.invars, sin):
-                        if o is None:
-                            mapped = False
-                            self._edge(v, eqn.invars)
-                        else:
-                            self._edge(v, [o])
-                            self.outer[v] = o
-                    for v, o in zip(sub.outvars, sout):
-                        if o is not None:
-                            self._edge(o, [v])
-                    if eqn.primitive.name in ("scan", "while"):  # loop-carried values
-                        if eqn.primitive.name == "scan":
-                            first, nc = scan_counts(eqn.params)
-                        else:
-                            first, nc = len(sub.invars) - len(sub.outvars), len(sub.outvars)
-                        for k in range(nc):
-                            if first + k < len(sub.invars) and k < len(sub.outvars):
-                                self._edge(sub.invars[first + k], [sub.outvars[k]])
-                    self._build(sub, full)
-                if not mapped or any(o is None for _, _, so in subs for o in so):
-                    for o in eqn.outvars:
-                        self._edge(o, eqn.invars)
-                continue
-            self.eqns.append((eqn, full))
+    def _build(self, jaxpr: jcore.Jaxpr) -> None:
+        def enter(eqn, sub, stack) -> None:
+            for v, o in zip(sub.jaxpr.invars, sub.ins):
+                if o is None:
+                    self._edge(v, eqn.invars)
+                else:
+                    self._edge(v, [o])
+                    self.outer[v] = o
+            for v, o in zip(sub.jaxpr.outvars, sub.outs):
+                if o is not None:
+                    self._edge(o, [v])
+            if eqn.primitive.name in ("scan", "while"):  # loop-carried values
+                if eqn.primitive.name == "scan":
+                    first, nc = scan_counts(eqn.params)
+                else:
+                    first, nc = len(sub.jaxpr.invars) - len(sub.jaxpr.outvars), \
+                        len(sub.jaxpr.outvars)
+                for k in range(nc):
+                    if first + k < len(sub.jaxpr.invars) and k < len(sub.jaxpr.outvars):
+                        self._edge(sub.jaxpr.invars[first + k], [sub.jaxpr.outvars[k]])
+
+        def leave(eqn, subs, stack) -> None:
+            if any(o is None for s in subs for o in (*s.ins, *s.outs)):
+                for o in eqn.outvars:
+                    self._edge(o, eqn.invars)
+
+        def leaf(eqn, stack) -> None:
+            self.leaves.append((eqn, stack))
             for o in eqn.outvars:
                 self._edge(o, eqn.invars)
                 self.producer[o] = eqn
+
+        walk(jaxpr, leaf, enter=enter, leave=leave)
 
     def ancestors(self, roots) -> set:
         seen: set = set()
@@ -103,7 +101,7 @@ def _shape(v) -> tuple:
 
 
 def _is_float_var(v) -> bool:
-    return bool(_float_dtypes([v]))
+    return bool(float_dtypes([v]))
 
 
 def _scalar_key(v, g: _Graph):
@@ -122,7 +120,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     g = _Graph(jaxpr)
     # 1. global norms: scalar sqrt of a sum
     norms = []
-    for eqn, stack in g.eqns:
+    for eqn, stack in g.leaves:
         if eqn.primitive.name == "sqrt" and _shape(eqn.outvars[0]) == () \
                 and _is_float_var(eqn.outvars[0]):
             anc = g.ancestors(eqn.invars)
@@ -141,7 +139,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     # 2. loss-scale candidates: scalars multiplied with another scalar (the loss, or the
     # cotangent seed) that also divide non-scalar values (directly or via a reciprocal)
     scalar_mul: set = set()
-    for eqn, _ in g.eqns:
+    for eqn, _ in g.leaves:
         if eqn.primitive.name == "mul" and len(eqn.invars) == 2 and \
                 all(_shape(v) == () for v in eqn.invars):
             for a in eqn.invars:
@@ -159,7 +157,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
         return v
 
     unscale: list[tuple[Any, Any]] = []  # (eqn, the tensor operand)
-    for eqn, _ in g.eqns:
+    for eqn, _ in g.leaves:
         name = eqn.primitive.name
         if name == "div" and len(eqn.invars) == 2:
             x, s = eqn.invars
@@ -183,7 +181,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     for n, stack, anc in norms:
         if anc & unscaled_outs:
             continue  # the norm reads unscaled gradients: correct order
-        module, _ = _clean_path(stack)
+        module, _ = clean_path(stack)
         later = [e for e, x in unscale if n.outvars[0] in g.ancestors([x])]
         if later:
             found.append(Finding(
@@ -192,7 +190,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 "loss scale, and the gradients it clips are divided by the scale only "
                 f"afterwards ({len(later)} unscale op(s) depend on that norm). Clipping "
                 "scaled gradients shrinks the clip threshold by the scale and over-suppresses "
-                "every update (seed §2 step 5, mistake 3). Unscale first "
+                "every update. Unscale first "
                 "(grads = loss_scale.unscale(grads)), then clip (optax.clip_by_global_norm), "
                 "or use jaxamp.make_train_step(clip_norm=...)."))
         else:
@@ -202,7 +200,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 "the loss scale and is not followed by their unscaling: a logged grad norm "
                 "(or a clip) on scaled gradients is off by the scale factor. Compute it after "
                 "loss_scale.unscale(grads)."))
-    return _group([(f.kind, f.module, f.detail, None) for f in found])
+    return group_findings([(f.kind, f.module, f.detail, None) for f in found])
 
 
 def audit_step(step_fn: Callable, *args: Any, params: Any = None,
@@ -238,17 +236,17 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
       params, opt_state: optional trees checked for float16/bfloat16 storage.
 
     Returns:
-      An :class:`AuditReport` (its ``seed_rows()`` is empty: module policies are unknown).
+      An :class:`AuditReport` (its ``reference_table()`` is empty: module policies are unknown).
     """
     closed = jax.make_jaxpr(step_fn)(*args)
-    jaxpr, _ = _dce(closed.jaxpr)
-    records = _collect(jaxpr, [False] * len(jaxpr.invars))
-    out_dtypes = sorted({n for n in _float_dtypes(jaxpr.outvars)})
-    rows = _rows(records, out_dtypes)
+    jaxpr, _ = dce(closed.jaxpr)
+    records = collect_eqns(jaxpr, [False] * len(jaxpr.invars))
+    out_dtypes = sorted({n for n in float_dtypes(jaxpr.outvars)})
+    rows = table_rows(records, out_dtypes)
     for row in rows:
         row["category"] = {"matmul": "matmul", "conv": "matmul", "cast": "cast",
                            "gather": "gather", "output": "output",
                            "reduction": "reduction"}.get(row["op"], "elementwise")
     findings = _clip_findings(jaxpr)
-    storage = _group(_storage_findings(params, opt_state))
+    storage = group_findings(storage_findings(params, opt_state))
     return AuditReport(rows, storage + findings, "(train step)", None)

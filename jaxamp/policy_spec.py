@@ -1,0 +1,161 @@
+"""Policy strings without JAX: the one parser, the default policy, the loss-scaling rule.
+
+Everything that reads a policy string goes through :func:`parse`: :func:`jaxamp.get_policy` (which
+turns the names into a :class:`jmp.Policy`), the train step's default loss scale, and
+``python -m jaxamp.review``, which reads the ``policy`` a run logged and must not import JAX.
+
+Example:
+    >>> parse("p=f32,c=bf16")
+    {'params': 'float32', 'compute': 'bfloat16', 'output': 'bfloat16'}
+    >>> to_str(parse("f32"))
+    'params=float32,compute=float32,output=float32'
+    >>> loss_scaling(parse(DEFAULT_POLICY)["compute"])
+    'dynamic'
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "FIELDS", "HALF", "loss_scaling", "parse", "to_str"]
+
+#: What jaxamp uses when no policy is given: float32 master weights, float16 compute, float32
+#: outputs (with dynamic loss scaling, see :func:`loss_scaling`).
+DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
+
+#: The three fields of a policy, in the order :func:`to_str` writes them.
+FIELDS = ("params", "compute", "output")
+
+#: Accepted dtype names (lower case) -> canonical name. ``"half"`` is resolved by
+#: :func:`jaxamp.get_policy` from the backend (bfloat16 on TPU, float16 elsewhere).
+DTYPE_ALIASES = {
+    "float32": "float32", "f32": "float32", "full": "float32",
+    "float16": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+#: The backend-dependent half-precision name.
+HALF = "half"
+
+_KEYS = {
+    "params": "params",
+    "p": "params",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+}
+_NON_FLOAT_NAMES = frozenset(
+    {"bool", "complex64", "complex128", "c64", "c128"}
+    | {f"{p}{n}" for p in ("int", "uint", "i", "u") for n in (4, 8, 16, 32, 64)}
+)
+_FLOAT64_NAMES = frozenset({"float64", "f64", "double"})
+
+ALLOWED_DTYPES = "Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half."
+_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o."
+EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
+
+
+def _error(message: str, *hints: str) -> ValueError:
+    return ValueError(" ".join((message, *hints, EXAMPLE)))
+
+
+def _parse_dtype(value: str, part: str, spec: str) -> str:
+    name = value.strip().lower()
+    where = f"'{value.strip()}' in '{part.strip()}'"
+    if not name:
+        raise _error(f"Empty dtype in '{part.strip()}' of '{spec}'.", ALLOWED_DTYPES)
+    if name == HALF:
+        return HALF
+    if name in DTYPE_ALIASES:
+        return DTYPE_ALIASES[name]
+    if name in _FLOAT64_NAMES:
+        raise _error(
+            f"Unsupported dtype {where}: JAX computes in float64 only with jax_enable_x64, "
+            "and mixed precision has no use for it.",
+            ALLOWED_DTYPES,
+        )
+    if name in _NON_FLOAT_NAMES:
+        raise _error(
+            f"Dtype {where} is not a floating type; policies only cast floating-point values.",
+            ALLOWED_DTYPES,
+        )
+    raise _error(f"Unknown dtype {where}.", ALLOWED_DTYPES)
+
+
+def parse(spec: str) -> dict[str, str]:
+    """Parses a policy string into canonical dtype names ``{"params", "compute", "output"}``.
+
+    The grammar is jmp's: a bare dtype name, which sets all three, or comma-separated
+    ``key=dtype`` parts (keys ``params``/``p``, ``compute``/``c``, ``output``/``o``, each at
+    most once). Names are case-insensitive; whitespace is ignored. Unset values default as in
+    jmp: params to float32, compute to params, output to compute. ``half`` stays ``"half"``.
+
+    Raises:
+        TypeError: ``spec`` is not a string.
+        ValueError: the string is malformed; the message names the bad part, what is allowed,
+            and gives a valid example.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"Policy must be a str or jmp.Policy, got {type(spec).__name__}: {spec!r}. {EXAMPLE}"
+        )
+    if not spec.strip():
+        raise _error(
+            f"Empty policy string {spec!r}.",
+            "Give a dtype name or comma-separated key=dtype parts.",
+            _ALLOWED_KEYS,
+            ALLOWED_DTYPES,
+        )
+
+    if "=" not in spec and "," not in spec:
+        dtype = _parse_dtype(spec, spec, spec)
+        return {"params": dtype, "compute": dtype, "output": dtype}
+
+    dtypes: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for index, part in enumerate(spec.split(","), start=1):
+        if not part.strip():
+            raise _error(
+                f"Empty part #{index} in '{spec}' (stray or trailing comma?).",
+                "Each part must be key=dtype.",
+                _ALLOWED_KEYS,
+            )
+        if part.count("=") != 1:
+            problem = "has more than one '=' (missing comma?)" if "=" in part else "is missing '='"
+            raise _error(
+                f"Part '{part.strip()}' in '{spec}' {problem}; each part must be key=dtype.",
+                _ALLOWED_KEYS,
+                ALLOWED_DTYPES,
+            )
+        raw_key, value = part.split("=")
+        key = raw_key.strip().lower()
+        if not key:
+            raise _error(f"Empty key in '{part.strip()}' of '{spec}'.", _ALLOWED_KEYS)
+        if key not in _KEYS:
+            raise _error(
+                f"Unknown policy key '{raw_key.strip()}' in '{part.strip()}'.", _ALLOWED_KEYS
+            )
+        field = _KEYS[key]
+        if field in seen:
+            raise _error(
+                f"Duplicate policy key '{raw_key.strip()}' in '{spec}': {field} is already set "
+                f"by '{seen[field]}'. Each of params/p, compute/c, output/o may appear once."
+            )
+        seen[field] = part.strip()
+        dtypes[field] = _parse_dtype(value, part, spec)
+
+    params = dtypes.get("params", "float32")
+    compute = dtypes.get("compute", params)
+    return {"params": params, "compute": compute, "output": dtypes.get("output", compute)}
+
+
+def to_str(names: dict[str, str]) -> str:
+    """The canonical full form of :func:`parse`'s result, which :func:`parse` reads back."""
+    return ",".join(f"{field}={names[field]}" for field in FIELDS)
+
+
+def loss_scaling(compute: str) -> str:
+    """The loss scaling a compute dtype needs by default: ``"dynamic"`` for float16 (its
+    gradients underflow below ~6e-8), ``"none"`` for bfloat16/float32 (float32's exponent
+    range). The one place this rule is written; :func:`jaxamp.default_loss_scale` and the
+    example's ``--loss-scale auto`` use it."""
+    return "dynamic" if DTYPE_ALIASES.get(compute.strip().lower()) == "float16" else "none"

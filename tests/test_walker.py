@@ -1,0 +1,132 @@
+"""One walker, one taxonomy: only ``jaxamp/_jaxpr.py`` reads jaxpr equations, and the audit's
+expectations come from the same ``OpRules`` autocast ran by."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp._jaxpr import iter_eqns
+from jaxamp.diagnostics._audit import _findings
+from jaxamp.diagnostics._trace import trace_model
+
+F16 = "params=float32,compute=float16,output=float32"
+PACKAGE = pathlib.Path(jaxamp.__file__).parent
+
+
+def test_only_the_walker_module_reads_jaxpr_equations():
+    readers = set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(n, ast.Attribute) and n.attr == "eqns" for n in ast.walk(tree)):
+            readers.add(path.relative_to(PACKAGE).as_posix())
+    assert readers == {"_jaxpr.py"}
+
+
+class TanhMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(jnp.tanh(nn.Dense(8)(x)))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    model = TanhMLP()
+    x = jnp.ones((2, 3), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+    return model, params, x
+
+
+def _in_dtypes(jaxpr, prim):
+    return {str(v.aval.dtype) for e in iter_eqns(jaxpr) if e.primitive.name == prim
+            for v in e.invars}
+
+
+def _kinds(findings, word):
+    return {f.kind for f in findings if word in f.detail}
+
+
+def _trace(model, params, x, rules):
+    return trace_model(model.apply, (params, x), policy=F16, overrides=None, op_rules=rules,
+                       argnums=0)
+
+
+def test_user_fp32_op_autocast_and_audit_agree(mlp):
+    model, params, x = mlp
+    rules = jaxamp.DEFAULT_OP_RULES.extend(fp32={"tanh"})
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(model.apply, F16, op_rules=rules))(params, x)
+    assert _in_dtypes(jaxpr, "tanh") == {"float32"}
+    default = jax.make_jaxpr(jaxamp.autocast(model.apply, F16))(params, x)
+    assert _in_dtypes(default, "tanh") == {"float16"}
+
+    # what autocast did by the user's rules is what the audit expects: no finding
+    report = jaxamp.audit(model.apply, params, x, policy=F16, op_rules=rules)
+    assert not _kinds(report.findings, "tanh")
+    # a program traced under the default rules, checked against the user's: tanh ran low
+    t_default = _trace(model, params, x, jaxamp.DEFAULT_OP_RULES)
+    assert _kinds(_findings(t_default, None, None, rules), "tanh") == {"fp32_op_low_precision"}
+    assert not _kinds(_findings(t_default, None, None), "tanh")  # by its own rules: fine
+
+
+def test_moved_matmul_autocast_and_audit_agree(mlp):
+    model, params, x = mlp
+    rules = jaxamp.DEFAULT_OP_RULES.extend(fp32={"dot_general"})  # matmuls in float32
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(model.apply, F16, op_rules=rules))(params, x)
+    assert _in_dtypes(jaxpr, "dot_general") == {"float32"}
+    t = _trace(model, params, x, rules)
+    assert t.op_rules is rules
+    assert not _findings(t, None, None)  # dot_general is no matmul under these rules
+    by_default = {f.kind for f in _findings(t, None, None, jaxamp.DEFAULT_OP_RULES)}
+    assert by_default == {"matmul_f32_in_low_precision_region"}
+    assert not [f for f in jaxamp.audit(model.apply, params, x, policy=F16,
+                                        op_rules=rules).findings
+                if f.kind == "matmul_f32_in_low_precision_region"]
+
+
+def test_audit_and_rules_share_the_op_lists():
+    from jaxamp.diagnostics import _trace
+    from jaxamp.rules import FP32_PRIMITIVES, MATMUL_PRIMITIVES
+
+    assert _trace.EXPLOG <= FP32_PRIMITIVES and _trace.ACCUM <= FP32_PRIMITIVES
+    assert {"exp2", "log2"} <= _trace.EXPLOG
+    assert "ragged_dot_general" in MATMUL_PRIMITIVES
+    assert not hasattr(_trace, "MATMUL")  # the audit reads matmuls from the OpRules
+
+
+def test_walk_maps_sub_program_inputs_to_caller_vars():
+    from jaxamp._jaxpr import sub_programs, walk
+
+    @jax.jit
+    def inner(a, b):
+        return jnp.sin(a) * b
+
+    def f(x, y):
+        return jax.lax.scan(lambda c, z: (inner(c, z), None), x, y)[0]
+
+    closed = jax.make_jaxpr(f)(np.ones(3, np.float32), np.ones((2, 3), np.float32))
+    (scan,) = [e for e in iter_eqns(closed) if e.primitive.name == "scan"]
+    (body,) = sub_programs(scan)
+    assert body.ins == list(scan.invars) and body.outs == list(scan.outvars)
+    seen, entered = [], []
+    walk(closed, lambda e, stack: seen.append(e.primitive.name),
+         enter=lambda e, sub, stack: entered.append(e.primitive.name))
+    assert seen == ["sin", "mul"]
+    assert entered in (["scan", "pjit"], ["scan", "jit"])  # the primitive's name by version
+
+
+def test_rebinding_leaves_no_call_per_primitive(mlp):
+    """autocast binds primitives through cached jitted calls where JAX inlines them
+    (``_compat.jit_inlines``): the program autocast produces has no call per primitive."""
+    model, params, x = mlp
+    amp = jaxamp.autocast(lambda p, x: jnp.sum(model.apply(p, x)), F16)
+    for closed in (jax.make_jaxpr(amp)(params, x),
+                   jax.make_jaxpr(jax.value_and_grad(amp))(params, x)):
+        calls = [e for e in iter_eqns(closed) if e.primitive.name in ("jit", "pjit")]
+        assert not calls, [e.params.get("name") for e in calls]
