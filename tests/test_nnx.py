@@ -381,40 +381,6 @@ def test_nnx_step_matches_an_independent_float32_sgd_reference():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_nnx_and_linen_train_steps_agree():
-    linen, variables, ids, model = _twins()
-
-    def linen_loss(apply_fn, params, batch):
-        return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, batch["ids"]),
-                                            batch["ids"])
-
-    def nnx_loss(model, batch):
-        return jaxamp.softmax_cross_entropy(model(batch["ids"]), batch["ids"])
-
-    # float32: the same step to rounding, params and BatchNorm statistics (the float16
-    # numerics of the two front ends are compared in test_nnx_and_linen_twins_...)
-    for policy, ls, tol, ptol in [(F32, jaxamp.NoOpLossScale(), 1e-5, 1e-4)]:
-        lstate = jaxamp.TrainState.create(linen, variables, optax.sgd(0.3), policy=policy,
-                                          loss_scale=ls)
-        nstate = jaxamp.TrainState.create(model, tx=optax.sgd(0.3), policy=policy,
-                                          loss_scale=ls)
-        lstep = jaxamp.make_train_step(linen, linen_loss)
-        nstep = jaxamp.make_train_step(model, nnx_loss)
-        for _ in range(3):
-            lstate, lm = lstep(lstate, {"ids": ids})
-            nstate, nm = nstep(nstate, {"ids": ids})
-            assert abs(float(lm["loss"] - nm["loss"])) <= tol * float(lm["loss"])
-        scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(lstate.params))
-        for a, b in zip(jax.tree.leaves(nstate.params), jax.tree.leaves(lstate.params),
-                        strict=True):  # relative to the params' scale
-            assert float(jnp.max(jnp.abs(a - b))) <= ptol * scale
-        for a, b in zip(jax.tree.leaves(nstate.collections), jax.tree.leaves(
-                lstate.collections), strict=True):
-            assert _rel(a, b) <= ptol
-    eval_step = jaxamp.make_eval_step(model, lambda m, b: nnx_loss(m, b))
-    assert abs(float(eval_step(nstate, {"ids": ids}) - nm["loss"])) < 1.0
-
-
 def test_bad_nnx_inputs_are_rejected_before_jit():
     model = BNNet(rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"params and tx are required.*NNX model: "
