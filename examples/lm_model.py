@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "flops_per_token", "init_params", "param_count"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "causal_attention", "flops_per_token", "init_params",
+           "param_count"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,19 @@ PRESETS: dict[str, GPTConfig] = {
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
+def causal_attention(qkv, n_head: int):
+    """softmax(Q K^T / sqrt(head dim) + causal mask) V from the fused projection ``[b, t, 3d]``
+    to ``[b, t, d]``: the hand-written attention of both model files (linen and NNX)."""
+    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    hd = d // n_head
+    q, k, v = (z.reshape(b, t, n_head, hd) for z in jnp.split(qkv, 3, axis=-1))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, written out by hand."""
 
@@ -85,18 +99,8 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        b, t, d = x.shape
-        hd = d // self.n_head
-        qkv = nn.Dense(3 * d, kernel_init=_INIT, name="qkv")(x)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q = q.reshape(b, t, self.n_head, hd)
-        k = k.reshape(b, t, self.n_head, hd)
-        v = v.reshape(b, t, self.n_head, hd)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        d = x.shape[-1]
+        out = causal_attention(nn.Dense(3 * d, kernel_init=_INIT, name="qkv")(x), self.n_head)
         # GPT-2: residual projections start smaller, by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(stddev=0.02 / math.sqrt(2 * self.n_layer))
         return nn.Dense(d, kernel_init=proj_init, name="proj")(out)

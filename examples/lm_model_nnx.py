@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from lm_model import PRESETS, GPTConfig  # noqa: F401  (the same configurations)
+from lm_model import PRESETS, GPTConfig, causal_attention  # noqa: F401  (the same configs)
 
 __all__ = ["GPT", "GPTModel", "init_params"]
 
@@ -39,18 +38,7 @@ class CausalSelfAttention(nnx.Module):
         self.proj = nnx.Linear(d, d, kernel_init=_proj_init(n_layer), rngs=rngs)
 
     def __call__(self, x):
-        b, t, d = x.shape
-        hd = d // self.n_head
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
-        q = q.reshape(b, t, self.n_head, hd)
-        k = k.reshape(b, t, self.n_head, hd)
-        v = v.reshape(b, t, self.n_head, hd)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-        return self.proj(out)
+        return self.proj(causal_attention(self.qkv(x), self.n_head))
 
 
 class MLP(nnx.Module):
