@@ -338,17 +338,7 @@ class StaticLossScale(_LossScaleBase):
         """Always ``False`` (bool array): a static scale has no floor."""
         return jnp.zeros(jnp.shape(self.loss_scale), bool)
 
-    def adjust(self, grads_finite: Any) -> StaticLossScale:
-        """Returns ``self`` unchanged.
-
-        Args:
-            grads_finite: Ignored.
-
-        Returns:
-            ``self``.
-        """
-        del grads_finite
-        return self
+    adjust = NoOpLossScale.adjust  # a fixed scale: returns ``self`` unchanged
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)

@@ -178,13 +178,14 @@ def test_metrics_format_round_trip_and_torn_lines(tmp_path):
 
 def _blocks(path: Path, size: int):
     """(six stripped lines, (file, line)) for every window of ``size`` non-trivial lines."""
-    lines = [line.strip() for line in path.read_text().splitlines()]
-    for i in range(len(lines) - size + 1):
-        window = lines[i:i + size]
-        # code, not blank lines, comments, doctest prompts, imports or a bracket alone
+    numbered = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1)
+                if line.strip()]  # blank lines do not break a repeated block
+    for i in range(len(numbered) - size + 1):
+        window = [w for _, w in numbered[i:i + size]]
+        # code and docstrings, not comments, doctest prompts, imports or a bracket alone
         if all(len(w) > 3 and not w.startswith(("#", ">>>", "...", "import ", "from "))
                for w in window):
-            yield tuple(window), (str(path.relative_to(ROOT)), i + 1)
+            yield tuple(window), (str(path.relative_to(ROOT)), numbered[i][0])
 
 
 def test_no_block_of_six_lines_is_repeated_inside_the_package():
