@@ -8,12 +8,18 @@ import jax.numpy as jnp
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_usage_snippet_runs():
+def _run_snippet(heading: str) -> dict:
+    """Runs the first Python block after ``heading``; returns its variables."""
     text = README.read_text()
-    usage = text[text.index("## Usage"):]
-    code = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    section = text[text.index(heading):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
+    return scope
+
+
+def test_usage_snippet_runs():
+    scope = _run_snippet("## Usage")
     metrics = scope["metrics"]
     assert metrics["loss"].dtype == jnp.float32 and bool(jnp.isfinite(metrics["loss"]))
     state = scope["state"]
@@ -23,10 +29,6 @@ def test_usage_snippet_runs():
 
 
 def test_nnx_snippet_runs():
-    text = README.read_text()
-    section = text[text.index("## Flax NNX"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    scope = _run_snippet("## Flax NNX")
     assert int(scope["state"].step) == 1 and bool(jnp.isfinite(scope["metrics"]["loss"]))
     assert scope["logits"].dtype == jnp.float32 and scope["logits"].shape == (32, 10)
