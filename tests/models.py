@@ -9,6 +9,18 @@ import jax.numpy as jnp
 import jaxamp
 
 
+def causal_attention(qkv, heads: int):
+    """softmax(Q K^T / sqrt(head dim) + causal mask) V from a fused ``[b, t, 3d]`` projection:
+    the hand-written attention of the linen test model and its NNX twin."""
+    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    q, k, v = (z.reshape(b, t, heads, d // heads) for z in jnp.split(qkv, 3, axis=-1))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // heads)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+
+
 class HandAttention(nn.Module):
     """Causal self-attention written by hand with jax.nn.softmax."""
 
@@ -16,18 +28,9 @@ class HandAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        b, t, d = x.shape
-        qkv = nn.Dense(3 * d, name="qkv")(x)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q = q.reshape(b, t, self.heads, d // self.heads)
-        k = k.reshape(b, t, self.heads, d // self.heads)
-        v = v.reshape(b, t, self.heads, d // self.heads)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-        return nn.Dense(d, name="proj")(out)
+        d = x.shape[-1]
+        return nn.Dense(d, name="proj")(causal_attention(nn.Dense(3 * d, name="qkv")(x),
+                                                         self.heads))
 
 
 class Block(nn.Module):

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from models import causal_attention
 
 
 class HandAttention(nnx.Module):
@@ -18,17 +19,7 @@ class HandAttention(nnx.Module):
         self.proj = nnx.Linear(d, d, rngs=rngs)
 
     def __call__(self, x):
-        b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
-        q = q.reshape(b, t, self.heads, d // self.heads)
-        k = k.reshape(b, t, self.heads, d // self.heads)
-        v = v.reshape(b, t, self.heads, d // self.heads)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-        return self.proj(out)
+        return self.proj(causal_attention(self.qkv(x), self.heads))
 
 
 class Block(nnx.Module):
