@@ -75,24 +75,43 @@ UNDERFLOW_FRACTION = 0.01
 
 def _device_summary(x, scale: float):
     """[max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24), #(0<|x*scale|<2^-24),
-    #(0<|x|<tiny(dtype)), #values, #saturated] for one array, computed on its devices (a
-    global array is reduced where it lives, then only these 8 numbers leave them).
+    #(0<|x|<tiny(dtype)), #values, #saturated] of each ``x[i]`` (a ``[k, 8]`` result for a
+    ``[k, ...]`` stack of same-shaped arrays), computed on the devices that hold ``x``: a
+    global array is reduced where it lives, then only these numbers leave them.
 
     Values exactly at the dtype's largest finite magnitude (``finfo.min`` masks, autocast's
     saturated constants) are *saturated*: counted apart and left out of the max."""
     info = jnp.finfo(x.dtype)
-    a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], math.prod(x.shape[1:]))
     fin = jnp.isfinite(a)
     sat = fin & (a >= jnp.float32(info.max))
     nz = fin & (a > 0)
     scaled = a * jnp.float32(scale)
 
     def count(m):
-        return jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
+        return jnp.sum(m, axis=1, dtype=jnp.int32).astype(jnp.float32)
     return jnp.stack([
-        jnp.max(jnp.where(fin & ~sat, a, 0.0), initial=0.0), count(~fin), count(nz & ~sat),
-        count(nz & (a < F16_MIN_SUBNORMAL)), count(nz & (scaled < F16_MIN_SUBNORMAL)),
-        count(nz & (a < float(info.tiny))), jnp.float32(a.size), count(sat)])
+        jnp.max(jnp.where(fin & ~sat, a, 0.0), axis=1, initial=0.0), count(~fin),
+        count(nz & ~sat), count(nz & (a < F16_MIN_SUBNORMAL)),
+        count(nz & (scaled < F16_MIN_SUBNORMAL)), count(nz & (a < float(info.tiny))),
+        jnp.full(a.shape[:1], a.shape[1], jnp.float32), count(sat)], axis=1)
+
+
+def _device_summaries(xs, scale: float):
+    """:func:`_device_summary` of every array in ``xs`` (in a jit), as one ``[n, 8]`` array in
+    the order of ``xs``. Arrays of one shape and dtype are stacked and reduced together: one
+    reduction per kind of value instead of one per value keeps the program small (its
+    compile time grows with the number of reductions), at the price of keeping those values
+    alive until the end of the program."""
+    if not xs:
+        return jnp.zeros((0, 8), jnp.float32)
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault((tuple(x.shape), np.dtype(x.dtype)), []).append(i)
+    order = [i for idx in groups.values() for i in idx]
+    stats = jnp.concatenate([_device_summary(jnp.stack([xs[i] for i in idx]), scale)
+                             for idx in groups.values()])
+    return stats[np.argsort(np.asarray(order))]
 
 
 def _to_host(x) -> np.ndarray:
@@ -101,11 +120,10 @@ def _to_host(x) -> np.ndarray:
 
 
 def _summaries(xs, scale: float) -> list[np.ndarray]:
-    """:func:`_device_summary` of each array, reduced on device under one jit."""
+    """:func:`_device_summaries` of the arrays ``xs``, on the host."""
     if not xs:
         return []
-    stacked = jax.jit(lambda xs: jnp.stack([_device_summary(x, scale) for x in xs]))(list(xs))
-    return list(_to_host(stacked))
+    return list(_to_host(jax.jit(lambda xs: _device_summaries(xs, scale))(list(xs))))
 
 
 def _is_float(x) -> bool:
@@ -258,8 +276,7 @@ def _interpret(closed, flat_args, modules, scale: float):
         outs = ev.run(jaxpr, consts, args)
         # every value's statistics reduced here, on the devices that hold it: only the
         # small [n, 8] table leaves them
-        stats = (jnp.stack([_device_summary(v, scale) for v in ev.values]) if ev.values
-                 else jnp.zeros((0, 8), jnp.float32))
+        stats = _device_summaries(ev.values, scale)
         ev.values.clear(), ev.ids.clear()  # the tracers die with the trace
         return outs, stats
 
