@@ -5,13 +5,21 @@ Each checkpoint ``checkpoints/<step>/`` holds three orbax items written in one a
 
 * ``state``: the train state (``StandardSave``),
 * ``meta``: a JSON dict (step, run settings, data position),
-* ``integrity``: JSON ``{"arrays": {path: sha256}, "meta_sha256": ...}``: a sha256 of every
-  array's dtype, shape and bytes, and of the canonical JSON of ``meta``, computed from the
-  state in memory before it is saved.
+* ``integrity``: JSON ``{"format": 2, "arrays": {path: checksum}, "meta_sha256": ...}``: a
+  checksum of every array (:func:`array_checksum`) and a sha256 of the canonical JSON of
+  ``meta``, computed from the state in memory before it is saved.
 
-:func:`restore` recomputes them from what it read and raises :class:`CorruptCheckpoint` on
-any difference, so flipped bytes in a data file (which tensorstore may decode without
+:func:`restore_state` recomputes them from what it read and raises :class:`CorruptCheckpoint`
+on any difference, so flipped bytes in a data file (which tensorstore may decode without
 complaint into NaNs) are an error naming the checkpoint, never a silently wrong state.
+
+An array's checksum is computed where the array lives, on its devices, so with ``--mesh`` on
+several hosts no host ever reads a whole sharded array: each element's bits are mixed with
+its position (murmur3's 32-bit finaliser, four seeds) and summed modulo 2**32 across the
+array, shards and devices included, giving 128 bits that do not depend on how the array is
+sharded (a checkpoint resumes on another mesh). Changing any one element always changes the
+sum (the mix is a bijection); the sha256 of those bits with the dtype and shape is stored.
+Checkpoints of format 1 (a sha256 of each array's bytes, read on one host) are still checked.
 
 For train_lm.py: :func:`resume` restores the latest checkpoint in ``--out`` (or, with
 ``--resume latest-intact``, the newest intact one) after checking it was made with the same
@@ -21,6 +29,7 @@ settings; :class:`Checkpoints` saves the run's state with the meta a resume need
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -29,13 +38,14 @@ import jax
 import jax.numpy as jnp
 import lm_files
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from lm_cli import Setup, UsageError
 
 from jaxamp.diagnostics.metrics import MetricsError, read_metrics, strict
 
 __all__ = ["Checkpoints", "CorruptCheckpoint", "closed_event_loop_filter", "latest_step",
            "manager", "metrics_before", "restore_meta", "restore_state", "resume", "run_config",
-           "save", "strong", "tree_digests"]
+           "array_checksum", "save", "strong", "tree_digests"]
 
 ITEMS = ("state", "meta", "integrity")
 #: Checkpoints kept in checkpoints/ (orbax deletes older ones).
@@ -59,17 +69,65 @@ def manager(folder: Path, *, create: bool = True):
     return ocp.CheckpointManager(Path(folder).resolve(), options=options, item_names=ITEMS)
 
 
-def _digest(x) -> str:
+FORMAT = 2
+_SEEDS = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
+
+
+def _fmix32(h):
+    """murmur3's 32-bit finaliser: a bijection on uint32 that spreads every input bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fingerprint(x):
+    """uint32[4]: for each seed, the sum mod 2**32 of fmix32(element bits ^ fmix32(position +
+    seed)), reduced on the devices that hold ``x`` (replicated result)."""
+    if jnp.issubdtype(x.dtype, jnp.bool_):
+        x = x.astype(jnp.uint8)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    if bits.dtype.itemsize > 4:  # 64-bit: two uint32 words per element
+        bits = jax.lax.bitcast_convert_type(bits, jnp.uint32)
+    bits = bits.astype(jnp.uint32).reshape(-1)
+    position = jax.lax.iota(jnp.uint32, bits.size)
+    return jnp.stack([jnp.sum(_fmix32(bits ^ _fmix32(position + jnp.uint32(seed))),
+                              dtype=jnp.uint32) for seed in _SEEDS])
+
+
+@functools.cache
+def _jitted_fingerprint(out_sharding):
+    return jax.jit(_fingerprint, out_shardings=out_sharding)
+
+
+def array_checksum(x) -> str:
+    """sha256 (hex) of ``x``'s dtype, shape and on-device fingerprint (module docstring)."""
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    s = x.sharding
+    # the four sums replicated on x's mesh, so every host reads them (and nothing else)
+    out = NamedSharding(s.mesh, PartitionSpec()) if isinstance(s, NamedSharding) else None
+    fp = np.asarray(_jitted_fingerprint(out)(x), dtype="<u4")
+    return hashlib.sha256(f"{np.dtype(x.dtype).str}{tuple(x.shape)}".encode()
+                          + fp.tobytes()).hexdigest()
+
+
+def _host_digest(x) -> str:
+    """Format 1: sha256 of dtype, shape and bytes, read on this host (single-host arrays)."""
     a = np.ascontiguousarray(np.asarray(x))
     h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.reshape(-1).view(np.uint8))
     return h.hexdigest()
 
 
-def tree_digests(tree) -> dict[str, str]:
-    """``{jax.tree_util.keystr(path): sha256 of dtype, shape and bytes}`` for every leaf."""
+def tree_digests(tree, fmt: int = FORMAT) -> dict[str, str]:
+    """``{jax.tree_util.keystr(path): checksum}`` for every leaf (``fmt`` 1: sha256 of the
+    bytes read on this host; 2: :func:`array_checksum`, computed on device)."""
+    digest = array_checksum if fmt == FORMAT else _host_digest
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {jax.tree_util.keystr(p): _digest(x) for p, x in leaves}
+    return {jax.tree_util.keystr(p): digest(x) for p, x in leaves}
 
 
 def _meta_digest(meta: dict) -> str:
@@ -81,7 +139,8 @@ def save(mgr, step: int, state, meta: dict) -> None:
     """Saves state, meta and their checksums as checkpoint ``step`` (blocks until written)."""
     import orbax.checkpoint as ocp
 
-    integrity = {"format": 1, "hash": "sha256", "arrays": tree_digests(state),
+    integrity = {"format": FORMAT, "hash": "sha256(dtype, shape, fmix32 position sums)",
+                 "arrays": tree_digests(state),
                  "meta_sha256": _meta_digest(meta)}
     mgr.save(int(step), args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
@@ -114,20 +173,32 @@ def restore_meta(mgr, step: int, where: Path) -> tuple[dict, dict]:
 
 
 def restore_state(mgr, step: int, where: Path, abstract_state, integrity: dict):
-    """The state of checkpoint ``step`` as host numpy arrays, every array checked against
-    its sha256."""
+    """The state of checkpoint ``step``, every array checked against its checksum. Leaves of
+    ``abstract_state`` with a ``sharding`` are restored onto it (each host reads its shards);
+    without, the state comes back as host numpy arrays."""
     import orbax.checkpoint as ocp
 
+    fmt = integrity.get("format")
+    if fmt not in (1, FORMAT):
+        raise CorruptCheckpoint(step, where, f"its integrity data has format {fmt!r}, "
+                                f"not 1 or {FORMAT}")
+    sharded = any(getattr(x, "sharding", None) is not None
+                  for x in jax.tree.leaves(abstract_state))
+    if not sharded:  # onto one device, whatever mesh the checkpoint was written from
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state)
     try:
         restored = mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state)))["state"]
-        # Through host memory: orbax returns arrays committed to a device, which would add
-        # sharding annotations to the lowered step (a different program from a fresh run's).
-        restored = jax.tree.map(np.asarray, restored)
+        got = tree_digests(restored, fmt)
+        if not sharded:
+            # Through host memory: orbax returns arrays committed to a device, which would add
+            # sharding annotations to the lowered step (a different program from a fresh run's).
+            restored = jax.tree.map(np.asarray, restored)
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpoint(step, where, f"unreadable: {_first_line(e)}") from None
     want = integrity["arrays"]
-    got = tree_digests(restored)
     if set(got) != set(want):
         missing = sorted(set(want) ^ set(got))
         raise CorruptCheckpoint(step, where, f"its arrays do not match its integrity data "
@@ -135,7 +206,7 @@ def restore_state(mgr, step: int, where: Path, abstract_state, integrity: dict):
     bad = [k for k in got if got[k] != want[k]]
     if bad:
         raise CorruptCheckpoint(step, where, f"{len(bad)} of {len(got)} arrays fail their "
-                                f"sha256 check, e.g. {bad[0]}")
+                                f"checksum, e.g. {bad[0]}")
     return restored
 
 
@@ -218,7 +289,7 @@ def resume(s: Setup, abstract_state) -> tuple[object, dict, list[CorruptCheckpoi
     Orbax writes a checkpoint into a temporary folder and renames it when complete, so a run
     killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*`` folder, which orbax does not
     list as a step: the latest *complete* checkpoint is the one restored. Every checkpoint
-    carries a sha256 of each array and of its meta: one that fails them is an error, or with
+    carries a checksum of each array and of its meta: one that fails them is an error, or with
     ``--resume latest-intact`` is passed over for the next older one (returned in
     ``corrupted``). Nothing is removed here.
     """

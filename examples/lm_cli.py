@@ -15,6 +15,7 @@ import math
 import os
 from pathlib import Path
 
+import jax
 import lm_data
 import lm_files
 import lm_mesh
@@ -241,6 +242,7 @@ def validate(args: argparse.Namespace) -> Setup:
                                            overwrite=args.overwrite)
     except lm_files.FolderError as e:
         raise UsageError(str(e)) from None
+    folder.writer = jax.process_index() == 0  # several hosts: the first writes --out
     # Every input is valid: only now is the disk touched (the folder created, if new).
     _check_writable(folder.path)
     return Setup(args, config, policy, policy_str, kind, folder.path, corpus, folder, note,
@@ -268,7 +270,7 @@ def _check_writable(out: Path) -> None:
         raise UsageError(f"--out {out}: is a file, not a folder; choose a folder to write to")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
+        probe = out / f".write-test-{os.getpid()}-{jax.process_index()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

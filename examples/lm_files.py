@@ -25,10 +25,10 @@ import re
 import shutil
 from pathlib import Path
 
-from jaxamp.diagnostics.metrics import dumps
+from jaxamp.diagnostics.metrics import SUMMARY_FILE, MetricsWriter, dumps, write_summary
 
 __all__ = ["CHECKPOINT_DIR", "MANIFEST", "OUTPUT_FILES", "RunFolder", "FolderError",
-           "choose_out"]
+           "choose_out", "metrics_writer", "prepare", "write_outputs"]
 
 #: The list of what train_lm.py wrote in --out (the only files ``--overwrite`` removes).
 MANIFEST = "train_lm.manifest.json"
@@ -57,6 +57,9 @@ class RunFolder:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        #: Whether this process writes in --out. On several hosts only the first does (every
+        #: host takes part in the orbax checkpoints, which write each host's shards).
+        self.writer = True
         self.files: set[str] = set()
         self.steps: set[int] = set()
         m = self.path / MANIFEST
@@ -104,6 +107,8 @@ class RunFolder:
 
     def record(self, *files: str, step: int | None = None) -> None:
         """Adds ``files`` / checkpoint ``step`` to the manifest, before they are written."""
+        if not self.writer:
+            return
         new_files = set(files) - self.files
         if not new_files and (step is None or step in self.steps):
             return
@@ -207,6 +212,8 @@ def prepare(folder: RunFolder, *, overwrite: bool, note: str | None = None,
     before it is (re)written.
     """
     notes = [note] if note else []
+    if not folder.writer:  # another host readies --out
+        return notes
     if corrupted:
         removed = folder.remove_steps({e.step for e in corrupted})
         notes.append(f"note: --resume latest-intact: checkpoint(s) "
@@ -219,3 +226,19 @@ def prepare(folder: RunFolder, *, overwrite: bool, note: str | None = None,
                      f"checkpoints in {folder.path} (only what train_lm.py wrote there)")
     folder.record(OUTPUT_FILES[0])  # metrics.jsonl
     return notes
+
+
+def metrics_writer(folder: RunFolder, *, keep_through: int) -> MetricsWriter:
+    """The writer of ``metrics.jsonl`` (one that writes nowhere on a host that is not the
+    folder's writer)."""
+    if not folder.writer:
+        return MetricsWriter(os.devnull)
+    return MetricsWriter(folder.path / OUTPUT_FILES[0], keep_through=keep_through)
+
+
+def write_outputs(folder: RunFolder, summary: dict, precision: list[dict]) -> None:
+    """``summary.json`` and ``precision.json`` (recorded in the manifest first)."""
+    if folder.writer:
+        folder.record(*OUTPUT_FILES)
+        write_summary(folder.path / SUMMARY_FILE, summary)
+        (folder.path / "precision.json").write_text(dumps(precision, indent=2) + "\n")

@@ -9,7 +9,7 @@ other param replicated. The optimizer state follows the params (:func:`jaxamp.sh
 Several hosts: run the same command on every host with ``JAX_COORDINATOR_ADDRESS=host:port``,
 ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set; :func:`initialize_distributed` calls
 ``jax.distributed.initialize`` with them, and :func:`shard_batch` builds each global batch from
-the rows this host owns (no host ever reads the whole of a global array).
+the rows this host's devices hold (no host ever reads the whole of a global array).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp.sharding import state_shardings
 
-__all__ = ["check_mesh", "initialize_distributed", "make_mesh", "param_specs", "shard_batch",
-           "shard_state", "step_kwargs"]
+__all__ = ["barrier", "check_mesh", "initialize_distributed", "make_mesh", "param_specs", "place",
+           "shard_batch", "shard_state", "step_kwargs"]
 
 AXES = ("data", "model")
 
@@ -38,6 +39,14 @@ def initialize_distributed() -> None:
         jax.distributed.initialize(coordinator_address=address,
                                    num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                                    process_id=int(os.environ["JAX_PROCESS_ID"]))
+
+
+def barrier(name: str) -> None:
+    """Waits for every host to get here (nothing to wait for on one host)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -105,19 +114,31 @@ def shard_state(state, mesh: Mesh):
     return jaxamp.shard_state(state.replace(params=params), mesh)
 
 
+def place(abstract_state, mesh: Mesh | None):
+    """``abstract_state`` (``jax.ShapeDtypeStruct`` leaves) with the shardings
+    :func:`shard_state` gives, so a checkpoint is restored straight onto the mesh, each host
+    reading only its shards (unchanged without a mesh)."""
+    if mesh is None:
+        return abstract_state
+
+    def on(x, s):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    params = jax.tree.map(lambda x, s: on(x, NamedSharding(mesh, s)), abstract_state.params,
+                          param_specs(abstract_state.params))
+    state = abstract_state.replace(params=params)
+    return jax.tree.map(on, state, state_shardings(state, mesh))
+
+
 def shard_batch(batch, mesh: Mesh | None):
-    """A global batch split over ``data``, built from the rows this host owns (the same seed
-    gives every host the same global batch; each contributes its contiguous share)."""
+    """A global batch split over ``data``, each host placing only the rows its own devices
+    hold (the same seed gives every host the same global batch)."""
     if mesh is None:
         return batch
     sharding = NamedSharding(mesh, P("data"))
-    n, i = jax.process_count(), jax.process_index()
 
     def one(x):
         x = np.asarray(x)
-        rows = x.shape[0] // n
-        return jax.make_array_from_process_local_data(sharding, x[i * rows:(i + 1) * rows],
-                                                      x.shape)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     return jax.tree.map(one, batch)
 
 

@@ -10,7 +10,7 @@ Run it with no flags to train the ``tiny`` preset on the Python standard library
 This file reads top to bottom: config, data, model, step, loop, log. The model (``lm_model.py``,
 or ``lm_model_nnx.py`` with ``--api nnx``) has no dtype code: jaxamp runs it under the ``--policy``.
 Beside it: ``lm_cli.py`` (the flags and every check on them), ``lm_data.py`` (bytes to batches),
-``lm_checkpoint.py`` (orbax checkpoints with a sha256 of every array; ``--resume`` continues
+``lm_checkpoint.py`` (orbax checkpoints with a checksum of every array; ``--resume`` continues
 bit-identically), ``lm_files.py`` (which ``--out``; the script lists what it wrote in
 ``train_lm.manifest.json`` and never deletes or overwrites anything else) and ``lm_report.py``
 (console, summary, plot). The metrics format is jaxamp's (``jaxamp.diagnostics.metrics``).
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(s: Setup) -> int:
     """Trains as the validated flags say; returns the exit status (0, or 130 on Ctrl-C)."""
     args, config = s.args, s.config
-    console = lm_report.Console(highlight=False)
+    console = lm_report.Console(highlight=False, quiet=not s.folder.writer)  # first host
     metrics_path = s.out / metrics.METRICS_FILE
 
     mesh = args.mesh and lm_mesh.make_mesh(lm_mesh.parse_mesh(args.mesh))  # None: one device
@@ -148,12 +148,13 @@ def train(s: Setup) -> int:
     tx = make_optimizer(args)
     start_step, meta, corrupted, kept = 0, None, [], []
     if args.resume:
-        state, meta, corrupted = lm_checkpoint.resume(s, create_state(model, tx, s,
-                                                                      abstract=True))
+        abstract = lm_mesh.place(create_state(model, tx, s, abstract=True), mesh)
+        state, meta, corrupted = lm_checkpoint.resume(s, abstract)  # onto the mesh, if any
         start_step = int(meta["step"])
         kept = lm_checkpoint.metrics_before(metrics_path, start_step)
     else:
         state = create_state(model, tx, s)
+    lm_mesh.barrier("inputs read")  # several hosts: all have read --out before it changes
     for note in lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
                                  corrupted=corrupted, start_step=start_step):
         console.print(lm_report.esc(note))  # every input is valid: only now is --out changed
@@ -177,7 +178,8 @@ def train(s: Setup) -> int:
                   f"(temp {lm_report.fmt_bytes(memory.get('temp'))})")
 
     # ---- loop: a metrics line per step; evaluate and checkpoint at their intervals ----
-    log = metrics.MetricsWriter(metrics_path, keep_through=start_step)  # drops later lines
+    log = lm_files.metrics_writer(s.folder, keep_through=start_step)  # drops later lines
+    rows = list(kept)  # metrics.jsonl's lines, as written
     if args.resume:
         initial_val = meta["initial_val_loss"]
         if len(kept) != start_step:
@@ -207,6 +209,7 @@ def train(s: Setup) -> int:
                     extra["val_loss"] = last_val = evaluate(state.params)
                 row = metrics.step_record(step, m, **extra)
                 log.write(row)
+                rows.append(row)
                 if due(args.checkpoint_interval, step):
                     checkpoints.save(state, step)
                 progress.update(row, tokens / train_s, last_val)
@@ -221,7 +224,6 @@ def train(s: Setup) -> int:
     # ---- log: summary.json, precision.json, curves.png, tables ----
     if start_step >= args.steps:
         console.print(f"nothing to train: the checkpoint is already at step {args.steps}")
-    rows = metrics.read_metrics(metrics_path)
     if last_val is None:  # nothing trained: the last logged validation loss
         vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
         last_val = vals[-1] if vals else evaluate(state.params)
@@ -236,9 +238,7 @@ def train(s: Setup) -> int:
     summary = lm_report.summary(s, state, rows, start_step=start_step, initial_val=initial_val,
                                 final_val=last_val, tokens=tokens, train_s=train_s,
                                 compile_s=compile_s, memory=memory, memory_f32=memory_f32)
-    s.folder.record(*lm_files.OUTPUT_FILES)
-    metrics.write_summary(s.out / metrics.SUMMARY_FILE, summary)
-    (s.out / "precision.json").write_text(metrics.dumps(precision, indent=2) + "\n")
+    lm_files.write_outputs(s.folder, summary, precision)
     lm_report.finish(console, s, rows, summary, precision)
     return 0
 

@@ -1,7 +1,7 @@
 """examples/train_lm.py with bad input and faults (GitHub issue #13): nothing lost, nothing
 silently wrong.
 
-* a checkpoint with flipped bytes is a one-line error (its sha256s), ``--resume latest-intact``
+* a checkpoint with flipped bytes is a one-line error (its checksums), ``--resume latest-intact``
   falls back to the newest intact one and says which;
 * bad input never deletes anything, a new run never deletes or overwrites what the script did
   not write, a folder holding a previous run needs ``--overwrite``;
@@ -99,7 +99,7 @@ def test_flipped_bytes_in_a_checkpoint_are_one_error_line(part, capsys):
     ckpt = part / "checkpoints" / "20"
     assert re.fullmatch(
         rf"error: --resume: checkpoint {re.escape(str(ckpt))} is corrupted \(1 of 61 arrays "
-        r"fail their sha256 check, e\.g\. \.\S+\); pass --resume latest-intact to resume from "
+        r"fail their checksum, e\.g\. \.\S+\); pass --resume latest-intact to resume from "
         r"the newest intact earlier checkpoint \(steps 10\), or start again with --overwrite",
         line), line
     assert snapshot(part) == before  # nothing written, nothing removed
@@ -113,7 +113,7 @@ def test_real_process_reports_the_bit_flip(part):
     assert proc.returncode == 2, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --resume: checkpoint "), proc.stderr
-    assert "sha256" in lines[0]
+    assert "checksum" in lines[0]
 
 
 def test_latest_intact_falls_back_and_says_which(run, part, capsys):
@@ -121,7 +121,7 @@ def test_latest_intact_falls_back_and_says_which(run, part, capsys):
     assert train_lm.main(args(part, STEPS, "--resume", "latest-intact")) == 0
     out = flat(capsys.readouterr().out)
     assert re.search(r"note: --resume latest-intact: checkpoint\(s\) 20 corrupted \(1 of 61 "
-                     r"arrays fail their sha256 check, e\.g\. \S+\); removed 1 of them, "
+                     r"arrays fail their checksum, e\.g\. \S+\); removed 1 of them, "
                      r"resuming from the newest intact checkpoint, step 10", out), out
     assert "resuming from the checkpoint at step 10" in out
     # steps 11-20 were trained again, the step-20 checkpoint rewritten: identical to the run's
@@ -144,7 +144,7 @@ def test_latest_intact_with_every_checkpoint_corrupted(part, capsys):
     line = run_error(capsys, args(part, 30, "--resume=latest-intact"))
     assert line.startswith(f"error: --resume latest-intact: every checkpoint in "
                            f"{part / 'checkpoints'} is corrupted (steps 20, 10; newest: 1 of 61 "
-                           "arrays fail their sha256 check"), line
+                           "arrays fail their checksum"), line
 
 
 # ------------------------------------------------------------------------------------------
