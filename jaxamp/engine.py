@@ -34,7 +34,9 @@ reverse mode only (``jax.jvp`` through it fails).
 Control flow keeps its structure: ``jit`` bodies are inlined, ``checkpoint``/``remat`` is
 re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the widest of the
 initial value and what the body returns, so float32 accumulators stay float32), ``cond``
-branches agree on the widest output dtype, ``custom_jvp`` and ``custom_vjp`` functions keep
+branches agree on the widest output dtype, ``shard_map`` bodies run per device under the
+region's policy (a hand-written tensor-parallel matmul in the compute dtype, its ``psum`` in
+float32) and are bound again with the same mesh and specs, ``custom_jvp`` and ``custom_vjp`` functions keep
 their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
 ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
 traced (float32): correct, not accelerated.
@@ -73,6 +75,7 @@ from jaxamp._compat import (
     mesh_is_set,
     open_jaxpr,
     scan_counts,
+    shard_map_again,
     source_context,
 )
 from jaxamp._jaxpr import all_consumers_accept, evaluate, name_stack
@@ -416,6 +419,8 @@ class _Evaluator:
             return self.cond(eqn, ins, region)
         if name == "custom_jvp_call":
             return self.custom_jvp(eqn, ins, region)
+        if name == "shard_map":
+            return self.shard_map(eqn, ins, region)
         if name == "custom_vjp_call" and not self.op_rules.runs_custom_vjp_as_traced(
                 custom_vjp_name(eqn)):
             return self.custom_vjp(eqn, ins, region)
@@ -549,6 +554,20 @@ class _Evaluator:
 
         outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
                               policy=p.get("policy"))(*[v.val for v in ins])
+        return [m.fresh(o) for m, o in zip(metas, outs)]
+
+    def shard_map(self, eqn, ins, region) -> list[_Val]:
+        """A ``shard_map`` body (a hand-written tensor-parallel layer, its ``psum``) re-evaluated
+        per device under the region's policy, bound again as a ``shard_map`` with the same
+        mesh and specs. Params enter as stored and are cast per shard where they are used."""
+        metas: list[_Val] = []
+
+        def body(*xs):
+            outs = self.run_body(eqn.params["jaxpr"], ins, region, xs)
+            metas[:] = outs
+            return [o.val for o in outs]
+
+        outs = shard_map_again(eqn, body, [v.val for v in ins])
         return [m.fresh(o) for m, o in zip(metas, outs)]
 
     def _carry_dtypes(self, init: list[_Val], body_dtypes: Callable[[list], list]) -> list:
