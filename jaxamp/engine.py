@@ -40,10 +40,10 @@ re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the w
 initial value and what the body returns, so float32 accumulators stay float32), ``cond``
 branches agree on the widest output dtype, ``shard_map`` bodies run per device under the
 region's policy (a hand-written tensor-parallel matmul in the compute dtype, its ``psum`` in
-float32) and are bound again with the same mesh and specs, ``custom_jvp`` and ``custom_vjp`` functions keep
-their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
-``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
-traced (float32): correct, not accelerated.
+float32) and are bound again with the same mesh and specs, ``custom_jvp`` and ``custom_vjp``
+functions keep their custom rules (both halves of a ``custom_vjp`` re-evaluated under the
+region's policy; ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order
+primitives run exactly as traced (float32): correct, not accelerated.
 
 Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
 that primitive (:func:`_jitted_bind`), as ``jnp``'s own operators are, so that under
@@ -568,7 +568,9 @@ class _Evaluator:
     def shard_map(self, eqn, ins, region) -> list[_Val]:
         """A ``shard_map`` body (a hand-written tensor-parallel layer, its ``psum``) re-evaluated
         per device under the region's policy, bound again as a ``shard_map`` with the same
-        mesh and specs. Params enter as stored and are cast per shard where they are used."""
+        mesh and specs. Params enter as stored and are cast per shard where they are used.
+        (The backward's ``psum`` of an activation gradient, the transpose of ``pvary``, is in
+        that activation's dtype.)"""
         metas: list[_Val] = []
 
         def body(*xs):
