@@ -25,6 +25,7 @@ __all__ = [
     "jit_inlines",
     "open_jaxpr",
     "scan_counts",
+    "shard_map_again",
     "source_context",
 ]
 
@@ -73,6 +74,25 @@ def bind_with_params(eqn, vals):
         subfuns, params = params
         return eqn.primitive.bind(*subfuns, *vals, **params)
     return eqn.primitive.bind(*vals, **params)
+
+
+def shard_map_again(eqn, body, vals):
+    """``body(*vals)`` run per device as ``eqn`` (a ``shard_map`` equation) ran its jaxpr: the
+    same mesh, in/out specs, manual axes and replication check, through the public
+    ``jax.shard_map``. ``body`` returns a list of per-device values.
+
+    jax >= 0.6 stores the manual axes as ``newly_manual_axes`` and the check as ``check_vma``
+    (jax 0.10 and 0.12 alike); older versions stored the automatic axes (``auto``) and
+    ``check_rep``."""
+    p = eqn.params
+    manual = p.get("newly_manual_axes")
+    if manual is None:
+        manual = frozenset(p["mesh"].axis_names) - frozenset(p.get("auto", ()))
+    check = p["check_vma"] if "check_vma" in p else p.get("check_rep", True)
+    fn = jax.shard_map(lambda *xs: tuple(body(*xs)), mesh=p["mesh"],
+                       in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                       axis_names=frozenset(manual), check_vma=check)
+    return list(fn(*vals))
 
 
 def custom_vjp_name(eqn) -> str:

@@ -1,25 +1,27 @@
-"""A low-precision matmul whose weight gradient is computed, and summed, in float32.
+"""Low-precision matmuls and convolutions whose weight gradient is computed, and summed, in
+float32.
 
-Used by :func:`jaxamp.autocast` on a mesh (a ``jax.set_mesh`` context, which
-``make_train_step(mesh=...)`` enters while tracing).
+Used by :func:`jaxamp.autocast` where a batch contraction may be a sum across devices (its
+``f32_weight_grads``: under a ``jax.set_mesh`` context, which ``make_train_step(mesh=...)``
+enters while tracing, or with more than one device visible).
 
 The weight gradient of ``x @ w`` is a matmul that contracts the batch (and sequence)
 dimensions. When the batch is split across devices (data parallel, FSDP), that contraction is
 a sum across devices, and XLA's SPMD partitioner reduces it in the matmul's output dtype. With
 JAX's own transpose rule that dtype is the compute dtype (bfloat16/float16), and the cast back
-to the float32 param comes after the cross-device sum. Here the weight-gradient matmul is
-bound with ``preferred_element_type=float32`` instead: the same low-precision operands (the
-tensor cores' float32 accumulators), a float32 output, so every partial sum, on one device or
-across many, is float32. The activation gradient keeps the compute dtype.
+to the float32 param comes after the cross-device sum. Here the weight-gradient matmul has a
+float32 output instead, with the same low-precision operands (the tensor cores' float32
+accumulators), so every partial sum, on one device or across many, is float32. The activation
+gradient keeps the compute dtype.
 
-The transpose of ``dot_general`` below is JAX's own (``jax._src.lax.lax``), restated with the
-public ``lax.dot_general``.
+* :func:`dot_f32_weight_grads` is a ``jax.custom_jvp`` function whose tangent JAX transposes
+  into that weight-gradient matmul (so ``jax.jvp`` works through it too);
+* :func:`conv_f32_kernel_grads` is a ``jax.custom_vjp`` function (reverse mode only) whose
+  kernel gradient is JAX's convolution transpose (``jax._src.lax.convolution``), restated with
+  the public ``lax.conv_general_dilated`` and a float32 output.
 """
 
 from __future__ import annotations
-
-import contextlib
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -29,86 +31,142 @@ from jax import lax
 _F32 = np.dtype(np.float32)
 
 
-def _remaining(original, *removed_lists):
-    removed = set(itertools.chain(*removed_lists))
-    return [i for i in original if i not in removed]
-
-
-def _ranges_like(*xs):
-    start = 0
-    for x in xs:
-        yield range(start, start + len(x))
-        start += len(x)
-
-
 def _cpu_lacks_bf16_f32_dot(x) -> bool:
-    """XLA:CPU fails at run time on some ``bf16 x bf16 -> f32`` dots ("Unsupported element
-    type for DotThunk::Execute", jaxlib 0.10 and 0.12); it computes bfloat16 dots in float32
-    anyway, so there the operands are cast up first (same numbers, same float32 sums)."""
+    """XLA:CPU fails at run time on some ``bf16 x bf16 -> f32`` dots and convolutions
+    ("Unsupported element type for DotThunk::Execute", jaxlib 0.10 and 0.12); it computes
+    bfloat16 products in float32 anyway, so there the operands are cast up first (same
+    numbers, same float32 sums)."""
     return np.dtype(x.dtype) == np.dtype(jnp.bfloat16) and jax.default_backend() == "cpu"
 
 
-def _transpose_lhs(g, x, y, dimension_numbers, precision, out_dtype, swap_ans=False):
-    """The cotangent of ``x`` in ``dot_general(x, y)``, computed with ``out_dtype`` output."""
-    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    x_kept = _remaining(range(np.ndim(x)), x_contract, x_batch)
-    y_kept = _remaining(range(np.ndim(y)), y_contract, y_batch)
-    if swap_ans:
-        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
-    else:
-        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
-    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
-    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
-    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    if out_dtype is not None and _cpu_lacks_bf16_f32_dot(g):
-        g, y = lax.convert_element_type(g, _F32), lax.convert_element_type(y, _F32)
-    out = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=out_dtype)
-    return lax.transpose(out, tuple(int(a) for a in out_axes))
+def _algorithm(dtype):
+    """The dot algorithm of a ``dtype`` x ``dtype`` -> float32 product (None on XLA:CPU)."""
+    if jax.default_backend() == "cpu":
+        return None  # see _cpu_lacks_bf16_f32_dot: the mixed dot is lowered in float32
+    presets = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+               np.dtype(jnp.float16): lax.DotAlgorithmPreset.F16_F16_F32}
+    return presets.get(np.dtype(dtype))
 
 
-def _transpose_rhs(g, x, y, dimension_numbers, precision, out_dtype):
-    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(g, y, x, swapped, precision, out_dtype, swap_ans=True)
-
-
-def dot_f32_weight_grads(primitive, params: dict, lhs, rhs, dtype, wide: tuple[bool, bool],
-                         context=contextlib.nullcontext):
+def dot_f32_weight_grads(primitive, params: dict, lhs, rhs, dtype, wide: tuple[bool, bool]):
     """``primitive`` (``dot_general``) of ``lhs``, ``rhs`` cast to ``dtype``; the cotangent
     of each operand marked ``wide`` (a stored param, passed in its stored dtype) is computed
     with float32 output, then cast to that operand's dtype; the others' in ``dtype``.
-    ``context()`` is entered where the forward is traced (module paths in the name stack)."""
-    dtype = np.dtype(dtype)
-    in_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    dn, precision = params["dimension_numbers"], params.get("precision")
 
-    def forward(a, b):
-        with context():
-            return primitive.bind(lax.convert_element_type(a, dtype),
-                                  lax.convert_element_type(b, dtype), **params)
+    A ``jax.custom_jvp`` function, so forward mode works too. Its tangent with respect to a
+    wide operand ``w`` is ``dot_general(x, dw)`` with ``x`` in ``dtype``, ``dw`` in ``w``'s
+    dtype, a float32 output and the ``dtype x dtype -> float32`` dot algorithm (which casts
+    ``dw`` to ``dtype`` for the product); JAX's transpose of that tangent is the same
+    ``dot_general`` of the (low-precision) cotangent and ``x``: the weight gradient, in
+    float32. (On XLA:CPU the mixed dot is computed in float32: the same products.)"""
+    dtype = np.dtype(dtype)
+    dn = params["dimension_numbers"]
+    algorithm = _algorithm(dtype)
+
+    def low(a):
+        return lax.convert_element_type(a, dtype)
+
+    @jax.custom_jvp
+    def fn(a, b):
+        return primitive.bind(low(a), low(b), **params)
+
+    def jvp(primals, tangents):
+        ops = [low(x) for x in primals]
+        out = primitive.bind(*ops, **params)
+        t_out = None
+        for i, t in enumerate(tangents):
+            if isinstance(t, jax.custom_derivatives.SymbolicZero):
+                continue
+            args = list(ops)
+            if wide[i]:
+                args[i] = t
+                term = low(lax.dot_general(*args, dn, precision=algorithm,
+                                           preferred_element_type=_F32))
+            else:
+                args[i] = low(t)
+                term = primitive.bind(*args, **params)
+            t_out = term if t_out is None else t_out + term
+        if t_out is None:  # pragma: no cover - JAX calls the rule with a nonzero tangent
+            t_out = jnp.zeros(out.shape, out.dtype)
+        return out, t_out
+
+    fn.defjvp(jvp, symbolic_zeros=True)
+    return fn(lhs, rhs)
+
+
+def _dilate(shape, dilation):
+    return tuple(0 if d == 0 else 1 + r * (d - 1) for d, r in zip(shape, dilation))
+
+
+def _conv_kernel_transpose(g, lhs, kernel_shape, params, out_dtype):
+    """The cotangent of the kernel of ``conv_general_dilated(lhs, kernel, **params)``,
+    computed with ``out_dtype`` output: JAX's own transpose rule
+    (``jax._src.lax.convolution``), restated with the public ``lax.conv_general_dilated``."""
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn
+    feature_groups, batch_groups = params["feature_group_count"], params["batch_group_count"]
+    if batch_groups > 1:
+        feature_groups, batch_groups = batch_groups, 1
+    elif feature_groups > 1:
+        feature_groups, batch_groups = 1, feature_groups
+    swap = lambda spec: (spec[1], spec[0]) + tuple(spec[2:])  # noqa: E731
+    trans = lax.ConvDimensionNumbers(swap(lhs_spec), swap(out_spec), swap(rhs_spec))
+    in_shape = [np.shape(lhs)[i] for i in lhs_spec[2:]]
+    window = [kernel_shape[i] for i in rhs_spec[2:]]
+    out_shape = [np.shape(g)[i] for i in out_spec[2:]]
+    strides, rhs_dilation = params["window_strides"], params["rhs_dilation"]
+    lhs_dilation = params["lhs_dilation"]
+    pads_lo = [lo for lo, _ in params["padding"]]
+    from_lhs = [o - i for o, i in zip(_dilate(out_shape, strides), _dilate(in_shape, lhs_dilation))]
+    from_rhs = [r - p - 1 for r, p in zip(_dilate(window, rhs_dilation), pads_lo)]
+    padding = [(lo, a + b) for lo, a, b in zip(pads_lo, from_lhs, from_rhs)]
+    if _cpu_lacks_bf16_f32_dot(g):
+        g, lhs = lax.convert_element_type(g, _F32), lax.convert_element_type(lhs, _F32)
+    return lax.conv_general_dilated(
+        lhs, g, window_strides=rhs_dilation, padding=padding, lhs_dilation=lhs_dilation,
+        rhs_dilation=strides, dimension_numbers=trans, feature_group_count=feature_groups,
+        batch_group_count=batch_groups, precision=params.get("precision"),
+        preferred_element_type=out_dtype)
+
+
+def conv_f32_kernel_grads(primitive, params: dict, lhs, kernel, dtype):
+    """``primitive`` (``conv_general_dilated``) of ``lhs`` and ``kernel`` cast to ``dtype``,
+    whose kernel cotangent is computed with float32 output (same low-precision operands),
+    then cast to the kernel's (stored) dtype; the input's cotangent is JAX's, in ``dtype``.
+
+    A ``jax.custom_vjp`` function: a convolution's transpose rule casts its input to the
+    cotangent's dtype, so no tangent (``custom_jvp``) formulation keeps low-precision
+    operands with a float32 output. Reverse mode only: ``jax.jvp`` through it fails."""
+    dtype = np.dtype(dtype)
+    kernel_dtype, kernel_shape = np.dtype(kernel.dtype), np.shape(kernel)
+
+    def low(a):
+        return lax.convert_element_type(a, dtype)
+
+    def forward(a, k):
+        return primitive.bind(low(a), low(k), **params)
 
     fn = jax.custom_vjp(forward)
     perturbed = [True, True]  # which operands are differentiated (known when fwd is traced)
 
-    def fwd(a, b):
-        perturbed[:] = [a.perturbed, b.perturbed]
-        a, b = a.value, b.value
-        a, b = lax.convert_element_type(a, dtype), lax.convert_element_type(b, dtype)
-        return primitive.bind(a, b, **params), (a, b)
+    def fwd(a, k):
+        perturbed[:] = [a.perturbed, k.perturbed]
+        a, k = low(a.value), low(k.value)
+        return primitive.bind(a, k, **params), (a, k)
 
     def bwd(res, g):
-        a, b = res
+        a, k = res
         if isinstance(g, jax.custom_derivatives.SymbolicZero):
             g = jnp.zeros(g.shape, dtype)
-        g = lax.convert_element_type(g, dtype)
-        cts = []
-        for i, transpose in enumerate((_transpose_lhs, _transpose_rhs)):
-            if not perturbed[i]:  # not differentiated: no matmul for it
-                cts.append(None)
-                continue
-            ct = transpose(g, a, b, dn, precision, _F32 if wide[i] else None)
-            cts.append(lax.convert_element_type(ct, in_dtypes[i]))
-        return tuple(cts)
+        g = low(g)
+        ct_a = ct_k = None
+        if perturbed[0]:
+            _, pullback = jax.vjp(lambda x: primitive.bind(x, k, **params), a)
+            (ct_a,) = pullback(g)
+        if perturbed[1]:
+            ct_k = lax.convert_element_type(
+                _conv_kernel_transpose(g, a, kernel_shape, params, _F32), kernel_dtype)
+        return ct_a, ct_k
 
     fn.defvjp(fwd, bwd, symbolic_zeros=True)
-    return fn(lhs, rhs)
+    return fn(lhs, kernel)

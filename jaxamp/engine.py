@@ -25,19 +25,25 @@ Value bookkeeping that keeps casts minimal:
   policy's ``output_dtype`` (a linen ``apply(..., mutable=...)`` leaves the updated
   collections in their stored dtype).
 
-On a mesh (traced under ``jax.set_mesh``, as ``make_train_step(mesh=...)`` does), a matmul
-with a param operand computes that param's gradient with a float32 output (same low-precision
-operands), so XLA's SPMD partitioner sums it across devices in float32, not in the compute
-dtype (see :mod:`jaxamp._wgrad`). Such a matmul is a ``jax.custom_vjp`` function there:
-reverse mode only (``jax.jvp`` through it fails).
+Where a batch contraction may be a sum across devices (traced under ``jax.set_mesh``, as
+``make_train_step(mesh=...)`` does, or with more than one device visible, as for plain
+``jax.jit`` of ``NamedSharding``-placed inputs), a matmul or convolution with a param operand
+computes that param's gradient with a float32 output (same low-precision operands), so XLA's
+SPMD partitioner sums it across devices in float32, not in the compute dtype (see
+:mod:`jaxamp._wgrad`); ``autocast(..., f32_weight_grads=True/False)`` decides it explicitly.
+The matmul is a ``jax.custom_jvp`` function (forward mode works); the convolution a
+``jax.custom_vjp`` one (reverse mode only: ``jax.jvp`` through it fails, unless
+``f32_weight_grads=False``). One device keeps JAX's own transposes.
 
 Control flow keeps its structure: ``jit`` bodies are inlined, ``checkpoint``/``remat`` is
 re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the widest of the
 initial value and what the body returns, so float32 accumulators stay float32), ``cond``
-branches agree on the widest output dtype, ``custom_jvp`` and ``custom_vjp`` functions keep
-their custom rules (both halves of a ``custom_vjp`` re-evaluated under the region's policy;
-``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order primitives run exactly as
-traced (float32): correct, not accelerated.
+branches agree on the widest output dtype, ``shard_map`` bodies run per device under the
+region's policy (a hand-written tensor-parallel matmul in the compute dtype, its ``psum`` in
+float32) and are bound again with the same mesh and specs, ``custom_jvp`` and ``custom_vjp``
+functions keep their custom rules (both halves of a ``custom_vjp`` re-evaluated under the
+region's policy; ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order
+primitives run exactly as traced (float32): correct, not accelerated.
 
 Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
 that primitive (:func:`_jitted_bind`), as ``jnp``'s own operators are, so that under
@@ -73,10 +79,11 @@ from jaxamp._compat import (
     mesh_is_set,
     open_jaxpr,
     scan_counts,
+    shard_map_again,
     source_context,
 )
 from jaxamp._jaxpr import all_consumers_accept, evaluate, name_stack
-from jaxamp._wgrad import dot_f32_weight_grads
+from jaxamp._wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
@@ -288,9 +295,10 @@ class _Evaluator:
     """Re-evaluates a traced jaxpr with each equation in its autocast dtype."""
 
     def __init__(self, policies: Sequence[jmp.Policy], op_rules: OpRules, call: int = 0,
-                 attention_calls: Sequence = ()):
+                 attention_calls: Sequence = (), f32_weight_grads: bool = False):
         self.policies = policies
         self.op_rules = op_rules
+        self.f32_weight_grads = f32_weight_grads  # param gradients of matmuls: float32 output
         self.attention_calls = attention_calls  # jax.nn.dot_product_attention calls recorded
         self.call = call  # region markers of other autocast calls (nested ones) are ignored
         self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
@@ -416,6 +424,8 @@ class _Evaluator:
             return self.cond(eqn, ins, region)
         if name == "custom_jvp_call":
             return self.custom_jvp(eqn, ins, region)
+        if name == "shard_map":
+            return self.shard_map(eqn, ins, region)
         if name == "custom_vjp_call" and not self.op_rules.runs_custom_vjp_as_traced(
                 custom_vjp_name(eqn)):
             return self.custom_vjp(eqn, ins, region)
@@ -447,13 +457,17 @@ class _Evaluator:
             if params.get("preferred_element_type") is not None and floats:
                 params["preferred_element_type"] = dtype
             wide = tuple(v.stored and not v.const and v.is_float for v in ins)
-            if name == "dot_general" and dtype != _F32 and any(wide) and len(ins) == 2 \
-                    and mesh_is_set():
-                # on a mesh: a param's gradient summed over the batch across devices in f32
-                out = dot_f32_weight_grads(eqn.primitive, params,
-                                           *[v.val if w else _cast(v, dtype)
-                                             for v, w in zip(ins, wide)], dtype, wide)
-                return [_Val(out, False, False, region)]
+            if self.f32_weight_grads and dtype != _F32 and len(ins) == 2:
+                # a param's gradient summed over the batch (across devices) in float32
+                if name == "dot_general" and any(wide):
+                    out = dot_f32_weight_grads(eqn.primitive, params,
+                                               *[v.val if w else _cast(v, dtype)
+                                                 for v, w in zip(ins, wide)], dtype, wide)
+                    return [_Val(out, False, False, region)]
+                if name == "conv_general_dilated" and wide[1]:
+                    out = conv_f32_kernel_grads(eqn.primitive, params, _cast(ins[0], dtype),
+                                                ins[1].val, dtype)
+                    return [_Val(out, False, False, region)]
             vals = [_cast(v, dtype) for v in ins]
             return self.bind(eqn, vals, region, params=params)
         if kind == "fp32":
@@ -549,6 +563,22 @@ class _Evaluator:
 
         outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
                               policy=p.get("policy"))(*[v.val for v in ins])
+        return [m.fresh(o) for m, o in zip(metas, outs)]
+
+    def shard_map(self, eqn, ins, region) -> list[_Val]:
+        """A ``shard_map`` body (a hand-written tensor-parallel layer, its ``psum``) re-evaluated
+        per device under the region's policy, bound again as a ``shard_map`` with the same
+        mesh and specs. Params enter as stored and are cast per shard where they are used.
+        (The backward's ``psum`` of an activation gradient, the transpose of ``pvary``, is in
+        that activation's dtype.)"""
+        metas: list[_Val] = []
+
+        def body(*xs):
+            outs = self.run_body(eqn.params["jaxpr"], ins, region, xs)
+            metas[:] = outs
+            return [o.val for o in outs]
+
+        outs = shard_map_again(eqn, body, [v.val for v in ins])
         return [m.fresh(o) for m, o in zip(metas, outs)]
 
     def _carry_dtypes(self, init: list[_Val], body_dtypes: Callable[[list], list]) -> list:
@@ -750,7 +780,8 @@ def _linen_apply_module(fn) -> nn.Module | None:
 
 def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
              overrides: Mapping[Any, str | jmp.Policy] | None = None,
-             op_rules: OpRules = DEFAULT_OP_RULES) -> Callable:
+             op_rules: OpRules = DEFAULT_OP_RULES,
+             f32_weight_grads: bool | None = None) -> Callable:
     """Returns ``fn`` running under mixed-precision policies, with ``fn``'s signature.
 
     ``fn`` is any JAX function, typically a Flax linen ``model.apply`` (then module rules
@@ -778,6 +809,12 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
         (``DEFAULT_OP_RULES.extend(custom_vjp_as_traced={"flash_attention"})``; ``"*"``: all).
         Opt a whole module out with a module rule (``overrides={"blocks_*/attn":
         "float32"}``).
+      f32_weight_grads: whether a low-precision matmul or convolution with a param operand
+        computes that param's gradient with a float32 output (same low-precision operands),
+        so that its sum over the batch, across devices too, is float32. None (the default):
+        where that sum may cross devices, i.e. when traced under a mesh (``jax.set_mesh``,
+        as ``make_train_step(mesh=...)`` does) or when more than one device is visible;
+        one device keeps JAX's own transposes.
 
     Returns:
       A function with ``fn``'s signature; it traces ``fn`` on each call (``jax.jit`` it).
@@ -795,6 +832,9 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
     if not isinstance(op_rules, OpRules):
         raise TypeError(f"autocast: op_rules must be a jaxamp.OpRules, got "
                         f"{type(op_rules).__name__}. Use jaxamp.DEFAULT_OP_RULES.extend(...).")
+    if f32_weight_grads is not None and not isinstance(f32_weight_grads, bool):
+        raise TypeError(f"autocast: f32_weight_grads must be True, False or None (decided by "
+                        f"the devices), got {f32_weight_grads!r}.")
     rules = ModuleRules.create(policy, overrides)
     apply_module = _linen_apply_module(fn)
     if nnx_frontend.is_module(fn):  # autocast(model)(x): model(x), the model passed as an argument
@@ -804,18 +844,18 @@ def autocast(fn: Callable, policy: str | jmp.Policy = DEFAULT_POLICY, *,
             return args[0](*args[1:], **kwargs)
 
         functools.update_wrapper(fn, type(model).__call__)
-        run = _autocast(fn, rules, op_rules, apply_module)
+        run = _autocast(fn, rules, op_rules, apply_module, f32_weight_grads)
 
         @functools.wraps(type(model).__call__)
         def call_model(*args, **kwargs):
             return run(model, *args, **kwargs)
 
         return call_model
-    return functools.wraps(fn)(_autocast(fn, rules, op_rules, apply_module))
+    return functools.wraps(fn)(_autocast(fn, rules, op_rules, apply_module, f32_weight_grads))
 
 
 def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
-              apply_module: nn.Module | None) -> Callable:
+              apply_module: nn.Module | None, f32_weight_grads: bool | None) -> Callable:
     def wrapped(*args, **kwargs):
         modules = None
         if any(nnx_frontend.is_module(x) for x in jax.tree_util.tree_leaves(
@@ -845,7 +885,8 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
             *[leaves[i] for i in dyn])
         _warn_unmatched(rules, regions)
         evaluator = _Evaluator(regions.policies, op_rules, regions.call,
-                               regions.attention.calls)
+                               regions.attention.calls, _sums_across_devices()
+                               if f32_weight_grads is None else f32_weight_grads)
         dyn_vals = [leaves[i] for i in dyn]
         consts = [_Val(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [_Val(x, True, False, ()) for x in dyn_vals]
@@ -872,6 +913,13 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
         return out[0]
 
     return wrapped
+
+
+def _sums_across_devices() -> bool:
+    """Whether a batch contraction may be a sum across devices: traced under a mesh
+    (``jax.set_mesh``), or more than one device visible (plain ``jax.jit`` of inputs placed
+    with ``NamedSharding``, which sets no mesh)."""
+    return mesh_is_set() or jax.device_count() > 1
 
 
 def _warn_unknown(names: set[str]) -> None:

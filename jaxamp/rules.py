@@ -85,7 +85,7 @@ FP32_PRIMITIVES = frozenset({
     "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "random_gamma",
     # sums (reductions, cumulative sums, average pooling, cross-device sums)
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
-    "psum",
+    "psum", "psum_invariant", "reduce_scatter",
     # linear algebra and transforms (no float16 kernels; conditioning needs float32)
     "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
     "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
@@ -105,6 +105,7 @@ STRUCTURAL_PRIMITIVES = frozenset({
     "reduce_window_max", "reduce_window_min", "cummax", "cummin", "top_k", "approx_top_k",
     # data movement between devices
     "device_put", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "pmax", "pmin",
+    "all_gather_invariant",
     "pvary",  # shard_map: marks a replicated value as varying, the value unchanged
 })
 
