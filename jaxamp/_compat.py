@@ -20,6 +20,7 @@ __all__ = [
     "bind_with_params",
     "close_jaxpr",
     "dce_jaxpr",
+    "inline_jit",
     "mesh_context",
     "mesh_is_set",
     "jit_inlines",
@@ -137,14 +138,25 @@ def mesh_is_set() -> bool:
     return mesh is not None and not mesh.empty
 
 
+def inline_jit(fun):
+    """``jax.jit(fun)`` inlined into the jaxpr of its caller when traced: jax 0.10 does this
+    for ``inline=True``; jax >= 0.12 keeps a ``jit`` equation for that (inlined only when
+    lowered) and inlines at trace time for ``inline=jax.Inline.JAX_EARLY``."""
+    mode = getattr(jax, "Inline", None)
+    return jax.jit(fun, inline=True if mode is None else mode.JAX_EARLY)
+
+
 @functools.cache
 def jit_inlines() -> bool:
-    """Whether ``jax.jit(f, inline=True)`` is inlined into the jaxpr that calls it (jax 0.10;
-    jax 0.12 keeps a ``jit`` equation there and leaves inlining to the lowering)."""
+    """Whether :func:`inline_jit` calls are inlined into the jaxpr that calls them, under
+    autodiff too (checked once; if not, autocast binds primitives directly)."""
     try:
-        f = jax.jit(lambda x: x + 1, inline=True)
-        closed = jax.make_jaxpr(lambda x: f(x) * 2)(1.0)
-        return not any(e.primitive.name in ("jit", "pjit") for e in _eqns_of(closed))
+        f = inline_jit(lambda x: x + 1)
+        for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
+            closed = jax.make_jaxpr(fn)(1.0)
+            if any(e.primitive.name in ("jit", "pjit") for e in _eqns_of(closed)):
+                return False
+        return True
     except Exception:  # pragma: no cover - be conservative
         return False
 

@@ -75,6 +75,7 @@ from jaxamp._compat import (
     bind_with_params,
     close_jaxpr,
     custom_vjp_name,
+    inline_jit,
     jit_inlines,
     mesh_is_set,
     open_jaxpr,
@@ -172,18 +173,19 @@ def _hashable_params(params: Mapping[str, Any]):
 
 @functools.lru_cache(maxsize=8192)
 def _jitted_bind(prim, params_key):
-    """``prim.bind`` with these params as an inlined ``jax.jit`` call. Under autodiff, JAX
-    linearizes a jitted call once per (params, input types) and reuses the result (as it does
-    for ``jnp``'s own jitted operators), where a bare ``bind`` re-derives the linearization of
-    every equation; under ``make_jaxpr``/``jit`` tracing the call is inlined, so the program is
-    the same. Used only where JAX inlines such calls (:func:`jaxamp._compat.jit_inlines`)."""
+    """``prim.bind`` with these params as an inlined ``jax.jit`` call
+    (:func:`jaxamp._compat.inline_jit`). Under autodiff, JAX linearizes a jitted call once per
+    (params, input types) and reuses the result (as it does for ``jnp``'s own jitted
+    operators), where a bare ``bind`` re-derives the linearization of every equation; under
+    ``make_jaxpr``/``jit`` tracing the call is inlined, so the program is the same. Used only
+    where JAX inlines such calls at trace time (:func:`jaxamp._compat.jit_inlines`)."""
     params = dict(params_key)
 
     def bound(*vals):
         return prim.bind(*vals, **params)
 
     bound.__name__ = prim.name
-    return jax.jit(bound, inline=True)
+    return inline_jit(bound)
 
 
 def _bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
@@ -197,7 +199,7 @@ def _bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
 
 @functools.lru_cache(maxsize=64)
 def _jitted_convert(dtype: np.dtype):
-    return jax.jit(functools.partial(lax.convert_element_type, new_dtype=dtype), inline=True)
+    return inline_jit(functools.partial(lax.convert_element_type, new_dtype=dtype))
 
 
 def _convert(x, dtype):
@@ -210,8 +212,7 @@ def _convert(x, dtype):
 
 @functools.lru_cache(maxsize=1024)
 def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
-    return jax.jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype),
-                   inline=True)
+    return inline_jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype))
 
 
 def _broadcast_convert(x, shape, dtype):
