@@ -181,8 +181,10 @@ stage env "$T_ENV" bash -c env_info
 
 # ---- 2 gpu tests ----
 # JAXAMP_GPU_PYTEST_ARGS: extra pytest arguments (e.g. -k to pick tests), word-split.
+# -o addopts=-q: one process on the one GPU (pyproject's addopts start pytest-xdist workers,
+# which the GPU machine lacks and which would each claim the GPU's memory).
 read -r -a PYTEST_EXTRA <<<"${JAXAMP_GPU_PYTEST_ARGS:-}"
-stage tests "$T_TESTS" "$PY" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -rA \
+stage tests "$T_TESTS" "$PY" -m pytest -o addopts=-q -m gpu tests/test_gpu.py -p no:cacheprovider -rA \
   --junitxml="$WORK/pytest.xml" ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
 
 # ---- 3 bench ----

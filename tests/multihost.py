@@ -25,8 +25,8 @@ def _free_port() -> int:
 def env(devices: int, **extra: str) -> dict:
     """The environment of a process with ``devices`` virtual CPU devices."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    out.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", **extra)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    out.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **extra)
     return out
 
 

@@ -633,8 +633,8 @@ _DP_AUX_SCRIPT = textwrap.dedent("""
 def _run_8_devices(tmp_path, script_text):
     script = tmp_path / "dp.py"
     script.write_text(script_text)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
