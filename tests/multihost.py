@@ -1,14 +1,17 @@
-"""Run a command as several JAX processes ("hosts") on this machine, joined by
-``jax.distributed`` through the ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID`` variables that ``examples/lm_mesh.py`` reads (tests call
-``jax.distributed.initialize`` with them themselves). CPU devices only; cross-process
-collectives go through gloo, jaxlib's default on CPU."""
+"""Subprocesses with several JAX devices: one process with virtual CPU devices
+(:func:`script_on_devices`), or several JAX processes ("hosts") on this machine
+(:func:`hosts`), joined by ``jax.distributed`` through the ``JAX_COORDINATOR_ADDRESS``,
+``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` variables that ``examples/lm_mesh.py`` reads
+(tests call ``jax.distributed.initialize`` with them themselves). CPU devices only;
+cross-process collectives go through gloo, jaxlib's default on CPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,14 @@ def finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
         outs.append("".join(line for line in stdout.splitlines(keepends=True)
                             if not line.startswith("[Gloo]")))
     return outs
+
+
+def script_on_devices(module: str, devices: int = 8, timeout: float = 600) -> dict:
+    """``tests/<module>.py``'s ``script()`` run in one subprocess with ``devices`` virtual CPU
+    devices; its JSON result (the last line it prints)."""
+    code = (f"import sys, json; sys.path.insert(0, sys.argv[1]); import {module}; "
+            f"print(json.dumps({module}.script()))")
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+                          capture_output=True, text=True, env=env(devices), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

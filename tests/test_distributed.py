@@ -8,13 +8,9 @@ and asserted here, as in ``test_mesh.py``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
+import multihost  # tests/multihost.py
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh
@@ -168,16 +164,7 @@ def script() -> dict:
 
 
 def test_on_8_virtual_devices():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
-                        "--xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true"}
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import test_distributed; "
-            "print(json.dumps(test_distributed.script()))")
-    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = multihost.script_on_devices("test_distributed")  # conftest: XLA:CPU's cheap compile
 
     # 1. the shard_map body is re-evaluated: its two matmuls in bf16, its psum in f32; the
     # float32 policy is plain JAX bit for bit; bf16 is within AMP tolerance of float32

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import multihost  # tests/multihost.py
 import numpy as np
 import optax
 import pytest
@@ -303,17 +303,7 @@ def hlo_collectives() -> dict:
 
 
 def test_layouts_on_8_virtual_devices(tmp_path):
-    # (XLA:CPU's cheap optimisation level: compiling dominates, the numbers are the same)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
-                        "--xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true"}
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import test_mesh; "
-            "print(json.dumps(test_mesh.script()))")
-    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = multihost.script_on_devices("test_mesh")  # conftest: XLA:CPU's cheap compile
     if os.environ.get("JAXAMP_MESH_REPORT"):  # keep the numbers (for the report)
         with open(os.environ["JAXAMP_MESH_REPORT"], "w") as f:
             json.dump(out, f, indent=1)
