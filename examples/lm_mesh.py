@@ -3,7 +3,8 @@
 Data parallel over ``data``, Megatron-style tensor parallel over ``model``: the attention's
 ``qkv`` and the MLP's ``fc`` split their output features (column parallel), the attention and
 MLP ``proj`` their input features (row parallel), the (tied) embedding its vocabulary; every
-other param replicated. The optimizer state follows the params (:func:`jaxamp.shard_state`).
+other param replicated. The optimizer state follows the params
+(``jaxamp.sharding.state_shardings``).
 ``jaxamp.make_train_step(mesh=...)`` runs one partitioned program on it.
 
 Several hosts: run the same command on every host with ``JAX_COORDINATOR_ADDRESS=host:port``,
@@ -22,11 +23,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxamp
 from jaxamp.sharding import state_shardings
 
 __all__ = ["barrier", "check_mesh", "initialize_distributed", "make_mesh", "param_specs", "place",
-           "shard_batch", "shard_state", "step_kwargs"]
+           "shard_batch", "shard_state", "state_shardings_on", "step_kwargs"]
 
 AXES = ("data", "model")
 
@@ -106,12 +106,19 @@ def param_specs(params) -> dict:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def state_shardings_on(state, mesh: Mesh):
+    """The ``NamedSharding`` of every leaf of ``state`` (arrays or ``jax.ShapeDtypeStruct``s):
+    params on :func:`param_specs`, the rest on jaxamp's defaults (optimizer moments follow
+    their params)."""
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        state.params, param_specs(state.params))
+    return state_shardings(state.replace(params=params), mesh)
+
+
 def shard_state(state, mesh: Mesh):
-    """The state with its params on :func:`param_specs` and the rest on jaxamp's defaults."""
-    specs = param_specs(state.params)
-    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-                          state.params, specs)
-    return jaxamp.shard_state(state.replace(params=params), mesh)
+    """The state placed on :func:`state_shardings_on`."""
+    return jax.device_put(state, state_shardings_on(state, mesh))
 
 
 def place(abstract_state, mesh: Mesh | None):
@@ -120,13 +127,8 @@ def place(abstract_state, mesh: Mesh | None):
     reading only its shards (unchanged without a mesh)."""
     if mesh is None:
         return abstract_state
-
-    def on(x, s):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    params = jax.tree.map(lambda x, s: on(x, NamedSharding(mesh, s)), abstract_state.params,
-                          param_specs(abstract_state.params))
-    state = abstract_state.replace(params=params)
-    return jax.tree.map(on, state, state_shardings(state, mesh))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract_state, state_shardings_on(abstract_state, mesh))
 
 
 def shard_batch(batch, mesh: Mesh | None):
