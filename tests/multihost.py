@@ -61,12 +61,19 @@ def finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
     return outs
 
 
-def script_on_devices(module: str, devices: int = 8, timeout: float = 600) -> dict:
-    """``tests/<module>.py``'s ``script()`` run in one subprocess with ``devices`` virtual CPU
-    devices; its JSON result (the last line it prints)."""
-    code = (f"import sys, json; sys.path.insert(0, sys.argv[1]); import {module}; "
-            f"print(json.dumps({module}.script()))")
-    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
-                          capture_output=True, text=True, env=env(devices), timeout=timeout)
+def json_from(argv: list[str], *, devices: int = 8, timeout: float = 600) -> dict:
+    """The JSON result (the last line printed) of ``argv`` run with ``devices`` virtual CPU
+    devices."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env(devices),
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def script_on_devices(module: str, devices: int = 8, timeout: float = 600) -> dict:
+    """``tests/<module>.py``'s ``script()`` run in one subprocess with ``devices`` virtual CPU
+    devices; its JSON result."""
+    code = (f"import sys, json; sys.path.insert(0, sys.argv[1]); import {module}; "
+            f"print(json.dumps({module}.script()))")
+    return json_from([sys.executable, "-c", code, str(Path(__file__).parent)],
+                     devices=devices, timeout=timeout)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -11,6 +10,7 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import multihost  # tests/multihost.py
 import numpy as np
 import optax
 import pytest
@@ -633,13 +633,8 @@ _DP_AUX_SCRIPT = textwrap.dedent("""
 def _run_8_devices(tmp_path, script_text):
     script = tmp_path / "dp.py"
     script.write_text(script_text)
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return multihost.json_from([sys.executable, str(script), os.path.dirname(__file__)],
+                               timeout=300)
 
 
 def test_data_parallel_aux_and_sgd_update_match_one_float32_device(tmp_path):
