@@ -8,26 +8,47 @@ what it does not cover is here, checked on jax 0.10.2, 0.11.x and 0.12.0.1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jcore
 from jax.extend import source_info_util
 
 __all__ = [
+    "CondParams",
+    "CustomJvpParams",
+    "RematParams",
+    "ScanParams",
     "Tracer",
+    "WhileParams",
     "bind_with_params",
+    "call_jaxpr",
+    "call_name",
     "close_jaxpr",
+    "cond_params",
+    "custom_jvp_params",
+    "custom_vjp_call_jaxpr",
+    "custom_vjp_name",
     "dce_jaxpr",
     "inline_jit",
+    "jit_cache_size",
+    "jit_inlines",
     "mesh_context",
     "mesh_is_set",
-    "jit_inlines",
+    "named_sub_jaxprs",
+    "new_dtype",
     "open_jaxpr",
+    "remat_params",
     "scan_counts",
+    "scan_params",
     "shard_map_again",
+    "shard_map_jaxpr",
     "source_context",
+    "sub_jaxprs",
+    "while_params",
 ]
 
 #: JAX's tracer base class (``jax.core.Tracer``; public, but its home has moved before).
@@ -55,16 +76,125 @@ def close_jaxpr(jaxpr: jcore.Jaxpr, consts=()) -> Any:
     return jcore.ClosedJaxpr(jaxpr, list(consts))
 
 
-def scan_counts(params: dict) -> tuple[int, int]:
+# ---- typed accessors of equation params ------------------------------------------------------
+# Higher-order primitives keep their sub-programs and layout in ``eqn.params`` under names
+# that JAX does not document (and that moved between versions): read them here only.
+
+
+def scan_counts(eqn) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a ``scan`` equation.
 
     jax <= 0.10 stores them as ``num_consts``/``num_carry``; jax >= 0.11 stores the flat
     argument groups ``ft_in = (consts, carry, xs)``.
     """
+    params = eqn.params
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()  # a jax._src.flattree.FlatTree
     return len(consts), len(carry)
+
+
+class ScanParams(NamedTuple):
+    jaxpr: Any  # the body, closed
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_params(eqn) -> ScanParams:
+    p = eqn.params
+    nc, nk = scan_counts(eqn)
+    return ScanParams(p["jaxpr"], nc, nk, p["length"], p["reverse"], p["unroll"])
+
+
+class WhileParams(NamedTuple):
+    cond_jaxpr: Any
+    body_jaxpr: Any
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def while_params(eqn) -> WhileParams:
+    p = eqn.params
+    return WhileParams(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
+
+
+class CondParams(NamedTuple):
+    branches: tuple  # closed jaxprs, one per branch index
+
+
+def cond_params(eqn) -> CondParams:
+    return CondParams(tuple(eqn.params["branches"]))
+
+
+class RematParams(NamedTuple):
+    jaxpr: Any  # closed
+    prevent_cse: bool
+    policy: Any
+
+
+def remat_params(eqn) -> RematParams:
+    p = eqn.params
+    return RematParams(close_jaxpr(p["jaxpr"]), p.get("prevent_cse", True), p.get("policy"))
+
+
+def call_jaxpr(eqn) -> Any:
+    """The body of a call-like equation (``jit``/``pjit``, ``closed_call``, ``core_call``)."""
+    p = eqn.params
+    return p["jaxpr"] if "jaxpr" in p else p["call_jaxpr"]
+
+
+def call_name(eqn) -> str:
+    """The function name a ``jit``/``pjit`` equation records ('' if none)."""
+    return str(eqn.params.get("name", ""))
+
+
+def new_dtype(eqn):
+    """The target dtype of a ``convert_element_type`` equation."""
+    return eqn.params["new_dtype"]
+
+
+def shard_map_jaxpr(eqn) -> Any:
+    return eqn.params["jaxpr"]
+
+
+def custom_vjp_call_jaxpr(eqn) -> Any:
+    """The primal function of a ``custom_vjp_call`` equation, as a closed jaxpr."""
+    return eqn.params["call_jaxpr"]
+
+
+class CustomJvpParams(NamedTuple):
+    call_jaxpr: Any  # the primal, closed
+    num_consts: int
+    jvp: Callable  # jvp(zeros: list[bool]) -> (jaxpr, consts, out_zeros)
+
+
+def custom_jvp_params(eqn) -> CustomJvpParams:
+    """A ``custom_jvp_call``'s primal and its JVP rule as a function of which tangents are
+    symbolic zeros (``jvp_jaxpr_fun`` is a ``lu.WrappedFun``; ``call_wrapped`` runs it)."""
+    p = eqn.params
+    fun = p["jvp_jaxpr_fun"]
+    return CustomJvpParams(p["call_jaxpr"], p["num_consts"],
+                           lambda zeros: fun.call_wrapped(*zeros))
+
+
+def named_sub_jaxprs(eqn) -> list:
+    """The sub-jaxprs an equation keeps under a name of its own (``jaxpr``, ``call_jaxpr``,
+    ``fun_jaxpr``), closed ones with their consts."""
+    return [eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+            if eqn.params.get(k) is not None]
+
+
+def sub_jaxprs(eqn) -> list:
+    """Every jaxpr among ``eqn``'s params (``jax.extend.core.jaxprs_in_params``)."""
+    return list(jcore.jaxprs_in_params(eqn.params))
+
+
+def jit_cache_size(jitted) -> int:
+    """How many compiled versions a ``jax.jit`` function holds (``_cache_size``, private)."""
+    return jitted._cache_size()
 
 
 def bind_with_params(eqn, vals):
@@ -104,11 +234,29 @@ def custom_vjp_name(eqn) -> str:
     return src.split(" ", 1)[0]
 
 
-def source_context(eqn):
+def _split_stack(name_stack, scope: str):
+    """``(prefix up to and including the scope named scope, the rest)`` of a name stack
+    (``NameStack.stack`` is a tuple of scopes and transforms with a ``name``)."""
+    parts = name_stack.stack
+    for i, part in enumerate(parts):
+        if getattr(part, "name", None) == scope:
+            return (dataclasses.replace(name_stack, stack=parts[:i + 1]),
+                    dataclasses.replace(name_stack, stack=parts[i + 1:]))
+    return dataclasses.replace(name_stack, stack=()), name_stack
+
+
+def source_context(eqn, drop: str | None = None, keep: str | None = None):
     """A context that gives the equations bound inside it ``eqn``'s source info and name
-    stack (so module paths survive the rewrite, for audits and profiles)."""
+    stack (so module paths survive the rewrite, for audits and profiles). ``drop``: leave out
+    the part of the stack up to and including the scope of that name (an equation replayed
+    under another call's prefix); ``keep``: only that part (the prefix of such a call)."""
     try:
-        stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        stack = eqn.source_info.name_stack
+        if drop is not None:
+            stack = _split_stack(stack, drop)[1]
+        elif keep is not None:
+            stack = _split_stack(stack, keep)[0]
+        stack = source_info_util.current_name_stack() + stack
         return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
     except Exception:  # pragma: no cover - internal API moved: paths are lost, nothing else
         return contextlib.nullcontext()

@@ -21,16 +21,25 @@ from typing import Any, NamedTuple
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._compat import open_jaxpr
+from jaxamp._compat import (
+    cond_params,
+    named_sub_jaxprs,
+    new_dtype,
+    open_jaxpr,
+    sub_jaxprs,
+    while_params,
+)
 
 __all__ = [
     "LOW_PRECISION",
+    "Run",
     "Sub",
     "all_consumers_accept",
     "as_jaxpr",
     "consumers",
     "containing",
     "duplicate_casts",
+    "equations",
     "evaluate",
     "iter_eqns",
     "iter_jaxprs",
@@ -48,6 +57,11 @@ def as_jaxpr(j: Any) -> jcore.Jaxpr:
     return open_jaxpr(j)[0]
 
 
+def equations(j: Any) -> list:
+    """The equations of ``j`` (not of its sub-programs), in order."""
+    return list(as_jaxpr(j).eqns)
+
+
 def name_stack(eqn, prefix: str = "") -> str:
     """``eqn``'s name stack as a string, below ``prefix`` (the stack of the equation that
     called the sub-program it is in)."""
@@ -58,12 +72,25 @@ def name_stack(eqn, prefix: str = "") -> str:
 # ---- running a jaxpr ------------------------------------------------------------------------
 
 
+class Run(NamedTuple):
+    """Equations ``start:end`` of a jaxpr run as one: ``fn(values of ins) -> values of outs``
+    (the vars the rest of the jaxpr reads)."""
+
+    end: int
+    ins: list
+    outs: list
+    fn: Callable[[list], Sequence[Any]]
+
+
 def evaluate(j: Any, consts: Sequence[Any] | None, args: Sequence[Any],
              run_eqn: Callable[[Any, list], Sequence[Any]],
-             literal: Callable[[Any], Any] = lambda lit: lit.val) -> list:
+             literal: Callable[[Any], Any] = lambda lit: lit.val,
+             runs: dict[int, Run] | None = None) -> list:
     """Runs ``j``'s equations in order: ``run_eqn(eqn, operand values)`` returns the values of
     its outputs. ``consts`` bind the constvars (None: the closed jaxpr's own consts, as is);
-    ``literal(lit)`` gives a literal operand's value. Returns the output values."""
+    ``literal(lit)`` gives a literal operand's value; ``runs`` maps the index of an equation
+    to a :class:`Run` that replaces it and the equations after it. Returns the output
+    values."""
     jaxpr, own = open_jaxpr(j)
     env: dict[Any, Any] = {}
     for var, x in zip(jaxpr.constvars, (own or []) if consts is None else consts):
@@ -74,11 +101,21 @@ def evaluate(j: Any, consts: Sequence[Any] | None, args: Sequence[Any],
     def read(var):
         return literal(var) if isinstance(var, jcore.Literal) else env[var]
 
-    for eqn in jaxpr.eqns:
-        outs = run_eqn(eqn, [read(v) for v in eqn.invars])
-        for var, out in zip(eqn.outvars, outs):
+    def write(outvars, outs):
+        for var, out in zip(outvars, outs):
             if not isinstance(var, jcore.DropVar):
                 env[var] = out
+
+    eqns, i = jaxpr.eqns, 0
+    while i < len(eqns):
+        run = runs.get(i) if runs else None
+        if run is not None:
+            write(run.outs, run.fn([read(v) for v in run.ins]))
+            i = run.end
+            continue
+        eqn = eqns[i]
+        write(eqn.outvars, run_eqn(eqn, [read(v) for v in eqn.invars]))
+        i += 1
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -141,20 +178,20 @@ def sub_programs(eqn) -> list[Sub]:
     empty for a first-order equation (and for a typed combiner such as scatter-add's, where the
     equation itself is the operation)."""
     name = eqn.primitive.name
-    p = eqn.params
     ins, outs = list(eqn.invars), list(eqn.outvars)
-    subs = list(jcore.jaxprs_in_params(p))
+    subs = sub_jaxprs(eqn)
     if not subs:
         return []
     if name not in _CONTAINERS and not any(len(as_jaxpr(s).invars) == len(ins) for s in subs):
         return []
     if name == "cond":
-        return [_sub(b, ins[1:], outs) for b in p["branches"]]
+        return [_sub(b, ins[1:], outs) for b in cond_params(eqn).branches]
     if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        p = while_params(eqn)
+        cn, bn = p.cond_nconsts, p.body_nconsts
         carry = ins[cn + bn:]
-        return [_sub(p["cond_jaxpr"], ins[:cn] + carry, [None]),
-                _sub(p["body_jaxpr"], ins[cn:cn + bn] + carry, outs)]
+        return [_sub(p.cond_jaxpr, ins[:cn] + carry, [None]),
+                _sub(p.body_jaxpr, ins[cn:cn + bn] + carry, outs)]
     found = []
     for s in subs:
         jaxpr = as_jaxpr(s)
@@ -167,9 +204,8 @@ def sub_programs(eqn) -> list[Sub]:
 def jaxpr_of(eqn, sub: Sub) -> Any:
     """The params entry of ``eqn`` that ``sub`` was read from (a closed jaxpr keeps its
     consts), or ``sub.jaxpr``."""
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        obj = eqn.params.get(key)
-        if obj is not None and as_jaxpr(obj) is sub.jaxpr:
+    for obj in named_sub_jaxprs(eqn):
+        if as_jaxpr(obj) is sub.jaxpr:
             return obj
     return sub.jaxpr
 
@@ -206,7 +242,7 @@ def iter_jaxprs(j: Any) -> Iterator[jcore.Jaxpr]:
     jaxpr = as_jaxpr(j)
     yield jaxpr
     for eqn in jaxpr.eqns:
-        for sub in jcore.jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn):
             yield from iter_jaxprs(sub)
 
 
@@ -251,7 +287,7 @@ def duplicate_casts(j: Any) -> list[tuple[jcore.JaxprEqn, jcore.JaxprEqn]]:
         for e in jaxpr.eqns:
             if not _is_cast(e) or not isinstance(e.invars[0], jcore.Var):
                 continue
-            key = (e.invars[0], np.dtype(e.params["new_dtype"]))
+            key = (e.invars[0], np.dtype(new_dtype(e)))
             if key in seen:
                 found.append((seen[key], e))
             else:

@@ -57,6 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._compat import Tracer
+
 __all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale"]
 
 _F32 = jnp.float32
@@ -70,7 +72,7 @@ _I32 = jnp.int32
 
 def _concrete(value: Any) -> np.ndarray | None:
     """Returns ``value`` as a numpy array, or ``None`` if it is a tracer."""
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, Tracer):
         return None
     try:
         return np.asarray(value)

@@ -27,6 +27,14 @@ class             JAX primitives (defaults)                                   to
 and bit operations, random numbers, typed sub-computations such as ``scatter-add``, ``sort`` and
 ``reduce``. A primitive in no list (one that a newer JAX adds) runs as traced too, and autocast
 warns with its name, so it never goes unnoticed; classify it with :meth:`OpRules.extend`.
+An equation with a float64 operand or result (under ``jax_enable_x64``) runs as traced
+whatever its class: autocast never narrows float64 (as torch autocast leaves it alone).
+
+A primitive can also get a **handler** of its own (``DEFAULT_OP_RULES.extend(handlers={
+"dot_general": my_rule})``): a function of a :class:`jaxamp.RuleCall` (the equation, its
+operands after region crossings, the region's policy, the built-in rule as ``call.default()``)
+that returns the outputs, or None to use the built-in rule. The engine's own rules are a table
+of the same shape (:mod:`jaxamp._op_rules`, :mod:`jaxamp._control`).
 
 Softmax, log-softmax and logsumexp need no entry of their own: they are built from ``exp``,
 ``log`` and ``reduce_sum``, and a value whose every consumer wants float32 is computed in
@@ -45,16 +53,21 @@ per path pattern (``{"decoder/layers_*/attn": "float32"}``; NNX paths read as NN
 3. the policy of the nearest ancestor module that matched a rule (Haiku's scoping);
 4. the default policy.
 
-Built-in class rules (:data:`FP32_MODULES`, :data:`EMBED_MODULES`): normalisation layers compute
-in float32 and return the default compute dtype ("FP16 input -> FP32 compute -> FP16 output");
-embeddings gather float32 rows and return them in the compute dtype.
+Built-in class rules (:data:`FP32_MODULES`, :data:`EMBED_MODULES`) are relative to the region
+they sit in: normalisation layers compute in float32 and return the compute dtype of the
+enclosing region ("FP16 input -> FP32 compute -> FP16 output"; inside a module that a rule
+made float32, a float32 output); embeddings gather float32 rows and return them in the
+enclosing region's compute dtype. A user's class rule for the same class is absolute and wins.
+
+Paths are the names below the root module joined by ``/`` (:func:`module_path`); the root
+module itself is matched by its class name (``"GPT"``), as every jaxamp report prints it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -151,6 +164,9 @@ class OpRules:
       custom_vjp_as_traced: Python names of ``jax.custom_vjp`` functions that run exactly as
         traced, forward and backward (``"*"``: all of them). Every other ``custom_vjp``
         function keeps its rules and runs both of them under the region's policy.
+      handlers: ``(primitive name, handler)`` pairs: a handler takes a
+        :class:`jaxamp.RuleCall` and returns the equation's outputs (a list of arrays), or
+        None to leave the equation to its op class. Give them as a dict to :meth:`extend`.
 
     Example:
       >>> rules = DEFAULT_OP_RULES.extend(fp32={"tanh"})   # run tanh in float32 too
@@ -166,11 +182,23 @@ class OpRules:
     promote: frozenset[str] = PROMOTE_PRIMITIVES
     as_traced: frozenset[str] = AS_TRACED_PRIMITIVES
     custom_vjp_as_traced: frozenset[str] = frozenset()
+    handlers: tuple[tuple[str, Callable], ...] = ()
 
-    def extend(self, **lists: Iterable[str]) -> OpRules:
+    def extend(self, *, handlers: Mapping[str, Callable] | None = None,
+               **lists: Iterable[str]) -> OpRules:
         """Returns rules with primitives moved into the named lists (and out of the others);
-        ``custom_vjp_as_traced=`` adds function names to that list."""
-        fields = {f.name: set(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        ``custom_vjp_as_traced=`` adds function names to that list; ``handlers=`` maps
+        primitive names to handlers (replacing an earlier handler of the same primitive)."""
+        fields = {f.name: set(getattr(self, f.name)) for f in dataclasses.fields(self)
+                  if f.name != "handlers"}
+        own = dict(self.handlers)
+        if handlers is not None:
+            if not isinstance(handlers, Mapping) or not all(
+                    isinstance(k, str) and callable(h) for k, h in handlers.items()):
+                raise TypeError(
+                    f"OpRules.extend: handlers= must map primitive names to callables, got "
+                    f"{handlers!r}. Example: handlers={{'dot_general': my_rule}}.")
+            own.update(handlers)
         for key, names in lists.items():
             if key not in fields:
                 raise ValueError(
@@ -188,30 +216,44 @@ class OpRules:
                 for other in (v for k, v in fields.items() if k != "custom_vjp_as_traced"):
                     other.discard(name)
                 fields[key].add(name)
-        return OpRules(**{k: frozenset(v) for k, v in fields.items()})
+        return OpRules(**{k: frozenset(v) for k, v in fields.items()},
+                       handlers=tuple(sorted(own.items())))
 
     def runs_custom_vjp_as_traced(self, name: str) -> bool:
         """Whether the ``custom_vjp`` function called ``name`` runs exactly as traced."""
         return "*" in self.custom_vjp_as_traced or name in self.custom_vjp_as_traced
 
     def classify(self, name: str) -> str:
-        """Returns 'matmul', 'fp32', 'structural', 'promote' or 'opaque' (run as traced: in
-        ``as_traced``, or in no list) for a primitive name."""
+        """Returns 'matmul', 'fp32', 'structural', 'promote' or 'as_traced' (in
+        ``as_traced``, or in no list: see :meth:`known`) for a primitive name."""
         for kind in ("matmul", "fp32", "structural", "promote"):
             if name in getattr(self, kind):
                 return kind
-        return "opaque"
+        return "as_traced"
+
+    def known(self, name: str) -> bool:
+        """Whether ``name`` is in one of the lists (a primitive in none runs as traced, and
+        autocast warns)."""
+        return self.classify(name) != "as_traced" or name in self.as_traced
+
+    def handler(self, name: str) -> Callable | None:
+        """The handler given for primitive ``name``, or None."""
+        for key, fn in self.handlers:
+            if key == name:
+                return fn
+        return None
 
 
 DEFAULT_OP_RULES = OpRules()
 
-#: Module classes (linen and NNX) that compute in float32 and return the default compute dtype.
+#: Module classes (linen and NNX) that compute in float32 and return the compute dtype of the
+#: region they are in.
 FP32_MODULES: tuple[type, ...] = (
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm,
     nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm, nnx.InstanceNorm)
 
-#: Module classes (linen and NNX) whose (gathered) output is returned in the default compute
-#: dtype.
+#: Module classes (linen and NNX) whose (gathered) output is returned in the compute dtype of
+#: the region they are in.
 EMBED_MODULES: tuple[type, ...] = (nn.Embed, nnx.Embed)
 
 #: The module base classes a class rule may name.
@@ -242,6 +284,21 @@ def _literal_len(pattern: str) -> int:
     return len(pattern.replace("*", "").replace("?", ""))
 
 
+def _fp32_within(inherited: jmp.Policy) -> jmp.Policy:
+    """The built-in normalisation rule: float32 compute, the enclosing compute dtype out."""
+    return jmp.Policy(inherited.param_dtype, jnp.float32, inherited.compute_dtype)
+
+
+def _embed_within(inherited: jmp.Policy) -> jmp.Policy:
+    """The built-in embedding rule: rows gathered as stored, the enclosing compute dtype out."""
+    return jmp.Policy(inherited.param_dtype, inherited.compute_dtype, inherited.compute_dtype)
+
+
+#: A class rule's policy: absolute (a user's rule) or relative to the policy the module would
+#: inherit (the built-in rules).
+ClassPolicy = jmp.Policy | Callable[[jmp.Policy], jmp.Policy]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModuleRules:
     """A default policy plus validated per-class and per-path overrides.
@@ -250,7 +307,7 @@ class ModuleRules:
     """
 
     default: jmp.Policy
-    class_rules: tuple[tuple[type, jmp.Policy], ...]
+    class_rules: tuple[tuple[type, ClassPolicy], ...]
     path_rules: tuple[tuple[str, re.Pattern[str], jmp.Policy], ...]
 
     @classmethod
@@ -265,7 +322,7 @@ class ModuleRules:
                 f"overrides must be a dict mapping a Flax module class (linen or NNX) or a path "
                 f"pattern to a policy, got {type(overrides).__name__}. Example: "
                 "{nn.Dense: 'compute=float32', 'decoder/layers_*/attn': 'float32'}.")
-        class_rules: list[tuple[type, jmp.Policy]] = []
+        class_rules: list[tuple[type, ClassPolicy]] = []
         path_rules: list[tuple[str, re.Pattern[str], jmp.Policy]] = []
         for key, value in overrides.items():
             pol = get_policy(value)
@@ -275,7 +332,7 @@ class ModuleRules:
                     raise ValueError(
                         f"override key {key!r} is an empty path pattern. Use a module path such as "
                         "'decoder/layers_*/attn' ('*' matches within one path segment, '**' "
-                        "across segments).")
+                        "across segments), or the root module's class name.")
                 path_rules.append((pattern, _path_regex(pattern), pol))
             elif isinstance(key, type) and issubclass(key, MODULE_BASES):
                 class_rules.append((key, pol))
@@ -287,23 +344,23 @@ class ModuleRules:
                     f"override key {key!r} is not a flax.linen.Module or flax.nnx.Module "
                     f"subclass or a path pattern string.{hint} Example: "
                     "{nn.Dense: 'compute=float32'} or {nnx.Linear: 'compute=float32'}.")
-        builtin_fp32 = jmp.Policy(default.param_dtype, jnp.float32, default.compute_dtype)
-        builtin_embed = jmp.Policy(default.param_dtype, default.compute_dtype,
-                                   default.compute_dtype)
-        class_rules += [(c, builtin_fp32) for c in FP32_MODULES]
-        class_rules += [(c, builtin_embed) for c in EMBED_MODULES]
+        class_rules += [(c, _fp32_within) for c in FP32_MODULES]
+        class_rules += [(c, _embed_within) for c in EMBED_MODULES]
         return cls(default, tuple(class_rules), tuple(path_rules))
 
-    def match(self, module: Any, path: Sequence[Any] | None = None
-              ) -> tuple[jmp.Policy | None, str | None]:
+    def match(self, module: Any, path: Sequence[Any] | None = None,
+              inherited: jmp.Policy | None = None) -> tuple[jmp.Policy | None, str | None]:
         """Returns (policy, matched path pattern or None), or (None, None) to inherit.
 
         ``path`` is the module's path (a linen module's own ``module.path`` if None; an NNX
-        module does not know its path, its front end passes it)."""
-        path = "/".join(str(p) for p in (module.path if path is None else path))
+        module does not know its path, its front end passes it); the root module (empty path)
+        is matched by its class name. ``inherited``: the policy the module would inherit (its
+        nearest matched ancestor's, else the default), which the built-in rules are relative
+        to."""
+        text = module_path(module, path)
         best = None
         for pattern, regex, pol in self.path_rules:
-            if regex.match(path):
+            if regex.match(text):
                 if best is None or _literal_len(pattern) >= _literal_len(best[0]):
                     best = (pattern, pol)
         if best is not None:
@@ -311,5 +368,7 @@ class ModuleRules:
         for base in type(module).__mro__:
             for klass, pol in self.class_rules:
                 if klass is base:
+                    if callable(pol) and not isinstance(pol, jmp.Policy):
+                        return pol(self.default if inherited is None else inherited), None
                     return pol, None
         return None, None

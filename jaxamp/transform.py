@@ -37,6 +37,7 @@ import optax
 from jax import lax
 
 from jaxamp import policy_spec
+from jaxamp._compat import Tracer
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import get_policy
 
@@ -99,7 +100,7 @@ def check_clip_norm(clip_norm: Any, where: str) -> float | jax.Array | None:
     """``None``, or a positive finite number (Python or JAX/NumPy scalar) as a float."""
     if clip_norm is None:
         return None
-    if isinstance(clip_norm, jax.core.Tracer):
+    if isinstance(clip_norm, Tracer):
         return clip_norm  # traced (e.g. built inside jit): nothing to check at trace time
     arr = np.asarray(clip_norm) if not isinstance(clip_norm, bool) else None
     if arr is None or arr.ndim != 0 or arr.dtype == bool \

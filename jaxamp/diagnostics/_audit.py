@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp._compat import new_dtype
 from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
 from jaxamp.diagnostics._reference import is_norm
 from jaxamp.diagnostics._report import (
@@ -271,7 +272,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
             # the same value (e.g. embedding + positional embedding); XLA's CSE merges them
             continue
         raw.append(("duplicate_cast", r.module,
-                    f"the same value is cast to {dtype_name(b.params['new_dtype'])} twice "
+                    f"the same value is cast to {dtype_name(new_dtype(b))} twice "
                     f"({_pass(r)}); the second cast is redundant work.", None))
     raw += storage_findings(params, opt_state)
     order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",

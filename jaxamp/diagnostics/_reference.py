@@ -19,6 +19,7 @@ from typing import Any
 
 import jax.extend.core as jcore
 
+from jaxamp._compat import new_dtype
 from jaxamp._jaxpr import consumers, containing
 from jaxamp.diagnostics._trace import (
     ACCUM,
@@ -129,7 +130,7 @@ def _use_dtype(rec: Eqn, jaxpr: jcore.Jaxpr) -> str | None:
         for e in uses.get(v, []):
             name = e.primitive.name
             if name == "convert_element_type":
-                return dtype_name(e.params["new_dtype"])
+                return dtype_name(new_dtype(e))
             if name in PASS_THROUGH:
                 frontier.extend(e.outvars)
     return None

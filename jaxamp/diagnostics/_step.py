@@ -63,7 +63,7 @@ class _Graph:
                     self._edge(o, [v])
             if eqn.primitive.name in ("scan", "while"):  # loop-carried values
                 if eqn.primitive.name == "scan":
-                    first, nc = scan_counts(eqn.params)
+                    first, nc = scan_counts(eqn)
                 else:
                     first, nc = len(sub.jaxpr.invars) - len(sub.jaxpr.outvars), \
                         len(sub.jaxpr.outvars)

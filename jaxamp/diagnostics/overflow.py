@@ -36,7 +36,7 @@ import jmp
 import numpy as np
 
 from jaxamp import nnx_frontend
-from jaxamp._compat import bind_with_params, scan_counts
+from jaxamp._compat import Tracer, bind_with_params, scan_params
 from jaxamp._jaxpr import evaluate, name_stack, sub_programs
 from jaxamp.diagnostics._trace import (
     LOW,
@@ -207,7 +207,7 @@ class _Evaluator:
         for v in vals:
             if id(v) in self.ids:
                 ins.append(self.ids[id(v)])
-            elif not isinstance(v, jax.core.Tracer) and _is_float(np.asarray(v)):
+            elif not isinstance(v, Tracer) and _is_float(np.asarray(v)):
                 ins.append(bool(np.all(np.isfinite(np.asarray(v, np.float32)))))
         where = {"module": module, "pass": "backward" if backward else "forward",
                  "primitive": eqn.primitive.name,
@@ -240,16 +240,16 @@ class _Evaluator:
         return list(out) if eqn.primitive.multiple_results else [out]
 
     def scan(self, eqn, vals, full):
-        p = eqn.params
-        (nc, nk), length = scan_counts(p), p["length"]
+        p = scan_params(eqn)
+        nc, nk = p.num_consts, p.num_carry
         consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
         ys = []
-        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        steps = range(p.length - 1, -1, -1) if p.reverse else range(p.length)
         for i in steps:
-            outs = self.run(p["jaxpr"], None, consts + carry + [x[i] for x in xs], full)
+            outs = self.run(p.jaxpr, None, consts + carry + [x[i] for x in xs], full)
             carry = outs[:nk]
             ys.append(outs[nk:])
-        if p["reverse"]:
+        if p.reverse:
             ys = ys[::-1]
         n_y = len(eqn.outvars) - nk
         if ys:

@@ -1,0 +1,247 @@
+"""The first-order rules of autocast's evaluator: one small function per op class.
+
+Each rule is ``rule(ev, eqn, ins, site) -> list[Value]``: ``ev`` the evaluator (policies,
+region crossings, op rules), ``eqn`` the traced equation, ``ins`` its operands as the
+equation's region sees them (cast on leaving/entering module regions), ``site`` its region and
+which outputs are wanted in float32. :data:`BY_CLASS` maps an op class of
+:class:`jaxamp.OpRules` to its rule; :func:`first_order` picks it. The higher-order rules
+(``jit``, ``scan``, ``cond``, ...) are in :mod:`jaxamp._control`; a user's handler for a
+primitive (``OpRules.extend(handlers=...)``) gets a :class:`RuleCall` and runs before both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax.numpy as jnp
+import jmp
+import numpy as np
+from jax import lax
+
+from jaxamp._compat import Tracer, bind_with_params, new_dtype, sub_jaxprs
+from jaxamp._values import (
+    F32,
+    F64,
+    Value,
+    bind,
+    broadcast_convert,
+    cast,
+    dtype_of,
+    is_float,
+    widest,
+)
+from jaxamp._wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxamp._evaluator import Evaluator
+
+__all__ = ["BY_CLASS", "NOT_ELEMENTWISE", "RuleCall", "Site", "first_order"]
+
+# "promote" primitives whose operands are not broadcast elementwise to the output's shape.
+NOT_ELEMENTWISE = frozenset({"concatenate", "stack", "pad", "dynamic_update_slice", "select_n",
+                             "clamp"})
+
+
+class Site(NamedTuple):
+    """Where an equation runs: its region (the module-region ids, outermost first) and, per
+    output, whether every consumer computes in float32."""
+
+    region: tuple[int, ...]
+    want32: list[bool]
+
+
+def results(eqn, out, region, *, stored=False, const=False) -> list[Value]:
+    outs = out if eqn.primitive.multiple_results else [out]
+    return [Value(o, stored, const, region) for o in outs]
+
+
+def bind_eqn(eqn, vals, site: Site, *, params=None, stored=False, const=False) -> list[Value]:
+    """``eqn``'s primitive bound on ``vals`` (with ``params``, else the equation's)."""
+    out = bind(eqn.primitive, vals, eqn.params if params is None else params)
+    return results(eqn, out, site.region, stored=stored, const=const)
+
+
+def as_traced(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """Runs an equation exactly as traced (its original input dtypes)."""
+    vals = [cast(v, var.aval.dtype) if v.is_float and is_float(var.aval.dtype) else v.val
+            for v, var in zip(ins, eqn.invars)]
+    out = bind_with_params(eqn, vals)
+    floats = [v for v in ins if v.is_float]
+    const = all(v.const for v in ins)
+    # A float made from no float input (random bits bitcast to a uniform) is computed, not
+    # stored: cast like an activation it would quantise dropout's uniforms to float16.
+    stored = all(v.stored for v in floats) if floats else const
+    return results(eqn, out, site.region, stored=stored, const=const)
+
+
+def structural(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """Keeps the operand's dtype; a stored value stays stored (an embedding gathers rows of
+    the stored table, then casts them)."""
+    floats = [v for v in ins if v.is_float]
+    all_const = all(v.const for v in ins)
+    if site.want32 and all(site.want32) and any(not v.stored for v in floats):
+        vals = [cast(v, F32) if v.is_float else v.val for v in ins]
+    else:
+        vals = [v.val for v in ins]
+    outs = bind_eqn(eqn, vals, site, stored=all(v.stored for v in floats), const=all_const)
+    if all_const and eqn.primitive.name == "broadcast_in_dim" and np.ndim(ins[0].val) == 0 \
+            and not isinstance(ins[0].val, Tracer) and ins[0].is_float:
+        outs[0].splat = float(ins[0].val)
+    return outs
+
+
+def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """Runs in the region's compute dtype, inputs and output; with ``f32_weight_grads`` a
+    param operand's gradient comes out in float32 (:mod:`jaxamp._wgrad`)."""
+    name = eqn.primitive.name
+    dtype = ev.compute_dtype(site.region)
+    floats = [v for v in ins if v.is_float]
+    params = dict(eqn.params)
+    if params.get("preferred_element_type") is not None and floats:
+        params["preferred_element_type"] = dtype
+    wide = tuple(v.stored and not v.const and v.is_float for v in ins)
+    if ev.f32_weight_grads and dtype != F32 and len(ins) == 2:
+        # a param's gradient summed over the batch (across devices) in float32
+        if name == "dot_general" and any(wide):
+            out = dot_f32_weight_grads(eqn.primitive, params,
+                                       *[v.val if w else cast(v, dtype)
+                                         for v, w in zip(ins, wide)], dtype, wide)
+            return [Value(out, False, False, site.region)]
+        if name == "conv_general_dilated" and wide[1]:
+            out = conv_f32_kernel_grads(eqn.primitive, params, cast(ins[0], dtype),
+                                        ins[1].val, dtype)
+            return [Value(out, False, False, site.region)]
+    return bind_eqn(eqn, [cast(v, dtype) for v in ins], site, params=params)
+
+
+def fp32(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """Runs in float32 (inputs cast up); the output stays float32."""
+    return bind_eqn(eqn, [cast(v, F32) for v in ins], site)
+
+
+def promoted(v: Value, dtype, eqn):
+    """``v`` cast for an elementwise op; a stored operand that the op broadcasts (a bias)
+    is broadcast before the cast, so its gradient is summed in its stored dtype."""
+    out_shape = eqn.outvars[0].aval.shape
+    shape = np.shape(v.val)
+    if (v.stored and not v.const and v.is_float and v.dtype != np.dtype(dtype)
+            and eqn.primitive.name not in NOT_ELEMENTWISE
+            and len(shape) == len(out_shape) and shape != out_shape
+            and all(a in (1, b) for a, b in zip(shape, out_shape))):
+        key = ("broadcast", out_shape, np.dtype(dtype))
+        if key not in v.casts:
+            v.casts[key] = broadcast_convert(v.val, out_shape, np.dtype(dtype))
+        return v.casts[key]
+    return cast(v, dtype)
+
+
+def promote(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """Runs in the widest activation dtype among the operands (float32 if every consumer
+    wants it); with only stored operands, as traced, the result still stored."""
+    floats = [v for v in ins if v.is_float]
+    float_wants = [w for w, o in zip(site.want32, eqn.outvars) if is_float(o.aval.dtype)]
+    live = [v.dtype for v in floats if not v.stored]
+    if eqn.primitive.name == "dynamic_update_slice" and ins[0].stored and ins[0].is_float:
+        # A write into a stored buffer (a decode cache): the buffer keeps its dtype.
+        dtype = ins[0].dtype
+    elif float_wants and all(float_wants):
+        dtype = F32
+    elif live:
+        dtype = widest(live)
+    else:
+        # Only stored operands (params, float inputs, int inputs made float): no activation
+        # decides yet, so the op runs as traced and its result stays stored, cast where an
+        # activation or a matmul first uses it. Committing to the compute dtype here would
+        # round what precision depends on: a diffusion timestep x frequency fed to sin/cos,
+        # a squared weight in an L2 penalty.
+        return bind_eqn(eqn, [cast(v, var.aval.dtype) if v.is_float else v.val
+                              for v, var in zip(ins, eqn.invars)], site, stored=True)
+    return bind_eqn(eqn, [promoted(v, dtype, eqn) for v in ins], site)
+
+
+def convert(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """A cast written in the traced function: a float -> float downcast (often jnp's own,
+    after summing low-precision values in float32) or a weak-type change is autocast's to
+    decide, so it passes the value through; an explicit upcast is honoured."""
+    (v,), new = ins, np.dtype(new_dtype(eqn))
+    src = eqn.invars[0].aval.dtype
+    if v.is_float and is_float(new):
+        if np.dtype(src) == new or jnp.finfo(new).bits <= jnp.finfo(v.dtype).bits:
+            return [v]
+        return [Value(cast(v, new), False, v.const, site.region)]
+    out = lax.convert_element_type(v.val, new)
+    # An int/bool -> float conversion makes a stored value (cast where it is used).
+    return [Value(out, v.stored or not v.is_float, v.const, site.region)]
+
+
+Rule = Callable[["Evaluator", Any, list, Site], list]
+
+#: op class of :class:`jaxamp.OpRules` -> its rule.
+BY_CLASS: dict[str, Rule] = {
+    "structural": structural,
+    "matmul": matmul,
+    "fp32": fp32,
+    "promote": promote,
+    "as_traced": as_traced,
+}
+
+
+def _float64_in(eqn) -> bool:
+    return any(dtype_of(v.aval) == F64 for v in (*eqn.invars, *eqn.outvars)
+               if hasattr(v.aval, "dtype"))
+
+
+def first_order(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    """The rule of ``eqn``'s op class (a constant computation, a float64 one and a
+    primitive with sub-programs that autocast does not know run as traced)."""
+    name = eqn.primitive.name
+    if name == "convert_element_type":
+        return convert(ev, eqn, ins, site)
+    kind = ev.op_rules.classify(name)
+    if not ev.op_rules.known(name):
+        ev.unknown.add(name)
+    if sub_jaxprs(eqn) or _float64_in(eqn):
+        kind = "as_traced"
+    elif kind in ("promote", "matmul", "fp32") and all(v.const for v in ins):
+        kind = "as_traced"
+    return BY_CLASS[kind](ev, eqn, ins, site)
+
+
+class RuleCall:
+    """What a handler given in ``OpRules.extend(handlers={primitive: handler})`` receives.
+
+    Attributes:
+      eqn: the traced equation (``eqn.primitive``, ``eqn.params``, ``eqn.invars`` with the
+        traced avals).
+      args: its operands as arrays, after the module-region crossings (in the dtypes the
+        values have now, which may differ from the traced ones).
+      stored: per operand, whether it is a stored value (a param, a float input, a constant)
+        rather than an activation.
+      policy: the :class:`jmp.Policy` of the region the equation runs in.
+      want_f32: per output, whether every consumer computes in float32.
+
+    A handler returns the equation's outputs (a list of arrays, activations of the region),
+    or None to leave the equation to its op class's rule; :meth:`default` runs that rule.
+    """
+
+    def __init__(self, ev: Evaluator, eqn, ins: Sequence[Value], site: Site):
+        self._ev, self._ins, self._site = ev, list(ins), site
+        self.eqn = eqn
+        self.args = [v.val for v in ins]
+        self.stored = [v.stored for v in ins]
+        self.policy: jmp.Policy = ev.policy(site.region)
+        self.want_f32 = list(site.want32)
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return np.dtype(self.policy.compute_dtype)
+
+    def cast(self, i: int, dtype) -> Any:
+        """Operand ``i`` in ``dtype`` (one cast per value and dtype, shared with the rest of
+        the program)."""
+        return cast(self._ins[i], dtype)
+
+    def default(self) -> list:
+        """The built-in rule's outputs for this equation, as arrays."""
+        return [v.val for v in first_order(self._ev, self.eqn, self._ins, self._site)]

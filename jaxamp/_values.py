@@ -1,0 +1,174 @@
+"""The values autocast's evaluator passes around, and the casts between them.
+
+A :class:`Value` is an array under re-evaluation plus what autocast knows about it (stored or an
+activation, constant, the module region that made it, the casts already made of it). The
+helpers here bind primitives and casts through cached, inlined ``jax.jit`` calls while tracing
+(:func:`bind`, :func:`convert`): under autodiff JAX then linearizes each (primitive, params,
+input types) once instead of once per equation, as it does for ``jnp``'s own jitted operators,
+and the program is the same (the calls are inlined at trace time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._compat import Tracer, inline_jit, jit_inlines
+
+__all__ = ["F32", "Value", "bind", "cast", "convert", "dtype_of", "is_float", "spec", "widest"]
+
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+
+
+def is_float(dtype) -> bool:
+    """A floating dtype autocast may cast: float16, bfloat16 or float32. float64 (under
+    ``jax_enable_x64``) is left alone, as torch autocast leaves it, unless a policy asks for it
+    (no policy can: :func:`jaxamp.policy.get_policy` refuses float64)."""
+    try:  # jax's issubdtype knows extended dtypes (PRNG keys): not floating
+        return bool(jax.dtypes.issubdtype(dtype, jnp.floating)) and np.dtype(dtype) != F64
+    except TypeError:
+        return False
+
+
+def dtype_of(x) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(x).dtype
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return dtype
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = np.dtype(jnp.promote_types(out, d))
+    return out
+
+
+def spec(x, dtype=None) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype (``dtype`` instead, if given), with its weak type, so that a
+    jitted body traced on specs is the one JAX later finds in its cache for ``x`` itself."""
+    weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    return jax.ShapeDtypeStruct(np.shape(x), dtype_of(x) if dtype is None else dtype,
+                                weak_type=weak and dtype is None)
+
+
+@dataclasses.dataclass(eq=False)
+class Value:
+    """A value under evaluation and what autocast knows about it."""
+
+    val: Any
+    stored: bool  # an input or constant not yet committed to a compute dtype
+    const: bool  # depends on no input (safe to compute at trace time; casts saturate)
+    region: tuple[int, ...]
+    casts: dict = dataclasses.field(default_factory=dict)
+    splat: float | None = None  # a constant filled with one known value (zeros, finfo.min)
+
+    @property
+    def dtype(self):
+        return dtype_of(self.val)
+
+    @property
+    def is_float(self) -> bool:
+        return is_float(self.dtype)
+
+    def fresh(self, val=None) -> Value:
+        """The same knowledge about a value seen from inside a new trace (no shared casts)."""
+        return Value(self.val if val is None else val, self.stored, self.const, self.region,
+                     splat=self.splat)
+
+    def live(self) -> Value:
+        """The same value as an activation (a loop carry: computed, whatever it started as)."""
+        return Value(self.val, False, False, self.region)
+
+
+def saturating(x, dtype: np.dtype):
+    info = jnp.finfo(dtype)
+    if isinstance(x, Tracer):
+        return lax.convert_element_type(jnp.clip(x, info.min, info.max), dtype)
+    return np.asarray(np.clip(np.asarray(x, np.float32), float(info.min), float(info.max)),
+                      dtype)
+
+
+def _hashable_params(params: Mapping[str, Any]):
+    try:
+        key = tuple(params.items())
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _jitted_bind(prim, params_key):
+    """``prim.bind`` with these params as an inlined ``jax.jit`` call
+    (:func:`jaxamp._compat.inline_jit`). Used only where JAX inlines such calls at trace time
+    (:func:`jaxamp._compat.jit_inlines`)."""
+    params = dict(params_key)
+
+    def bound(*vals):
+        return prim.bind(*vals, **params)
+
+    bound.__name__ = prim.name
+    return inline_jit(bound)
+
+
+def bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
+    """``prim.bind(*vals, **params)``; through a cached jitted call when tracing."""
+    if jit_inlines() and any(isinstance(x, Tracer) for x in vals):
+        key = _hashable_params(params)
+        if key is not None:
+            return _jitted_bind(prim, key)(*vals)
+    return prim.bind(*vals, **params)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_convert(dtype: np.dtype):
+    return inline_jit(functools.partial(lax.convert_element_type, new_dtype=dtype))
+
+
+def convert(x, dtype):
+    """``lax.convert_element_type(x, dtype)``; a cached jitted call when tracing."""
+    if jit_inlines() and isinstance(x, Tracer):
+        return _jitted_convert(np.dtype(dtype))(x)
+    return lax.convert_element_type(x, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
+    return inline_jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype))
+
+
+def broadcast_convert(x, shape, dtype):
+    """``x`` broadcast to ``shape``, then cast (a cached jitted call when tracing)."""
+    if jit_inlines() and isinstance(x, Tracer):
+        return _jitted_broadcast_convert(tuple(shape), dtype)(x)
+    return lax.convert_element_type(jnp.broadcast_to(x, shape), dtype)
+
+
+def cast(v: Value, dtype) -> Any:
+    """``v.val`` in ``dtype`` (cached: a value is cast to a given dtype at most once)."""
+    dtype = np.dtype(dtype)
+    if not v.is_float or v.dtype == dtype:
+        return v.val
+    if dtype not in v.casts:
+        narrower = jnp.finfo(dtype).max < jnp.finfo(v.dtype).max
+        if v.const and narrower and v.splat is not None:
+            info = jnp.finfo(dtype)
+            value = float(np.clip(v.splat, float(info.min), float(info.max)))
+            v.casts[dtype] = lax.full(np.shape(v.val), value, dtype)
+        elif v.const and narrower:
+            v.casts[dtype] = saturating(v.val, dtype)
+        else:
+            v.casts[dtype] = convert(v.val, dtype)
+    return v.casts[dtype]
