@@ -18,9 +18,12 @@ program and meets that call, :func:`wants_cudnn` decides:
   logits, whose backward matmuls then mix float32 and float16 operands.)
 
 Only calls made through the attribute ``jax.nn.dot_product_attention`` at call time are seen
-(a reference taken earlier, ``from jax.nn import dot_product_attention``, is not); the
-attribute is replaced while at least one autocast trace runs, and the replacement behaves as
-the original in every thread that is not tracing under autocast.
+(a reference taken earlier, ``from jax.nn import dot_product_attention``, is not). While at
+least one autocast trace runs, the attribute is a wrapper of whatever it was before (JAX's
+function, or another library's wrapper of it, which recording and re-dispatch then call
+through); the wrapper behaves as the function it wraps in every thread that is not tracing
+under autocast. When the last trace ends the attribute is put back, unless someone replaced it
+meanwhile: then their function stays (it may call ours, which passes calls through).
 """
 
 from __future__ import annotations
@@ -43,47 +46,62 @@ CAST_ARGUMENTS = frozenset({"query", "key", "value", "bias"})
 _local = threading.local()
 _lock = threading.Lock()
 _active = 0
+_installed = None  # our wrapper while installed
+_replaced = None  # what it replaced
 
 
 class Recorder:
     """The fused-attention calls of one autocast trace: ``(array argument names, static
-    keyword arguments)`` per call, in order."""
+    keyword arguments, the function recorded through)`` per call, in order."""
 
     def __init__(self, call: int):
         self.call = call
-        self.calls: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+        self.calls: list[tuple[tuple[str, ...], dict[str, Any], Any]] = []
 
 
 def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _dot_product_attention(*args, **kwargs):
-    stack = getattr(_local, "stack", None)
-    if not stack:
-        return ORIGINAL(*args, **kwargs)
-    recorder = stack[-1]
-    bound = _SIGNATURE.bind(*args, **kwargs)
-    arrays = {n: v for n, v in bound.arguments.items() if _is_array(v)}
-    static = {n: v for n, v in bound.arguments.items() if n not in arrays}
-    traced = dict(static, implementation="xla")  # float32 can only take the XLA path
-    names = tuple(arrays)
+def _wrapper(previous):
+    """A ``jax.nn.dot_product_attention`` that records calls made under autocast's trace in
+    this thread and otherwise calls ``previous``."""
 
-    def attention(*vals):
-        return ORIGINAL(**dict(zip(names, vals)), **traced)
+    def dot_product_attention(*args, **kwargs):
+        stack = getattr(_local, "stack", None)
+        if not stack or getattr(_local, "busy", False):
+            return previous(*args, **kwargs)
+        recorder = stack[-1]
+        bound = _SIGNATURE.bind(*args, **kwargs)
+        arrays = {n: v for n, v in bound.arguments.items() if _is_array(v)}
+        static = {n: v for n, v in bound.arguments.items() if n not in arrays}
+        traced = dict(static, implementation="xla")  # float32 can only take the XLA path
+        names = tuple(arrays)
 
-    attention.__name__ = f"jaxamp_attention_{recorder.call}_{len(recorder.calls)}"
-    recorder.calls.append((names, static))
-    return jax.jit(attention)(*arrays.values())
+        def attention(*vals):
+            _local.busy = True  # a wrapper below ours that calls ours again passes through
+            try:
+                return previous(**dict(zip(names, vals)), **traced)
+            finally:
+                _local.busy = False
+
+        attention.__name__ = f"jaxamp_attention_{recorder.call}_{len(recorder.calls)}"
+        recorder.calls.append((names, static, previous))
+        return jax.jit(attention)(*arrays.values())
+
+    dot_product_attention.__wrapped__ = previous
+    dot_product_attention.__doc__ = getattr(previous, "__doc__", None)
+    return dot_product_attention
 
 
 @contextlib.contextmanager
 def recording(recorder: Recorder):
     """Records this thread's ``jax.nn.dot_product_attention`` calls into ``recorder``."""
-    global _active
+    global _active, _installed, _replaced
     with _lock:
         if _active == 0:
-            jax.nn.dot_product_attention = _dot_product_attention
+            _replaced = jax.nn.dot_product_attention
+            _installed = jax.nn.dot_product_attention = _wrapper(_replaced)
         _active += 1
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(recorder)
@@ -94,7 +112,9 @@ def recording(recorder: Recorder):
         with _lock:
             _active -= 1
             if _active == 0:
-                jax.nn.dot_product_attention = ORIGINAL
+                if jax.nn.dot_product_attention is _installed:  # else someone built on it
+                    jax.nn.dot_product_attention = _replaced
+                _installed = _replaced = None
 
 
 def wants_cudnn(static: dict[str, Any]) -> bool:
@@ -104,12 +124,14 @@ def wants_cudnn(static: dict[str, Any]) -> bool:
                                          and jax.default_backend() == "gpu")
 
 
-def redispatch(names: tuple[str, ...], static: dict[str, Any], vals: list, compute_dtype):
-    """The recorded call bound as cuDNN attention, its float query/key/value/bias in
-    ``compute_dtype``. Raises what JAX raises for a configuration cuDNN does not support."""
+def redispatch(call: tuple, vals: list, compute_dtype):
+    """A recorded call bound as cuDNN attention, its float query/key/value/bias in
+    ``compute_dtype``, through the function it was recorded through. Raises what JAX raises
+    for a configuration cuDNN does not support."""
+    names, static, fn = call
     args = {}
     for name, val in zip(names, vals):
         if name in CAST_ARGUMENTS and jax.numpy.issubdtype(val.dtype, jax.numpy.floating):
             val = val.astype(compute_dtype)
         args[name] = val
-    return ORIGINAL(**args, **dict(static, implementation="cudnn"))
+    return fn(**args, **dict(static, implementation="cudnn"))

@@ -9,8 +9,11 @@ its own. This module gives autocast and the diagnostics the same two facts for N
   call under ``jax.named_scope`` of its path (the root under its class name, like linen), so
   the audit and the overflow locator read NNX paths from the name stack as they read linen's.
   The wrapper is installed on the classes (Python looks dunders up on the type) while at least
-  one thread intercepts, and removed when the last one stops; in a thread that is not
-  intercepting it calls the original ``__call__`` and nothing else. Only ``__call__`` is seen
+  one thread intercepts, wrapping whatever ``__call__`` each class had (its own, or another
+  library's wrapper of it); in a thread that is not intercepting it calls that and nothing
+  else. When the last thread stops, each class gets back what it had, unless someone replaced
+  the wrapper meanwhile: their function stays (it may call ours, which passes calls through),
+  so no one's patch is clobbered. Only ``__call__`` is seen
   (other methods, e.g. ``Embed.attend``, run in their caller's region).
 * *its path*, as NNX names it (``blocks/3/attn``): a module passed to autocast (or merged by
   :class:`Apply`) is registered with its whole graph; a module first met in a call is a root
@@ -42,7 +45,7 @@ PATH_KEY = "jaxamp_path"
 _lock = threading.Lock()
 _local = threading.local()
 _active = 0  # threads intercepting (the wrappers are installed while > 0)
-_originals: dict[type, Callable] = {}  # class -> the __call__ in its own __dict__
+_originals: dict[type, tuple[Callable, Callable]] = {}  # class -> (what it had, our wrapper)
 
 
 def is_module(x: Any) -> bool:
@@ -180,19 +183,24 @@ def _subclasses(cls: type) -> Iterator[type]:
 
 
 def _install() -> None:
-    """Wraps ``__call__`` of every ``nnx.Module`` subclass that defines one (under _lock)."""
+    """Wraps ``__call__`` of every ``nnx.Module`` subclass that defines one (under _lock); a
+    class whose wrapper someone replaced since is wrapped again (around their function)."""
     for cls in [nnx.Module, *_subclasses(nnx.Module)]:
         own = cls.__dict__.get("__call__")
-        if cls in _originals or own is None or getattr(own, "__jaxamp_nnx__", False) \
-                or not callable(own) or isinstance(own, staticmethod | classmethod):
+        if own is None or not callable(own) or isinstance(own, staticmethod | classmethod):
             continue
-        _originals[cls] = own
-        type.__setattr__(cls, "__call__", _wrap(cls, own))
+        if cls in _originals and _originals[cls][1] is own:
+            continue
+        wrapper = _wrap(cls, own)
+        _originals[cls] = (own, wrapper)
+        type.__setattr__(cls, "__call__", wrapper)
 
 
 def _uninstall() -> None:
-    for cls, own in _originals.items():
-        type.__setattr__(cls, "__call__", own)
+    """Gives each class back what it had, where our wrapper is still the one in place."""
+    for cls, (own, wrapper) in _originals.items():
+        if cls.__dict__.get("__call__") is wrapper:
+            type.__setattr__(cls, "__call__", own)
     _originals.clear()
 
 
@@ -227,7 +235,8 @@ def intercept_calls(interceptor: Callable):
 
 def installed() -> bool:
     """Whether the class wrappers are installed now (for tests)."""
-    return bool(_originals)
+    return any(cls.__dict__.get("__call__") is wrapper
+               for cls, (_, wrapper) in _originals.items())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,13 +96,16 @@ def test_cudnn_calls_are_bound_again_on_low_precision_inputs(monkeypatch, implem
         out = real(*f32, mask, **dict(kw, implementation="xla"))  # no f16 x f16 -> f32 dot
         return out.astype(query.dtype)
 
-    monkeypatch.setattr(_attention, "ORIGINAL", spy)
+    # the spy is installed as another library's wrapper would be: autocast records and binds
+    # again through it
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     low = str(jnp.dtype(jaxamp.get_policy(policy).compute_dtype))
     out = jax.jit(jaxamp.autocast(loss, policy))(params, x, bias)
     assert calls == [("xla", "float32", "float32", "float32", "float32"),  # the f32 trace
                      ("cudnn", low, low, low, low)]  # bound again: fused, low precision
-    monkeypatch.setattr(_attention, "ORIGINAL", real)
+    assert jax.nn.dot_product_attention is spy
+    monkeypatch.setattr(jax.nn, "dot_product_attention", real)
     ref = jnp.mean(FusedAttention().apply({"params": params}, x, bias) ** 2)
     np.testing.assert_allclose(out, ref, rtol=3e-2)
 
