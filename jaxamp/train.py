@@ -39,10 +39,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxamp import nnx_frontend, policy_spec
-from jaxamp._compat import mesh_context
-from jaxamp.engine import autocast
+from jaxamp._compat import Tracer, jit_cache_size, mesh_context
+from jaxamp.engine import autocast, check_options
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
 from jaxamp.transform import (
     AmpState,
@@ -63,7 +64,7 @@ DEFAULT_POLICY = policy_spec.DEFAULT_POLICY
 
 def _positive_int(value: Any, name: str, where: str) -> int:
     """A Python, NumPy or (concrete) JAX integer scalar >= 1, as an int."""
-    ok = not isinstance(value, bool | jax.core.Tracer)
+    ok = not isinstance(value, bool | Tracer)
     if ok:
         arr = np.asarray(value) if not isinstance(value, int) else np.asarray(value, np.int64)
         ok = arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer) and int(arr) >= 1
@@ -256,7 +257,7 @@ class _Step:
         if not isinstance(state, TrainState):  # jit would fail on it with a pytree error
             raise TypeError(f"step: state must be a jaxamp.TrainState, got "
                             f"{type(state).__name__}. Create it with jaxamp.TrainState.create.")
-        if self._donate and any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        if self._donate and any(isinstance(x, jax.Array) and not isinstance(x, Tracer)
                                 and x.is_deleted()
                                 for x in jax.tree.leaves(state)):
             raise ValueError("step: this state's buffers were donated to an earlier step call "
@@ -299,7 +300,7 @@ class _Step:
 
     def _cache_size(self) -> int:
         jitted = [self._plain] if self._plain is not None else []
-        return sum(j._cache_size() for j in jitted + list(self._by_sharding.values()))
+        return sum(jit_cache_size(j) for j in jitted + list(self._by_sharding.values()))
 
 
 def _tracing_context(mesh, axis_rules):
@@ -402,7 +403,9 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                     clip_norm: float | jax.Array | None = None, micro_batches: int = 1,
                     mesh: Mesh | None = None, data_axis: str = "data",
                     axis_rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
-                    has_aux: bool = False, mutable: Sequence[str] | None = None) -> Callable:
+                    has_aux: bool = False, mutable: Sequence[str] | None = None,
+                    op_rules: OpRules = DEFAULT_OP_RULES,
+                    f32_weight_grads: bool | None = None) -> Callable:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
     The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
@@ -454,6 +457,9 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         losses) is concatenated back into batch order; other float leaves are averaged;
         integer/bool leaves (counts) are summed.
       mutable: the collections the step updates (default: every collection of the state).
+      op_rules: which primitives run in which dtype, as for :func:`jaxamp.autocast` (the
+        forward and the backward of the step follow them).
+      f32_weight_grads: as for :func:`jaxamp.autocast` (None: decided by the mesh/devices).
 
     Returns:
       The step. ``metrics`` holds float32/bool/int32 scalars: ``loss`` (unscaled),
@@ -471,6 +477,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
                         f"{type(tx).__name__}.")
     step_policy = None if policy is None else get_policy(policy)
+    check_options(where, op_rules, f32_weight_grads)
     clip_norm = check_clip_norm(clip_norm, where)
     micro_batches = _positive_int(micro_batches, "micro_batches", where)
     if not isinstance(has_aux, bool):
@@ -533,7 +540,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
     def step(state: TrainState, batch, shardings=None):
         pol, use_rng, loss_of = build(state)
         check(state, batch, loss_of, use_rng)  # trace time: before compiling
-        amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides)
+        amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides,
+                            op_rules=op_rules, f32_weight_grads=f32_weight_grads)
         collections0 = state.collections
 
         def scaled_loss(params, collections, batch, loss_scale, weight, rng):
@@ -655,7 +663,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
 
 def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | None = None,
-                   overrides: dict | None = None) -> Callable:
+                   overrides: dict | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
+                   f32_weight_grads: bool | None = None) -> Callable:
     """Builds a jitted ``eval_step(params_or_state, batch) -> float32 loss`` under a policy.
 
     Args:
@@ -666,10 +675,12 @@ def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | 
       policy: the policy; ``None``: the state's when a :class:`TrainState` is passed, else
         :data:`DEFAULT_POLICY`.
       overrides: per-module rules for :func:`jaxamp.autocast`.
+      op_rules, f32_weight_grads: as for :func:`jaxamp.autocast`.
 
     Given a :class:`TrainState`, its collections (BatchNorm's running statistics) are added to
     the variables ``apply_fn`` receives, read-only.
     """
+    check_options("make_eval_step", op_rules, f32_weight_grads)
     apply_fn = _apply_fn_of(model)
     if isinstance(apply_fn, nnx_frontend.Apply):
         loss_fn = _nnx_loss(loss_fn)
@@ -680,7 +691,8 @@ def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | 
         def loss(params, collections, batch):
             bound = _BoundApply(apply_fn, collections, ()) if collections else apply_fn
             return loss_fn(bound, params, batch)
-        amp_loss = autocast(loss, pol.with_output_dtype(jnp.float32), overrides=overrides)
+        amp_loss = autocast(loss, pol.with_output_dtype(jnp.float32), overrides=overrides,
+                            op_rules=op_rules, f32_weight_grads=f32_weight_grads)
         return amp_loss(params, collections, batch).astype(jnp.float32)
 
     def eval_step(params, batch):

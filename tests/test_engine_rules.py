@@ -1,0 +1,419 @@
+"""Where autocast's rules meet (GitHub issue #23): collections keep their dtypes, built-in rules
+follow the region they sit in, the train step takes the rules autocast takes, the root module
+is matched by the path reports print, float64 is never narrowed, handlers, and the cost of the
+evaluation (bodies evaluated a bounded number of times, repeated layers evaluated once)."""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+
+import jaxamp
+from jaxamp import _attention, _evaluator, engine
+from jaxamp import nnx_frontend as _nnx
+from jaxamp._jaxpr import iter_eqns, lossy_round_trips
+
+F16 = "params=float32,compute=float16,output=float32"
+BF16 = "params=float32,compute=bfloat16,output=float32"
+LOW = {"float16", "bfloat16"}
+
+
+def _casts(closed):
+    return [(str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype))
+            for e in iter_eqns(closed) if e.primitive.name == "convert_element_type"]
+
+
+def _dots(closed):
+    return [str(e.outvars[0].aval.dtype) for e in iter_eqns(closed)
+            if e.primitive.name == "dot_general"]
+
+
+# ---- collections ----------------------------------------------------------------------------
+
+
+class Decoder(nn.Module):
+    """Flax's own decode-mode attention (a float32 ``cache`` collection written with
+    ``dynamic_update_slice``), embedding and head."""
+
+    vocab: int = 16
+
+    @nn.compact
+    def __call__(self, ids, decode=False):
+        x = nn.Embed(self.vocab, 32)(ids)
+        mask = None if decode else nn.make_causal_mask(ids)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, decode=decode)(x, mask=mask)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def _decode(policy, variables, first, steps=4):
+    apply = jaxamp.autocast(Decoder().apply, policy)
+    cache, tok, out, dtypes = variables["cache"], first, [], []
+    for _ in range(steps):
+        logits, new = apply({"params": variables["params"], "cache": cache}, tok, decode=True,
+                            mutable=["cache"])
+        cache = new["cache"]
+        dtypes.append({str(x.dtype) for x in jax.tree.leaves(cache)
+                       if jnp.issubdtype(x.dtype, jnp.floating)})
+        tok = jnp.argmax(logits[:, -1], -1)[:, None]
+        out.append(int(tok[0, 0]))
+    return out, dtypes
+
+
+@pytest.mark.parametrize("policy", [F16, BF16])
+def test_a_float32_cache_stays_float32_through_a_decode_loop(policy):
+    model = Decoder()
+    variables = model.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32), decode=True)
+    variables = {"params": model.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))[
+        "params"], "cache": variables["cache"]}
+    first = jnp.array([[5]], jnp.int32)
+    want, _ = _decode("float32", variables, first)
+    got, dtypes = _decode(policy, variables, first)
+    assert dtypes == [{"float32"}] * 4  # the cache keeps its stored dtype, step after step
+    assert got == want
+    # and the matmuls did run low: this is not a float32 run in disguise
+    apply = jaxamp.autocast(model.apply, policy)
+    closed = jax.make_jaxpr(lambda v, t: apply(v, t, decode=True, mutable=["cache"]))(
+        variables, first)
+    assert set(_dots(closed)) == {str(jnp.dtype(jaxamp.get_policy(policy).compute_dtype))}
+
+
+# ---- built-in rules inherit the region's dtypes ---------------------------------------------
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="fc")(nn.LayerNorm(name="ln")(x))
+        return x + nn.Dense(32, name="proj")(nn.gelu(h))
+
+
+class Stack(nn.Module):
+    layers: int = 3
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(50, 32, name="embed")(ids)
+        for i in range(self.layers):
+            x = Block(name=f"blocks_{i}")(x)
+        return nn.Dense(50, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+
+def _stack():
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 50
+    model = Stack()
+    return model, model.init(jax.random.key(0), ids), ids
+
+
+@pytest.mark.parametrize("override", ["float32", "compute=float16"])
+def test_norms_and_embeddings_inside_an_override_take_its_dtypes(override):
+    model, variables, ids = _stack()
+    fwd = jaxamp.autocast(model.apply, BF16, overrides={"blocks_0": override})
+    closed = jax.make_jaxpr(fwd)(variables, ids)
+    assert lossy_round_trips(closed) == []
+    low_to_low = [c for c in _casts(closed) if c[0] in LOW and c[1] in LOW]
+    assert low_to_low == []
+    # the override did take effect, and the rest of the model stayed bfloat16
+    want = "float32" if override == "float32" else "float16"
+    assert _dots(closed)[:2] == [want, want] and set(_dots(closed)[2:]) == {"bfloat16"}
+
+
+def test_a_user_class_rule_for_a_norm_still_wins():
+    model, variables, ids = _stack()
+    fwd = jaxamp.autocast(model.apply, F16, overrides={nn.LayerNorm: "float32"})
+    closed = jax.make_jaxpr(fwd)(variables, ids)
+    # the float32 LayerNorm output reaches the next Dense as float32 then is cast down once
+    assert ("float32", "float16") in _casts(closed)
+
+
+# ---- the train step takes autocast's rules --------------------------------------------------
+
+
+def _loss(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["ids"])
+    return jaxamp.softmax_cross_entropy(logits, batch["ids"])
+
+
+def _tanh_dtypes(closed):
+    return sorted({str(e.invars[0].aval.dtype) for e in iter_eqns(closed)
+                   if e.primitive.name == "tanh"})
+
+
+def test_op_rules_reach_the_train_step():
+    model, variables, ids = _stack()
+    rules = jaxamp.DEFAULT_OP_RULES.extend(fp32={"tanh"})
+    fwd = jaxamp.autocast(model.apply, F16, op_rules=rules)
+    assert _tanh_dtypes(jax.make_jaxpr(fwd)(variables, ids)) == ["float32"]
+    assert _tanh_dtypes(jax.make_jaxpr(jaxamp.autocast(model.apply, F16))(
+        variables, ids)) == ["float16"]
+    state = jaxamp.TrainState.create(model, variables["params"], optax.sgd(0.1), policy=F16)
+    batch = {"ids": ids}
+    for op_rules, want in ((rules, ["float32"]), (jaxamp.DEFAULT_OP_RULES, ["float16"])):
+        step = jaxamp.make_train_step(model, _loss, op_rules=op_rules, donate=False)
+        text = step.lower(state, batch).as_text()
+        tanh = re.findall(r"stablehlo.tanh[^\n]*tensor<[^>]*x(f16|f32)>", text)
+        assert tanh and set(tanh) == {want[0].replace("float", "f")}
+    ev = jaxamp.make_eval_step(model, _loss, policy=F16, op_rules=rules)
+    assert np.isfinite(float(ev(variables["params"], batch)))
+    with pytest.raises(TypeError, match="make_train_step: op_rules must be a jaxamp.OpRules"):
+        jaxamp.make_train_step(model, _loss, op_rules={"fp32": {"tanh"}})
+    with pytest.raises(TypeError, match="f32_weight_grads must be True, False or None"):
+        jaxamp.make_eval_step(model, _loss, f32_weight_grads="yes")
+
+
+# ---- the root module's path -----------------------------------------------------------------
+
+
+def test_the_root_module_is_matched_by_its_class_name():
+    model, variables, ids = _stack()
+    fwd = jaxamp.autocast(model.apply, F16, overrides={"Stack": "float32"})
+    with warnings_as_errors():
+        closed = jax.make_jaxpr(fwd)(variables, ids)
+    assert set(_dots(closed)) == {"float32"}  # everything inherits the root's rule
+
+
+def test_an_unmatched_path_names_the_nearest_real_ones_and_the_callers_line():
+    model, variables, ids = _stack()
+    fwd = jaxamp.autocast(model.apply, F16, overrides={"block_0/fc": "float32"})
+    with pytest.warns(UserWarning, match=r"matched no module.*'blocks_0/fc'") as rec:
+        jax.make_jaxpr(fwd)(variables, ids)
+    assert rec[0].filename == __file__
+
+
+class warnings_as_errors:
+    def __enter__(self):
+        import warnings
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+# ---- float64 --------------------------------------------------------------------------------
+
+
+def test_float64_is_left_alone():
+    with jax.enable_x64(True):
+        x = jnp.array([1.0, 2.0], jnp.float64)
+        w = jnp.ones((2, 2), jnp.float64)
+
+        def f(x, w):
+            return jnp.tanh(x @ w) + 1e-12, jnp.exp(x.astype(jnp.float32))
+
+        out64, out32 = jaxamp.autocast(f, "float32")(x, w)
+        assert out64.dtype == jnp.float64 and float(out64[0] - jnp.tanh(3.0)) != 0.0
+        np.testing.assert_array_equal(out64, f(x, w)[0])  # bit for bit as plain JAX
+        closed = jax.make_jaxpr(jaxamp.autocast(f, F16))(x, w)
+        assert _dots(closed) == ["float64"]
+        # the one cast of a float64 value is the function's own astype (its float32 result
+        # is then autocast's to place: exp runs in float32)
+        assert [c for c in _casts(closed) if c[0] == "float64"] == [("float64", "float32")]
+
+
+# ---- handlers ---------------------------------------------------------------------------------
+
+
+def test_a_handler_rewrites_one_primitive_and_can_defer():
+    seen = []
+
+    def rule(call):
+        seen.append((call.policy.compute_dtype, call.stored))
+        if all(call.stored):  # x @ w, both the function's inputs: run it in float32
+            return [lax.dot_general(call.cast(0, jnp.float32), call.cast(1, jnp.float32),
+                                    call.eqn.params["dimension_numbers"])]
+        return None  # the built-in matmul rule
+
+    rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": rule})
+    def g(w, x):
+        h = x @ w
+        return h @ h.T
+
+    f = jaxamp.autocast(g, F16, op_rules=rules)
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert _dots(closed) == ["float32", "float16"]
+    assert [s for _, s in seen] == [[True, True], [False, False]]  # h @ h.T: computed
+    with pytest.raises(TypeError, match="handlers= must map primitive names to callables"):
+        jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": 3})
+
+
+# ---- evaluation cost ------------------------------------------------------------------------
+
+
+def _nested(depth):
+    def inner(x, w):
+        return jnp.tanh(x @ w) * 0.5 + x
+
+    f = inner
+    for _ in range(depth):
+        def level(x, w, g=f):
+            def body(c, _):
+                return lax.cond(c.sum() > 0, lambda c: g(c, w), lambda c: c * 0.5, c), None
+            return jax.checkpoint(lambda x: lax.scan(body, x, None, length=2)[0])(x)
+        f = level
+    return lambda p, x: f(x, p["w"]).sum()
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    counts: collections.Counter = collections.Counter()
+    real = _evaluator.Evaluator.eval
+
+    def counting(self, closed, *args, **kwargs):
+        counts[id(_evaluator.open_jaxpr(closed)[0])] += 1
+        return real(self, closed, *args, **kwargs)
+
+    monkeypatch.setattr(_evaluator.Evaluator, "eval", counting)
+    return counts
+
+
+def test_nested_control_flow_is_evaluated_a_bounded_number_of_times(evaluations):
+    """checkpoint(scan(cond(...))) nested 1..4 deep: each body is evaluated at most twice (a
+    carry that widens once), whatever the depth, so the total grows linearly (it was
+    4/16/64/256 evaluations of the innermost body)."""
+    p, x = {"w": jnp.full((8, 8), 0.1)}, jnp.ones((2, 8))
+    totals = []
+    for depth in range(1, 5):
+        evaluations.clear()
+        jax.make_jaxpr(jax.value_and_grad(jaxamp.autocast(_nested(depth), F16)))(p, x)
+        assert max(evaluations.values()) <= 2
+        totals.append(sum(evaluations.values()))
+    steps = np.diff(totals)
+    assert (steps == steps[0]).all(), totals  # linear in depth
+
+
+def test_repeated_layers_are_evaluated_once_and_give_the_same_program(evaluations,
+                                                                      monkeypatch):
+    model, variables, ids = _stack()
+
+    def program():  # a fresh function each time: make_jaxpr caches traces per function
+        fwd = jaxamp.autocast(model.apply, F16)
+        return fwd, jax.make_jaxpr(jax.value_and_grad(lambda v: fwd(v, ids).sum()))(variables)
+
+    fwd, shared = program()
+    bodies = dict(evaluations)
+    monkeypatch.setattr(engine, "SHARE_REPEATED_CALLS", False)
+    evaluations.clear()
+    _, plain = program()
+    # no jaxpr is evaluated twice; unshared, only the top one and gelu's / the norm's inner
+    # jitted bodies (JAX hands every call the same jaxpr) are evaluated
+    assert set(evaluations.values()) == {1} and set(bodies.values()) == {1}
+    inner = set(evaluations) - set(bodies)
+    assert len(inner) == 1  # the top-level jaxpr (a fresh one per trace)
+    assert str(shared) == str(plain)
+    # blocks 1 and 2 take block 0's evaluation (block 0's input is the stored embedding
+    # output, the others an activation: two evaluations of the block structure) on top of the
+    # top-level jaxpr and the same inner bodies
+    assert len(bodies) == len(evaluations) + 2
+    # each replayed layer keeps its own module path in the name stacks
+    fwd_closed = jax.make_jaxpr(fwd)(variables, ids)
+    paths = [re.sub(r"/?jaxamp<[^>]*>", "", str(e.source_info.name_stack))
+             for e in iter_eqns(fwd_closed) if e.primitive.name == "dot_general"]
+    assert paths == ["Stack/" + p for i in range(3) for p in (f"blocks_{i}/fc",
+                                                              f"blocks_{i}/proj")] + [
+        "Stack/head"]
+
+
+# ---- patches: threads and other wrappers -----------------------------------------------------
+
+
+class Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+class TinyLinen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x)
+
+
+def test_threads_and_other_wrappers_coexist():
+    """An NNX model traced under f16 and a linen one under bf16 in two threads, 20 times each:
+    each sees its own policy. A wrapper of nnx.Linear.__call__ installed before the traces and
+    one installed during a trace, and a wrapper of jax.nn.dot_product_attention installed
+    during one, are all in place afterwards (and called)."""
+    x = jnp.ones((2, 4))
+    nnx_model = Tiny(nnx.Rngs(0))
+    linen_model = TinyLinen()
+    linen_vars = linen_model.init(jax.random.key(0), x)
+    original_call = nnx.Linear.__dict__["__call__"]
+    original_attention = jax.nn.dot_product_attention
+    calls = collections.Counter()
+
+    def before(self, *a, **k):
+        calls["before"] += 1
+        return original_call(self, *a, **k)
+
+    nnx.Linear.__call__ = before
+    errors: list = []
+    start = threading.Barrier(2)
+    installed: dict = {}
+
+    def nnx_thread():
+        start.wait()
+        for i in range(20):
+            def fn(m, x):
+                if i == 3 and "during" not in installed:  # installed in the middle of a trace
+                    current = nnx.Linear.__dict__["__call__"]
+
+                    def during(self, *a, **k):
+                        calls["during"] += 1
+                        return current(self, *a, **k)
+
+                    installed["during"] = during
+                    nnx.Linear.__call__ = during
+                    att = jax.nn.dot_product_attention
+
+                    def attention(*a, **k):
+                        calls["attention"] += 1
+                        return att(*a, **k)
+
+                    installed["attention"] = attention
+                    jax.nn.dot_product_attention = attention
+                return m(x)
+            dots = _dots(jax.make_jaxpr(jaxamp.autocast(fn, F16))(nnx_model, x))
+            if dots != ["float16"]:
+                errors.append(("nnx", dots))
+
+    def linen_thread():
+        start.wait()
+        for _ in range(20):
+            dots = _dots(jax.make_jaxpr(jaxamp.autocast(linen_model.apply, BF16))(
+                linen_vars, x))
+            if dots != ["bfloat16"]:
+                errors.append(("linen", dots))
+
+    threads = [threading.Thread(target=nnx_thread), threading.Thread(target=linen_thread)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert nnx.Linear.__dict__["__call__"] is installed["during"]
+        assert jax.nn.dot_product_attention is installed["attention"]
+        before_calls = calls["before"]
+        nnx_model(x)  # outside any trace: both wrappers run, jaxamp's passes through
+        q = jnp.ones((1, 2, 1, 4))
+        jax.nn.dot_product_attention(q, q, q)
+        assert calls["before"] == before_calls + 1 and calls["during"] >= 1
+        assert calls["attention"] >= 1
+        assert not _nnx.installed()
+    finally:
+        nnx.Linear.__call__ = original_call
+        jax.nn.dot_product_attention = original_attention
+    assert jax.nn.dot_product_attention is _attention.ORIGINAL
