@@ -1,5 +1,12 @@
 """Trace + lower cost of ``jax.value_and_grad`` under autocast vs plain float32, by depth.
 
+Three models: the bench GPT by number of layers (``--model gpt``); transformers'
+``FlaxGPT2LMHeadModel`` (``--model hf-gpt2``, needs ``pip install "transformers<5"``), a model
+jaxamp was not written around; and ``checkpoint(scan(cond(...)))`` nested 1..N deep
+(``--model nested --depth 1 2 3 4``), the control flow whose cost used to grow as 4^depth. For
+``nested`` the table also gives how often the engine evaluated its busiest jaxpr (bounded
+independent of depth).
+
 Abstract params (``jax.ShapeDtypeStruct``): tracing and lowering do not touch the data, so the
 124M shapes (d=768, 12 heads, vocab 50257, batch 8 x 1024) cost no memory. Each repeat times a
 fresh ``jax.jit(...).trace`` and ``.lower()`` of both variants, interleaved (order flipped every
@@ -8,6 +15,8 @@ of wall-clock time and of process CPU time (trace and lower are single-threaded 
 time is the figure least disturbed by other processes on a shared machine).
 
     python bench/trace_cost.py --layers 2 6 12 --repeats 5
+    python bench/trace_cost.py --model hf-gpt2 --layers 12 --repeats 7
+    python bench/trace_cost.py --model nested --depth 1 2 3 4 --repeats 9
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 from gpt import GPT, GPTConfig, lm_loss
+from jax import lax
 
 import jaxamp
 
@@ -43,6 +53,55 @@ def builders(model, policy=F16_POLICY):
     return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}
 
 
+def hf_gpt2(layers: int, batch: int, seq: int):
+    """transformers' FlaxGPT2LMHeadModel at GPT-2 124M shapes (abstract params)."""
+    from transformers import GPT2Config, FlaxGPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_positions=seq)
+    model = FlaxGPT2LMHeadModel(cfg, _do_init=False)
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    params = jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, seq)))
+
+    def plain(p, ids):
+        logits = model.module.apply({"params": p}, ids, None, None, None,
+                                    deterministic=True, return_dict=False)[0]
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
+
+    amp = jaxamp.autocast(plain, F16_POLICY)
+    return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}, params, ids
+
+
+def nested(depth: int, width: int = 256):
+    """``checkpoint(scan(cond(inner)))`` nested ``depth`` deep around a tanh layer."""
+    def inner(x, w):
+        return jnp.tanh(x @ w) * 0.5 + x
+
+    f = inner
+    for _ in range(depth):
+        def level(x, w, g=f):
+            def body(c, _):
+                return lax.cond(c.sum() > 0, lambda c: g(c, w), lambda c: c * 0.5, c), None
+            return jax.checkpoint(lambda x: lax.scan(body, x, None, length=2)[0])(x)
+        f = level
+
+    def plain(p, x):
+        return f(x, p["w"]).sum()
+
+    amp = jaxamp.autocast(plain, F16_POLICY)
+    params = {"w": jax.ShapeDtypeStruct((width, width), jnp.float32)}
+    x = jax.ShapeDtypeStruct((8, width), jnp.float32)
+    return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}, params, x
+
+
+def evaluations(fn, *args) -> int:
+    """How often the engine evaluated its most-evaluated jaxpr while tracing ``fn``."""
+    jax.clear_caches()
+    with jaxamp.engine.counting_evaluations() as counts:
+        jax.jit(fn).trace(*args)
+    return max(counts.values())
+
+
 def time_once(fn, params, batch) -> tuple[float, float, float]:
     """(trace s, lower s, process CPU s of both) of a fresh ``jax.jit(fn)``."""
     jax.clear_caches()
@@ -57,7 +116,10 @@ def time_once(fn, params, batch) -> tuple[float, float, float]:
 
 def measure(cfg: GPTConfig, batch: int, repeats: int) -> dict:
     model, params, b = specs(cfg, batch)
-    fns = builders(model)
+    return {"layers": cfg.layers, **compare(builders(model), params, b, repeats)}
+
+
+def compare(fns: dict, params, b, repeats: int) -> dict:
     names = list(fns)
     samples = {k: {"trace": [], "lower": [], "cpu": []} for k in names}
     for name in names:  # warm-up: imports, first-use caches
@@ -71,7 +133,6 @@ def measure(cfg: GPTConfig, batch: int, repeats: int) -> dict:
     med = statistics.median
     tot = {k: [a + c for a, c in zip(v["trace"], v["lower"])] for k, v in samples.items()}
     return {
-        "layers": cfg.layers,
         "plain_s": med(tot["plain"]), "autocast_s": med(tot["autocast"]),
         "plain_trace_s": med(samples["plain"]["trace"]),
         "plain_lower_s": med(samples["plain"]["lower"]),
@@ -87,7 +148,9 @@ def measure(cfg: GPTConfig, batch: int, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["gpt", "hf-gpt2", "nested"], default="gpt")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 6, 12])
+    ap.add_argument("--depth", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
@@ -95,18 +158,41 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--batch", type=int, default=8)
     a = ap.parse_args()
+    if a.model == "nested":
+        return main_nested(a)
     rows = []
     print("| layers | plain s (trace+lower) | autocast s (trace+lower) | ratio | CPU-time ratio |")
     print("|---|---|---|---|---|")
     for n in a.layers:
-        cfg = GPTConfig(layers=n, d_model=a.d_model, heads=a.heads, seq=a.seq, vocab=a.vocab)
-        row = measure(cfg, a.batch, a.repeats)
+        if a.model == "hf-gpt2":
+            fns, params, ids = hf_gpt2(n, a.batch, a.seq)
+            row = {"layers": n, **compare(fns, params, ids, a.repeats)}
+        else:
+            cfg = GPTConfig(layers=n, d_model=a.d_model, heads=a.heads, seq=a.seq,
+                            vocab=a.vocab)
+            row = measure(cfg, a.batch, a.repeats)
         rows.append(row)
         print(f"| {n} | {row['plain_s']:.2f} ({row['plain_trace_s']:.2f}+"
               f"{row['plain_lower_s']:.2f}) | {row['autocast_s']:.2f} "
               f"({row['autocast_trace_s']:.2f}+{row['autocast_lower_s']:.2f}) | "
               f"{row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x |", flush=True)
-    print(json.dumps({"jax": jax.__version__, "rows": rows}))
+    print(json.dumps({"jax": jax.__version__, "model": a.model, "rows": rows}))
+
+
+def main_nested(a) -> None:
+    rows = []
+    print("| depth | evaluations of the busiest jaxpr | plain s | autocast s | ratio | "
+          "CPU-time ratio |")
+    print("|---|---|---|---|---|---|")
+    for depth in a.depth:
+        fns, params, x = nested(depth)
+        row = {"depth": depth, "evaluations": evaluations(fns["autocast"], params, x),
+               **compare(fns, params, x, a.repeats)}
+        rows.append(row)
+        print(f"| {depth} | {row['evaluations']} | {row['plain_s']:.3f} | "
+              f"{row['autocast_s']:.3f} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x |",
+              flush=True)
+    print(json.dumps({"jax": jax.__version__, "model": "nested", "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ __all__ = ["REGION_MARKER", "Body", "Evaluator"]
 #: The name-scope marker of a module call: ``jaxamp<call.id>``. Each autocast call has its own
 #: ``call`` number, so an autocast function traced inside another keeps its regions apart.
 REGION_MARKER = _sharing.REGION_MARKER
+#: Counters (id(jaxpr) -> evaluations) that :func:`jaxamp.engine.counting_evaluations` adds.
+COUNTERS: list[collections.Counter] = []
 
 
 def _computes_f32(eqn, op_rules: OpRules, wants: set) -> bool:
@@ -188,6 +190,8 @@ class Evaluator:
              base: tuple[int, ...], out_wants: Sequence[bool] | None = None) -> list[Value]:
         jaxpr, closed_consts = open_jaxpr(closed)
         self.evaluations[id(jaxpr)] += 1
+        for counter in COUNTERS:
+            counter[id(jaxpr)] += 1
         if consts is None:
             consts = [Value(c, True, not isinstance(c, Tracer), base)
                       for c in closed_consts or []]

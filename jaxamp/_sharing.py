@@ -124,7 +124,7 @@ class Sharing:
 
     def params_key(self, eqn) -> Any:
         items = []
-        recorded = CALL_NAME.fullmatch(call_name(eqn)) if "name" in eqn.params else None
+        recorded = CALL_NAME.fullmatch(call_name(eqn))
         for k, v in eqn.params.items():
             if k == "name" and recorded and int(recorded[1]) == self.ev.call:
                 names, static, _ = self.ev.attention_calls[int(recorded[2])]

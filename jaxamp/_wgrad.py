@@ -17,7 +17,7 @@ gradient keeps the compute dtype.
 * :func:`dot_f32_weight_grads` is a ``jax.custom_jvp`` function whose tangent JAX transposes
   into that weight-gradient matmul (so ``jax.jvp`` works through it too);
 * :func:`conv_f32_kernel_grads` is a ``jax.custom_vjp`` function (reverse mode only) whose
-  kernel gradient is JAX's convolution transpose (``jax._src.lax.convolution``), restated with
+  kernel gradient is JAX's convolution transpose (in JAX's ``lax.convolution`` module), restated with
   the public ``lax.conv_general_dilated`` and a float32 output.
 """
 
@@ -101,7 +101,7 @@ def _dilate(shape, dilation):
 def _conv_kernel_transpose(g, lhs, kernel_shape, params, out_dtype):
     """The cotangent of the kernel of ``conv_general_dilated(lhs, kernel, **params)``,
     computed with ``out_dtype`` output: JAX's own transpose rule
-    (``jax._src.lax.convolution``), restated with the public ``lax.conv_general_dilated``."""
+    (JAX's ``lax.convolution`` module), restated with the public ``lax.conv_general_dilated``."""
     dn = params["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn
     feature_groups, batch_groups = params["feature_group_count"], params["batch_group_count"]

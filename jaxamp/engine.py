@@ -1,13 +1,32 @@
 """``autocast``: run an unmodified JAX/Flax function under mixed-precision policies.
 
 How it works, in one paragraph: the function is traced once in its own (float32) dtypes to a
-jaxpr, with every Flax module call (linen, or NNX through :mod:`jaxamp.nnx_frontend`) that matches a
-rule wrapped in a named scope ``jaxamp<k>`` (its *region*). The jaxpr is then re-evaluated
-equation by equation, each primitive re-bound in the dtype its op rule and its region's policy
-ask for (see :mod:`jaxamp.rules`).
+jaxpr, with every Flax module call (linen, or NNX through :mod:`jaxamp.nnx_frontend`) wrapped in
+a named scope ``jaxamp<call.k>`` (a *marker*; the module rules, matched once per call, give the
+region's policy). The jaxpr is then re-evaluated equation by equation, each primitive re-bound in
+the dtype its op rule and its region's policy ask for (see :mod:`jaxamp.rules`).
 Because the result is ordinary JAX code, ``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with
 it, and the backward pass follows the forward's dtypes (a float16 matmul has float16 gradient
 matmuls; the cast of a float32 parameter transposes into a float32 gradient).
+
+The re-evaluation is a table of rules, as JAX's own interpreters are:
+
+* :mod:`jaxamp._op_rules`: one rule per op class of first-order primitives (structural,
+  matmul, float32, promote, as traced, convert), chosen by :class:`jaxamp.rules.OpRules`; a
+  user's handler for one primitive (``OpRules.extend(handlers=...)``) runs first and may defer;
+* :mod:`jaxamp._control`: one rule per higher-order primitive (jit, remat, scan, while, cond,
+  custom_jvp, custom_vjp, shard_map, fused attention); each body is evaluated once per (input
+  dtypes, region) as a cached sub-program (asking a loop body for its carry dtypes and then
+  running it is one evaluation), so the cost is linear in the program's size at any depth;
+* :mod:`jaxamp._evaluator`: regions, crossings and the walk; :mod:`jaxamp._sharing`: module calls
+  with the same structure, inputs and region (a Transformer's layers) are evaluated once and the
+  result re-bound per call under the call's own name stack (``SHARE_REPEATED_CALLS``);
+* :mod:`jaxamp._values`: a value and what is known of it (stored or computed, its casts).
+
+Nothing is patched for good: the NNX ``__call__`` hook and the ``jax.nn.dot_product_attention``
+recorder are wrappers installed for the trace only, each closing over whatever function it
+replaced (another library's wrapper included) and restoring it only if it is still the one in
+place; which policy a call sees is read from the trace that is running in this thread.
 
 Value bookkeeping that keeps casts minimal:
 
@@ -22,8 +41,9 @@ Value bookkeeping that keeps casts minimal:
   A cast of a value that is already float32 when traced leaves no trace to honour;
 * leaving a matched module's region casts to its ``output_dtype``; entering one casts
   activations to its ``compute_dtype``; the function's own float outputs get the default
-  policy's ``output_dtype`` (a linen ``apply(..., mutable=...)`` leaves the updated
-  collections in their stored dtype).
+  policy's ``output_dtype``; the updated collections of a linen ``apply(..., mutable=...)``
+  (a decode cache, batch statistics, sown values) come back in their stored dtype;
+* float64 values (``jax_enable_x64``) are left alone, as torch autocast leaves them.
 
 Where a batch contraction may be a sum across devices (traced under ``jax.set_mesh``, as
 ``make_train_step(mesh=...)`` does, or with more than one device visible, as for plain
@@ -46,13 +66,16 @@ region's policy; ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown h
 primitives run exactly as traced (float32): correct, not accelerated.
 
 Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
-that primitive (:func:`_jitted_bind`), as ``jnp``'s own operators are, so that under
+that primitive (:mod:`jaxamp._values`), as ``jnp``'s own operators are, so that under
 ``jax.grad`` JAX linearizes each (primitive, params, input types) once instead of once per
 equation; the walk itself is :func:`jaxamp._jaxpr.evaluate`, shared with the diagnostics.
+``bench/trace_cost.py`` measures it against plain float32 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import difflib
 import functools
 import itertools
@@ -69,18 +92,33 @@ import numpy as np
 
 from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import Tracer, mesh_is_set
-from jaxamp._evaluator import REGION_MARKER, Evaluator
+from jaxamp._evaluator import COUNTERS, REGION_MARKER, Evaluator
 from jaxamp._values import Value, cast
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
-__all__ = ["REGION_MARKER", "autocast", "check_options"]
+__all__ = ["REGION_MARKER", "autocast", "check_options", "counting_evaluations"]
 
 _CALLS = itertools.count(1)
 #: Evaluate module calls whose structure repeats (a Transformer's layers) once and replay them
 #: (:mod:`jaxamp._sharing`): the same program, traced faster. False evaluates every equation
 #: in place.
 SHARE_REPEATED_CALLS = True
+
+
+@contextlib.contextmanager
+def counting_evaluations():
+    """Counts how often autocast evaluates each jaxpr (a program, a body) while the block runs.
+
+    For benchmarks and tests of the trace cost: yields a ``collections.Counter`` keyed by the
+    jaxpr's ``id``; ``max(counter.values())`` is the busiest jaxpr's count.
+    """
+    counter: collections.Counter = collections.Counter()
+    COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        COUNTERS.remove(counter)
 
 
 class _Regions:

@@ -287,16 +287,27 @@ class _Step:
         return _tracing_context(self._mesh, self._axis_rules)
 
     def __call__(self, state, batch):
-        self._check(state)
-        jitted, state = self._prepare(state)
-        with self._context():
-            return jitted(state, batch)
+        return self._run(state, batch, lambda jitted, *a: jitted(*a))
 
     def lower(self, state, batch):
+        return self._run(state, batch, lambda jitted, *a: jitted.lower(*a))
+
+    def _run(self, state, batch, how):
         self._check(state)
         jitted, state = self._prepare(state)
         with self._context():
-            return jitted.lower(state, batch)
+            try:
+                return how(jitted, state, batch)
+            except NameError as e:  # raised while tracing, before anything is compiled
+                if "unbound axis name" not in str(e):
+                    raise
+                raise ValueError(
+                    f"step: the model uses a named axis ({e}). The step is one jax.jit over "
+                    f"the global batch (sharded over the mesh when mesh= is given), so there "
+                    f"is no pmap axis: build the model with "
+                    f"axis_name=None (e.g. nn.BatchNorm(axis_name=None)); its batch "
+                    f"statistics are then taken over the global batch, as a pmean over the "
+                    f"pmap axis did.") from e
 
     def _cache_size(self) -> int:
         jitted = [self._plain] if self._plain is not None else []

@@ -417,3 +417,37 @@ def test_threads_and_other_wrappers_coexist():
         nnx.Linear.__call__ = original_call
         jax.nn.dot_product_attention = original_attention
     assert jax.nn.dot_product_attention is _attention.ORIGINAL
+
+
+# ---- a BatchNorm written for pmap -----------------------------------------------------------
+
+
+class PmapBatchNorm(nn.Module):
+    axis_name: str | None = "batch"
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(8)(x)
+        return nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(x)
+
+
+def test_a_pmap_batchnorm_is_refused_with_the_fix_and_axis_name_none_trains():
+    x = jax.random.normal(jax.random.key(1), (16, 3))
+
+    def run(model):
+        variables = model.init(jax.random.key(0), x, train=False)
+        state = jaxamp.TrainState.create(model, variables, optax.sgd(0.1), policy=F16)
+        step = jaxamp.make_train_step(
+            model, lambda apply, p, b: (apply({"params": p}, b) ** 2).mean())
+        return variables, *step(state, x)
+
+    with pytest.raises(ValueError, match=r"axis_name=None.*global batch"):
+        run(PmapBatchNorm())
+    variables, state, metrics = run(PmapBatchNorm(axis_name=None))
+    # the running mean moved by (1 - momentum) x the whole batch's mean of the Dense output
+    # (computed in float16 from the same params: float16 rounding)
+    dense = variables["params"]["Dense_0"]
+    want = 0.01 * (x @ dense["kernel"] + dense["bias"]).mean(0)
+    stats = state.collections["batch_stats"]["BatchNorm_0"]["mean"]
+    assert stats.dtype == jnp.float32 and bool(metrics["grads_finite"])
+    np.testing.assert_allclose(stats, want, rtol=2e-2, atol=1e-4)
