@@ -63,8 +63,10 @@ def hf_gpt2(layers: int, batch: int, seq: int):
     params = jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, seq)))
 
     def plain(p, ids):
-        logits = model.module.apply({"params": p}, ids, None, None, None,
-                                    deterministic=True, return_dict=False)[0]
+        mask = jnp.ones_like(ids)
+        pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        logits = model.module.apply({"params": p}, ids, mask, pos, deterministic=True,
+                                    return_dict=False)[0]
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
         return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
 
