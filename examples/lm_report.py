@@ -270,8 +270,9 @@ def fmt_bytes(n) -> str:
     return str(n)
 
 
-def interrupted(step: int, last_checkpoint) -> int:
-    """Says where a Ctrl-C stopped and how to continue; returns the exit status, 130."""
-    print(f"interrupted at step {step}; the last checkpoint is at step {last_checkpoint}. "
-          "Continue with the same flags plus --resume.", file=sys.stderr)
-    return 130
+def interrupted(signame: str, phase: str, step: int | None, kept: str, status: int) -> int:
+    """The one line a signal ends the run with (where it stopped, what is kept); returns
+    ``status`` (130 for SIGINT, 143 for SIGTERM)."""
+    done = f", after step {step}" if step else ""
+    print(f"interrupted by {signame} while {phase}{done}; {kept}", file=sys.stderr)
+    return status

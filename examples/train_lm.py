@@ -18,13 +18,21 @@ bit-identically), ``lm_files.py`` (which ``--out``; the script lists what it wro
 Everything lands in ``--out`` (default ``runs/<preset>-<dtype>``, or ``-2``, ``-3``, ... when
 that holds an earlier run): ``metrics.jsonl``, ``summary.json``, ``precision.json`` (which dtype
 every op ran in), ``curves.png`` and ``checkpoints/``. Bad input prints one ``error: ...`` line
-and exits with status 2 before anything is compiled or any file is touched; Ctrl-C exits 130.
+and exits with status 2 before anything is compiled or any file is touched; a file system error
+later (disk full) is one ``error:`` line, exit 2, saying which checkpoint is kept. A run locks
+``--out`` (a second run on it exits 2 naming the first). Ctrl-C exits 130, SIGTERM 143, with one
+line at any point; a checkpoint save or a metrics line in progress is finished first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,22 +119,112 @@ def make_step(model, tx, s: Setup, mesh=None):
 
 # ---- main ------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
-    lm_mesh.initialize_distributed()  # several hosts (JAX_COORDINATOR_ADDRESS, ...): first
-    try:
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number
+
+
+class Stopped(BaseException):
+    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stops, the status is 128 + its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """SIGINT and SIGTERM raise :class:`Stopped` in the main thread, except inside
+    :meth:`deferred` (a checkpoint save, a metrics line, the final outputs): there they are
+    held until the block ends, so orbax's threads finish the save and no file is left half
+    written. A second signal while one is held changes nothing."""
+
+    def __init__(self):
+        self.depth, self.pending, self._old = 0, None, {}
+
+    def __enter__(self) -> Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in EXIT_INTERRUPTED:
+                self._old[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
+
+    def _handle(self, signum, frame) -> None:
+        if self.depth:
+            self.pending = self.pending or signum
+            return
+        raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.depth += 1
         try:
-            args = build_parser().parse_args(argv)
-        except SystemExit as e:  # --help
-            return int(e.code or 0)
-        return train(validate(args))  # every flag checked before anything runs
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+            yield
+        finally:
+            self.depth -= 1
+        if not self.depth and self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise Stopped(signum)
 
 
-def train(s: Setup) -> int:
-    """Trains as the validated flags say; returns the exit status (0, or 130 on Ctrl-C)."""
+@dataclasses.dataclass
+class Position:
+    """Where the run is, for the line a signal or a disk error prints."""
+
+    step: int | None = None  # the last step trained (None: before the loop)
+    phase: str = "starting"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status (0 ok, 2 bad input or a file system error, 130
+    Ctrl-C, 143 SIGTERM), printing one line for each failure."""
+    lm_mesh.initialize_distributed()  # several hosts (JAX_COORDINATOR_ADDRESS, ...): first
+    s, where = None, Position()
+    with Signals() as signals:
+        try:
+            try:
+                args = build_parser().parse_args(argv)
+            except SystemExit as e:  # --help
+                return int(e.code or 0)
+            s = validate(args)  # every flag checked before anything runs; takes --out's lock
+            return train(s, signals, where)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except (Stopped, KeyboardInterrupt) as e:
+            signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+            return lm_report.interrupted(signal.Signals(signum).name, where.phase, where.step,
+                                         _kept(s), EXIT_INTERRUPTED[signum])
+        except OSError as e:  # disk full, permissions, a name the filesystem refuses
+            print(f"error: {where.phase}: {_os_error(e)}; {_kept(s)}", file=sys.stderr)
+            return EXIT_USAGE
+        finally:
+            if s is not None:
+                s.release()
+
+
+def _os_error(e: OSError) -> str:
+    reason = e.strerror or str(e) or type(e).__name__
+    return f"{reason} ({e.filename})" if e.filename else reason
+
+
+def _kept(s: Setup | None) -> str:
+    """What a stopped run leaves to continue from: its latest complete checkpoint, or none."""
+    if s is None:
+        return "nothing was written"
+    step = lm_checkpoint.latest_step(s.out)
+    if step is None:
+        again = " plus --overwrite" if s.folder.holds_run() else ""
+        return (f"no checkpoint was saved in {s.out / lm_files.CHECKPOINT_DIR}, so there is "
+                f"nothing to resume: start again with the same flags{again}")
+    return (f"kept: the checkpoint of step {step} in {s.out / lm_files.CHECKPOINT_DIR} "
+            "(continue with the same flags plus --resume)")
+
+
+def train(s: Setup, signals: Signals, where: Position) -> int:
+    """Trains as the validated flags say; returns 0. A signal raises :class:`Stopped` (held
+    during saves, ``signals.deferred``), a file system error OSError; ``where`` says how far
+    the run got."""
     args, config = s.args, s.config
     console = lm_report.Console(highlight=False, quiet=not s.folder.writer)  # first host
     metrics_path = s.out / metrics.METRICS_FILE
@@ -147,6 +245,7 @@ def train(s: Setup) -> int:
     model = build_model(s)
     tx = make_optimizer(args)
     start_step, meta, corrupted, kept = 0, None, [], []
+    where.phase = "reading the checkpoint" if args.resume else "initialising"
     if args.resume:
         abstract = lm_mesh.place(create_state(model, tx, s, abstract=True), mesh)
         state, meta, corrupted = lm_checkpoint.resume(s, abstract)  # onto the mesh, if any
@@ -155,8 +254,11 @@ def train(s: Setup) -> int:
     else:
         state = create_state(model, tx, s)
     lm_mesh.barrier("inputs read")  # several hosts: all have read --out before it changes
-    for note in lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
-                                 corrupted=corrupted, start_step=start_step):
+    where.phase = f"preparing {s.out}"
+    with signals.deferred():
+        notes = lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
+                                 corrupted=corrupted, start_step=start_step)
+    for note in notes:
         console.print(lm_report.esc(note))  # every input is valid: only now is --out changed
     lm_report.header(console, s, state.params, start_step, meta)
     state = lm_mesh.shard_state(state, mesh) if mesh else state
@@ -168,6 +270,7 @@ def train(s: Setup) -> int:
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
 
+    where.phase = "compiling the train step"
     t0 = time.perf_counter()
     with console.status("compiling the train step..."):
         compiled = step_fn.lower(state, batch_at(0)).compile()
@@ -178,7 +281,9 @@ def train(s: Setup) -> int:
                   f"(temp {lm_report.fmt_bytes(memory.get('temp'))})")
 
     # ---- loop: a metrics line per step; evaluate and checkpoint at their intervals ----
-    log = lm_files.metrics_writer(s.folder, keep_through=start_step)  # drops later lines
+    where.phase = f"writing {metrics_path}"
+    with signals.deferred():
+        log = lm_files.metrics_writer(s.folder, keep_through=start_step)  # drops later lines
     rows = list(kept)  # metrics.jsonl's lines, as written
     if args.resume:
         initial_val = meta["initial_val_loss"]
@@ -186,6 +291,7 @@ def train(s: Setup) -> int:
             console.print(f"note: metrics.jsonl holds {len(kept)} of the {start_step} steps "
                           "before the checkpoint")
     else:
+        where.phase = "evaluating the initial model"
         initial_val = evaluate(state.params)
         console.print(f"step 0: validation loss {initial_val:.4f} "
                       f"(uniform over 256 bytes: {np.log(256):.4f})")
@@ -195,10 +301,12 @@ def train(s: Setup) -> int:
         return bool(interval and step % interval == 0) or step == args.steps
 
     tokens_per_step = args.batch_size * config.block_size
-    train_s, tokens, last_val, step, interrupted = 0.0, 0, None, start_step, False
+    train_s, tokens, last_val = 0.0, 0, None
+    where.step = start_step
     try:
         with lm_report.Progress(console, s, start_step) as progress:
             for step in range(start_step + 1, args.steps + 1):
+                where.phase = f"training step {step}"
                 t = time.perf_counter()
                 state, m = compiled(state, batch_at(step - 1))
                 m = jax.device_get(m)
@@ -208,18 +316,22 @@ def train(s: Setup) -> int:
                 if due(args.eval_interval, step):
                     extra["val_loss"] = last_val = evaluate(state.params)
                 row = metrics.step_record(step, m, **extra)
-                log.write(row)
-                rows.append(row)
-                if due(args.checkpoint_interval, step):
-                    checkpoints.save(state, step)
+                with signals.deferred():  # the line and the checkpoint whole, or not at all
+                    where.phase = f"writing step {step} to {metrics_path}"
+                    log.write(row)
+                    rows.append(row)
+                    where.step = step
+                    if due(args.checkpoint_interval, step):
+                        where.phase = f"saving the checkpoint of step {step}"
+                        checkpoints.save(state, step)
                 progress.update(row, tokens / train_s, last_val)
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
-        log.close()
-        checkpoints.close()
-    if interrupted:
-        return lm_report.interrupted(step, lm_checkpoint.latest_step(s.out))  # exit status 130
+        with signals.deferred():
+            with contextlib.suppress(OSError):  # the error that stopped the run is reported
+                log.close()
+            with contextlib.suppress(Exception):
+                checkpoints.close()
+    where.phase = "writing the summary and plots"
 
     # ---- log: summary.json, precision.json, curves.png, tables ----
     if start_step >= args.steps:
@@ -238,11 +350,24 @@ def train(s: Setup) -> int:
     summary = lm_report.summary(s, state, rows, start_step=start_step, initial_val=initial_val,
                                 final_val=last_val, tokens=tokens, train_s=train_s,
                                 compile_s=compile_s, memory=memory, memory_f32=memory_f32)
-    lm_files.write_outputs(s.folder, summary, precision)
-    lm_report.finish(console, s, rows, summary, precision)
+    with signals.deferred():
+        lm_files.write_outputs(s.folder, summary, precision)
+        lm_report.finish(console, s, rows, summary, precision)
     return 0
 
 
-if __name__ == "__main__":
+def run_cli(argv: list[str] | None = None) -> None:
+    """The program: :func:`main`, then exit with its status."""
     sys.unraisablehook = lm_checkpoint.closed_event_loop_filter(sys.unraisablehook)
-    sys.exit(main())
+    status = main(argv)
+    if status in EXIT_INTERRUPTED.values():
+        # Stopped mid-way (maybe inside XLA or orbax): skip the interpreter's teardown, which
+        # can crash on their half-finished state; everything the run wrote is closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    run_cli()
