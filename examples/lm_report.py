@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -268,11 +267,3 @@ def fmt_bytes(n) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return str(n)
-
-
-def interrupted(signame: str, phase: str, step: int | None, kept: str, status: int) -> int:
-    """The one line a signal ends the run with (where it stopped, what is kept); returns
-    ``status`` (130 for SIGINT, 143 for SIGTERM)."""
-    done = f", after step {step}" if step else ""
-    print(f"interrupted by {signame} while {phase}{done}; {kept}", file=sys.stderr)
-    return status

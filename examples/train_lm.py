@@ -18,21 +18,15 @@ bit-identically), ``lm_files.py`` (which ``--out``; the script lists what it wro
 Everything lands in ``--out`` (default ``runs/<preset>-<dtype>``, or ``-2``, ``-3``, ... when
 that holds an earlier run): ``metrics.jsonl``, ``summary.json``, ``precision.json`` (which dtype
 every op ran in), ``curves.png`` and ``checkpoints/``. Bad input prints one ``error: ...`` line
-and exits with status 2 before anything is compiled or any file is touched; a file system error
-later (disk full) is one ``error:`` line, exit 2, saying which checkpoint is kept. A run locks
-``--out`` (a second run on it exits 2 naming the first). Ctrl-C exits 130, SIGTERM 143, with one
-line at any point; a checkpoint save or a metrics line in progress is finished first.
+and exits with status 2 before anything is compiled or any file is touched; so does a disk error
+later, naming the checkpoint kept. A run locks ``--out``; Ctrl-C exits 130, SIGTERM 143
+(``lm_stop.py``: one line, at any point, after the save in progress).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -49,9 +43,10 @@ import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import lm_model_nnx  # noqa: E402
 import lm_report  # noqa: E402
+import lm_stop  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from lm_cli import EXIT_USAGE, Setup, UsageError, build_parser, validate  # noqa: E402
+from lm_cli import Setup, UsageError, build_parser, validate  # noqa: E402, F401
 
 import jaxamp  # noqa: E402
 from jaxamp.diagnostics import metrics  # noqa: E402 - the run-log format jaxamp.review reads
@@ -119,112 +114,14 @@ def make_step(model, tx, s: Setup, mesh=None):
 
 # ---- main ------------------------------------------------------------------------------------
 
-EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number
-
-
-class Stopped(BaseException):
-    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stops, the status is 128 + its number."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class Signals:
-    """SIGINT and SIGTERM raise :class:`Stopped` in the main thread, except inside
-    :meth:`deferred` (a checkpoint save, a metrics line, the final outputs): there they are
-    held until the block ends, so orbax's threads finish the save and no file is left half
-    written. A second signal while one is held changes nothing."""
-
-    def __init__(self):
-        self.depth, self.pending, self._old = 0, None, {}
-
-    def __enter__(self) -> Signals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in EXIT_INTERRUPTED:
-                self._old[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, old in self._old.items():
-            signal.signal(signum, old)
-
-    def _handle(self, signum, frame) -> None:
-        if self.depth:
-            self.pending = self.pending or signum
-            return
-        raise Stopped(signum)
-
-    @contextlib.contextmanager
-    def deferred(self):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if not self.depth and self.pending is not None:
-            signum, self.pending = self.pending, None
-            raise Stopped(signum)
-
-
-@dataclasses.dataclass
-class Position:
-    """Where the run is, for the line a signal or a disk error prints."""
-
-    step: int | None = None  # the last step trained (None: before the loop)
-    phase: str = "starting"
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (0 ok, 2 bad input or a file system error, 130
-    Ctrl-C, 143 SIGTERM), printing one line for each failure."""
+    """Runs the CLI: exit status 0, 2 (bad input, disk error), 130 / 143 (SIGINT / SIGTERM)."""
     lm_mesh.initialize_distributed()  # several hosts (JAX_COORDINATOR_ADDRESS, ...): first
-    s, where = None, Position()
-    with Signals() as signals:
-        try:
-            try:
-                args = build_parser().parse_args(argv)
-            except SystemExit as e:  # --help
-                return int(e.code or 0)
-            s = validate(args)  # every flag checked before anything runs; takes --out's lock
-            return train(s, signals, where)
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        except (Stopped, KeyboardInterrupt) as e:
-            signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-            return lm_report.interrupted(signal.Signals(signum).name, where.phase, where.step,
-                                         _kept(s), EXIT_INTERRUPTED[signum])
-        except OSError as e:  # disk full, permissions, a name the filesystem refuses
-            print(f"error: {where.phase}: {_os_error(e)}; {_kept(s)}", file=sys.stderr)
-            return EXIT_USAGE
-        finally:
-            if s is not None:
-                s.release()
+    return lm_stop.main(lambda: validate(build_parser().parse_args(argv)), train)
 
 
-def _os_error(e: OSError) -> str:
-    reason = e.strerror or str(e) or type(e).__name__
-    return f"{reason} ({e.filename})" if e.filename else reason
-
-
-def _kept(s: Setup | None) -> str:
-    """What a stopped run leaves to continue from: its latest complete checkpoint, or none."""
-    if s is None:
-        return "nothing was written"
-    step = lm_checkpoint.latest_step(s.out)
-    if step is None:
-        again = " plus --overwrite" if s.folder.holds_run() else ""
-        return (f"no checkpoint was saved in {s.out / lm_files.CHECKPOINT_DIR}, so there is "
-                f"nothing to resume: start again with the same flags{again}")
-    return (f"kept: the checkpoint of step {step} in {s.out / lm_files.CHECKPOINT_DIR} "
-            "(continue with the same flags plus --resume)")
-
-
-def train(s: Setup, signals: Signals, where: Position) -> int:
-    """Trains as the validated flags say; returns 0. A signal raises :class:`Stopped` (held
-    during saves, ``signals.deferred``), a file system error OSError; ``where`` says how far
-    the run got."""
+def train(s: Setup, run: lm_stop.Run) -> int:
+    """Trains as the validated flags say; returns 0 (``run``: how far it got, for lm_stop)."""
     args, config = s.args, s.config
     console = lm_report.Console(highlight=False, quiet=not s.folder.writer)  # first host
     metrics_path = s.out / metrics.METRICS_FILE
@@ -245,7 +142,7 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
     model = build_model(s)
     tx = make_optimizer(args)
     start_step, meta, corrupted, kept = 0, None, [], []
-    where.phase = "reading the checkpoint" if args.resume else "initialising"
+    run.phase = "reading the checkpoint" if args.resume else "initialising"
     if args.resume:
         abstract = lm_mesh.place(create_state(model, tx, s, abstract=True), mesh)
         state, meta, corrupted = lm_checkpoint.resume(s, abstract)  # onto the mesh, if any
@@ -254,12 +151,10 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
     else:
         state = create_state(model, tx, s)
     lm_mesh.barrier("inputs read")  # several hosts: all have read --out before it changes
-    where.phase = f"preparing {s.out}"
-    with signals.deferred():
-        notes = lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
-                                 corrupted=corrupted, start_step=start_step)
-    for note in notes:
-        console.print(lm_report.esc(note))  # every input is valid: only now is --out changed
+    with run.deferred(f"preparing {s.out}"):  # every input is valid: only now is --out changed
+        for note in lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
+                                     corrupted=corrupted, start_step=start_step):
+            console.print(lm_report.esc(note))
     lm_report.header(console, s, state.params, start_step, meta)
     state = lm_mesh.shard_state(state, mesh) if mesh else state
 
@@ -270,7 +165,7 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
 
-    where.phase = "compiling the train step"
+    run.phase = "compiling the train step"
     t0 = time.perf_counter()
     with console.status("compiling the train step..."):
         compiled = step_fn.lower(state, batch_at(0)).compile()
@@ -281,8 +176,7 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
                   f"(temp {lm_report.fmt_bytes(memory.get('temp'))})")
 
     # ---- loop: a metrics line per step; evaluate and checkpoint at their intervals ----
-    where.phase = f"writing {metrics_path}"
-    with signals.deferred():
+    with run.deferred(f"writing {metrics_path}"):
         log = lm_files.metrics_writer(s.folder, keep_through=start_step)  # drops later lines
     rows = list(kept)  # metrics.jsonl's lines, as written
     if args.resume:
@@ -291,7 +185,7 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
             console.print(f"note: metrics.jsonl holds {len(kept)} of the {start_step} steps "
                           "before the checkpoint")
     else:
-        where.phase = "evaluating the initial model"
+        run.phase = "evaluating the initial model"
         initial_val = evaluate(state.params)
         console.print(f"step 0: validation loss {initial_val:.4f} "
                       f"(uniform over 256 bytes: {np.log(256):.4f})")
@@ -302,11 +196,11 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
 
     tokens_per_step = args.batch_size * config.block_size
     train_s, tokens, last_val = 0.0, 0, None
-    where.step = start_step
+    run.step = start_step
     try:
         with lm_report.Progress(console, s, start_step) as progress:
             for step in range(start_step + 1, args.steps + 1):
-                where.phase = f"training step {step}"
+                run.phase = f"training step {step}"
                 t = time.perf_counter()
                 state, m = compiled(state, batch_at(step - 1))
                 m = jax.device_get(m)
@@ -316,22 +210,17 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
                 if due(args.eval_interval, step):
                     extra["val_loss"] = last_val = evaluate(state.params)
                 row = metrics.step_record(step, m, **extra)
-                with signals.deferred():  # the line and the checkpoint whole, or not at all
-                    where.phase = f"writing step {step} to {metrics_path}"
+                with run.deferred(f"writing step {step} to {metrics_path}"):  # signals held
                     log.write(row)
                     rows.append(row)
-                    where.step = step
+                    run.step = step
                     if due(args.checkpoint_interval, step):
-                        where.phase = f"saving the checkpoint of step {step}"
+                        run.phase = f"saving the checkpoint of step {step}"
                         checkpoints.save(state, step)
                 progress.update(row, tokens / train_s, last_val)
     finally:
-        with signals.deferred():
-            with contextlib.suppress(OSError):  # the error that stopped the run is reported
-                log.close()
-            with contextlib.suppress(Exception):
-                checkpoints.close()
-    where.phase = "writing the summary and plots"
+        run.close(log, checkpoints)  # signals held; an error here hides not the first one
+    run.phase = "writing the summary and plots"
 
     # ---- log: summary.json, precision.json, curves.png, tables ----
     if start_step >= args.steps:
@@ -350,24 +239,12 @@ def train(s: Setup, signals: Signals, where: Position) -> int:
     summary = lm_report.summary(s, state, rows, start_step=start_step, initial_val=initial_val,
                                 final_val=last_val, tokens=tokens, train_s=train_s,
                                 compile_s=compile_s, memory=memory, memory_f32=memory_f32)
-    with signals.deferred():
+    with run.deferred():
         lm_files.write_outputs(s.folder, summary, precision)
         lm_report.finish(console, s, rows, summary, precision)
     return 0
 
 
-def run_cli(argv: list[str] | None = None) -> None:
-    """The program: :func:`main`, then exit with its status."""
-    sys.unraisablehook = lm_checkpoint.closed_event_loop_filter(sys.unraisablehook)
-    status = main(argv)
-    if status in EXIT_INTERRUPTED.values():
-        # Stopped mid-way (maybe inside XLA or orbax): skip the interpreter's teardown, which
-        # can crash on their half-finished state; everything the run wrote is closed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
-
-
 if __name__ == "__main__":
-    run_cli()
+    sys.unraisablehook = lm_checkpoint.closed_event_loop_filter(sys.unraisablehook)
+    lm_stop.exit_process(main())  # skips the interpreter's teardown after a signal

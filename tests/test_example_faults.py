@@ -390,7 +390,7 @@ def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
 # issue #27: two runs on one --out, signals at any point, disk full, start-up checks
 # ------------------------------------------------------------------------------------------
 
-#: Runs train_lm.py as the program does (run_cli), after one fault injected by argv[1]:
+#: Runs train_lm.py as the program does (its __main__), after one fault injected by argv[1]:
 #: "none"; "sigint-compile" (SIGINT while XLA compiles the step); "sigint-save" (SIGINT as
 #: the first checkpoint save starts); "sigterm-step3" (SIGTERM while step 3 trains);
 #: "sigterm-after" (SIGTERM once the loop is done); "enospc-save" (the step-20 save fails with
@@ -399,7 +399,7 @@ def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
 RUNNER = r'''
 import errno, os, signal, sys, threading
 sys.path.insert(0, sys.argv[2])
-import jax, train_lm, lm_checkpoint, orbax.checkpoint as ocp
+import jax, train_lm, lm_checkpoint, lm_stop, orbax.checkpoint as ocp
 import jaxamp
 mode, argv = sys.argv[1], sys.argv[3:]
 me = os.getpid()
@@ -445,7 +445,8 @@ elif mode == "enospc-metrics":
             return write_(fd, bytes(data)[:len(data) // 2])  # a short write: the disk is full
         return write_(fd, data)
     os.write = write
-train_lm.run_cli(argv)
+sys.unraisablehook = lm_checkpoint.closed_event_loop_filter(sys.unraisablehook)
+lm_stop.exit_process(train_lm.main(argv))  # as train_lm.py's __main__
 '''
 
 
