@@ -403,32 +403,30 @@ import jax, train_lm, lm_checkpoint, lm_stop, orbax.checkpoint as ocp
 import jaxamp
 mode, argv = sys.argv[1], sys.argv[3:]
 me = os.getpid()
-if mode == "sigint-compile":
+if mode == "sigint-compile":  # the signal arrives while XLA compiles (a C++ call)
     compile_ = jax.stages.Lowered.compile
     def compile(self, *a, **k):
-        threading.Timer(0.05, os.kill, (me, signal.SIGINT)).start()
-        return compile_(self, *a, **k)
+        timer = threading.Timer(0.01, os.kill, (me, signal.SIGINT))
+        timer.start()
+        out = compile_(self, *a, **k)
+        timer.join()  # a compile served from the cache may end first: then the signal is here
+        return out
     jax.stages.Lowered.compile = compile
-elif mode == "sigint-save":
-    save_ = lm_checkpoint.save
-    def save(*a, **k):
-        os.kill(me, signal.SIGINT)
-        return save_(*a, **k)
-    lm_checkpoint.save = save
+def signal_before(owner, name, signum, when=lambda *a, **k: True):
+    """``owner.name`` sends ``signum`` to this process first (when ``when(*args)``)."""
+    original = getattr(owner, name)
+    def patched(*a, **k):
+        if when(*a, **k):
+            os.kill(me, signum)
+        return original(*a, **k)
+    setattr(owner, name, patched)
+if mode == "sigint-save":
+    signal_before(lm_checkpoint, "save", signal.SIGINT)
 elif mode == "sigterm-step3":
-    get_batch = train_lm.lm_data.get_batch
-    def batch(*a, step, **k):
-        if step == 2:
-            os.kill(me, signal.SIGTERM)
-        return get_batch(*a, step=step, **k)
-    train_lm.lm_data.get_batch = batch
+    signal_before(train_lm.lm_data, "get_batch", signal.SIGTERM, lambda *a, step, **k: step == 2)
 elif mode == "sigterm-after":
-    table = jaxamp.precision_table
-    def precision_table(*a, **k):
-        os.kill(me, signal.SIGTERM)
-        return table(*a, **k)
-    jaxamp.precision_table = precision_table
-elif mode == "enospc-save":
+    signal_before(jaxamp, "precision_table", signal.SIGTERM)
+if mode == "enospc-save":
     save_ = ocp.CheckpointManager.save
     def save(self, step, *a, **k):
         if step == 20:
