@@ -28,11 +28,14 @@ settings; :class:`Checkpoints` saves the run's state with the meta a resume need
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -249,9 +252,35 @@ class SaveError(OSError):
 
     def __init__(self, step: int, folder: Path, cause: BaseException):
         errno_ = getattr(cause, "errno", None)
+        if not isinstance(errno_, int):  # tensorstore: "... [os_error_code='28']"
+            found = re.search(r"os_error_code='(\d+)'|\[Errno (\d+)\]", str(cause))
+            errno_ = int(found.group(1) or found.group(2)) if found else None
         reason = os.strerror(errno_) if isinstance(errno_, int) else _first_line(cause)
         super().__init__(errno_, reason, str(folder))
         self.step = step
+
+
+@contextlib.contextmanager
+def _orbax_log_held():
+    """Holds what orbax logs during a save (its threads log the failure of a write with a
+    traceback, through absl): dropped if the save fails (the failure is reported as one
+    line), logged as usual once it succeeds."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record):
+        held.append(record)
+        return False
+
+    loggers = [logging.getLogger(), logging.getLogger("absl")]
+    for lg in loggers:
+        lg.addFilter(hold)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(hold)
+    for record in held:
+        logging.getLogger(record.name).handle(record)
 
 
 class Checkpoints:
@@ -277,7 +306,8 @@ class Checkpoints:
         }
         try:
             self.s.folder.record(step=int(step))
-            save(self.manager, int(step), state, strict(meta))
+            with _orbax_log_held():
+                save(self.manager, int(step), state, strict(meta))
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore wrap OSErrors in their own
