@@ -615,3 +615,33 @@ def test_resume_with_another_dropout_names_dropout(part, capsys):
     assert line == (f"error: --resume: the checkpoint in {part / 'checkpoints'} was made with "
                     "other settings (--dropout: checkpoint has 0.0, now 0.1); pass the original "
                     "flags or choose another --out")
+
+
+def _mount_tmpfs(where: Path, size: int) -> bool:
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                         capture_output=True)
+    return res.returncode == 0
+
+
+def test_a_really_full_disk_during_a_save(run, runner, tmp_path):
+    """The same on a real full disk (a tmpfs with room for one checkpoint and a half), where
+    the test may mount one: tensorstore's error from orbax's threads, not an injected one."""
+    fs = tmp_path / "fs"
+    ckpt = sum(f.stat().st_size for f in (run / "checkpoints" / "10").rglob("*") if f.is_file())
+    if not _mount_tmpfs(fs, int(ckpt * 1.5) + 200_000):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = fs / "run"
+        res = runner("none", args(out))
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert one_line(res) == (f"error: saving the checkpoint of step 20: No space left on "
+                                 f"device ({out / 'checkpoints'}); kept: the checkpoint of step "
+                                 f"10 in {out / 'checkpoints'} (continue with the same flags "
+                                 "plus --resume)")
+        subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)
+        assert train_lm.main(args(out, STEPS, "--resume")) == 0
+        assert_same_metrics(metrics(out), metrics(run))
+        assert_same_state(restore_state(out, STEPS), restore_state(run, STEPS))
+    finally:
+        subprocess.run(["umount", str(fs)], capture_output=True)
