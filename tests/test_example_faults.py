@@ -645,3 +645,15 @@ def test_a_really_full_disk_during_a_save(run, runner, tmp_path):
         assert_same_state(restore_state(out, STEPS), restore_state(run, STEPS))
     finally:
         subprocess.run(["umount", str(fs)], capture_output=True)
+
+
+def test_resume_reads_metrics_with_the_same_checks_as_the_review(part, capsys):
+    """Before: --resume read metrics.jsonl whole with the same parser: a 100k-deep line was a
+    RecursionError traceback. Now one line naming the line, and nothing changed."""
+    with open(part / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 21, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    before = snapshot(part)
+    line = run_error(capsys, args(part, 30, "--resume"))
+    assert line == (f"error: --resume: {part / 'metrics.jsonl'} line 21: JSON nested too deeply "
+                    "to read; move it away to resume without it")
+    assert snapshot(part) == before
