@@ -1,7 +1,7 @@
 """How train_lm.py stops early: signals and file system errors, one line each.
 
 * SIGINT (Ctrl-C) and SIGTERM raise :class:`Stopped` at any point (start-up, compilation, the
-  loop, after it), except inside :meth:`Signals.deferred`: a checkpoint save, a metrics line
+  loop, after it), except inside :meth:`Run.deferred`: a checkpoint save, a metrics line
   and the final outputs finish first, so orbax's threads are done and no file is half written.
   The run prints one line (where it stopped, which checkpoint is kept) and exits 130 / 143.
 * An ``OSError`` (disk full, permissions, a name the filesystem refuses) is one ``error:``
