@@ -28,10 +28,14 @@ settings; :class:`Checkpoints` saves the run's state with the meta a resume need
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import logging
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -43,9 +47,9 @@ from lm_cli import Setup, UsageError
 
 from jaxamp.diagnostics.metrics import MetricsError, read_metrics, strict
 
-__all__ = ["Checkpoints", "CorruptCheckpoint", "closed_event_loop_filter", "latest_step",
-           "manager", "metrics_before", "restore_meta", "restore_state", "resume", "run_config",
-           "array_checksum", "save", "strong", "tree_digests"]
+__all__ = ["Checkpoints", "CorruptCheckpoint", "SaveError", "closed_event_loop_filter",
+           "latest_step", "manager", "metrics_before", "restore_meta", "restore_state",
+           "resume", "run_config", "array_checksum", "save", "strong", "tree_digests"]
 
 ITEMS = ("state", "meta", "integrity")
 #: Checkpoints kept in checkpoints/ (orbax deletes older ones).
@@ -242,6 +246,43 @@ _FLAG_OF = {"preset": "--preset", "model": "--preset", "policy": "--policy",
             "eval_batches": "--eval-batches", "data_fingerprint": "--data"}
 
 
+class SaveError(OSError):
+    """Writing checkpoint ``step`` failed (disk full, permissions, ...): the orbax save left
+    at most its temporary folder, which a resume ignores."""
+
+    def __init__(self, step: int, folder: Path, cause: BaseException):
+        errno_ = getattr(cause, "errno", None)
+        if not isinstance(errno_, int):  # tensorstore: "... [os_error_code='28']"
+            found = re.search(r"os_error_code='(\d+)'|\[Errno (\d+)\]", str(cause))
+            errno_ = int(found.group(1) or found.group(2)) if found else None
+        reason = os.strerror(errno_) if isinstance(errno_, int) else _first_line(cause)
+        super().__init__(errno_, reason, str(folder))
+        self.step = step
+
+
+@contextlib.contextmanager
+def _orbax_log_held():
+    """Holds what orbax logs during a save (its threads log the failure of a write with a
+    traceback, through absl): dropped if the save fails (the failure is reported as one
+    line), logged as usual once it succeeds."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record):
+        held.append(record)
+        return False
+
+    loggers = [logging.getLogger(), logging.getLogger("absl")]
+    for lg in loggers:
+        lg.addFilter(hold)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(hold)
+    for record in held:
+        logging.getLogger(record.name).handle(record)
+
+
 class Checkpoints:
     """``--out``/checkpoints/: :meth:`save` records the step in the manifest, then writes the
     state, the meta a resume needs and their checksums (:func:`save`)."""
@@ -263,8 +304,14 @@ class Checkpoints:
                     "note": "batches depend only on (seed, step)"},
             "steps": a.steps,
         }
-        self.s.folder.record(step=int(step))
-        save(self.manager, int(step), state, strict(meta))
+        try:
+            self.s.folder.record(step=int(step))
+            with _orbax_log_held():
+                save(self.manager, int(step), state, strict(meta))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore wrap OSErrors in their own
+            raise SaveError(int(step), self.s.out / lm_files.CHECKPOINT_DIR, e) from None
 
     def close(self) -> None:
         self.manager.close()
@@ -343,20 +390,40 @@ def resume(s: Setup, abstract_state) -> tuple[object, dict, list[CorruptCheckpoi
     return restored, meta, bad
 
 
+#: Fields of the model config set by their own flag (the others come from --preset).
+_MODEL_FLAG_OF = {"dropout": "--dropout"}
+
+
+def _differences(old: dict, now: dict):
+    """(flag, old value, new value) of each setting that differs; the model config field by
+    field, under the flag that sets it (--dropout, else --preset)."""
+    for k, v in now.items():
+        was = old.get(k)
+        if k == "model" and isinstance(was, dict) and isinstance(v, dict):
+            if old.get("preset") != now.get("preset"):
+                continue  # reported as --preset itself
+            for field in sorted(set(was) | set(v)):
+                if was.get(field) != v.get(field):
+                    flag = _MODEL_FLAG_OF.get(field, f"--preset (its {field})")
+                    yield flag, was.get(field), v.get(field)
+        elif was != v:
+            yield _FLAG_OF[k], was, v
+
+
 def _check_same_settings(s: Setup, meta: dict, folder: Path) -> None:
-    now = run_config(s)
     old = meta["run_config"]
-    mismatch = [k for k, v in now.items() if old.get(k) != v]
+    mismatch = list(_differences(old if isinstance(old, dict) else {}, run_config(s)))
     if mismatch:
-        detail = "; ".join(f"{_FLAG_OF[k]}: checkpoint has {_show(old.get(k))}, now "
-                           f"{_show(now[k])}" for k in mismatch)
+        detail = "; ".join(f"{flag}: checkpoint has {_show(was)}, now {_show(v)}"
+                           for flag, was, v in mismatch)
         raise UsageError(f"--resume: the checkpoint in {folder} was made with other "
                          f"settings ({detail}); pass the original flags or choose another "
                          "--out")
 
 
 def _show(v) -> str:
-    return json.dumps(v) if not isinstance(v, str) else v
+    text = json.dumps(v) if not isinstance(v, str) else v
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def closed_event_loop_filter(default):

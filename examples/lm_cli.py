@@ -149,6 +149,13 @@ class Setup:
     folder: lm_files.RunFolder | None = None  # --out and the manifest of what was written
     out_note: str | None = None  # e.g. "runs/tiny-f16 holds an earlier run; ... -2"
     loss_scale: object = None  # jaxamp.DynamicLossScale / StaticLossScale / NoOpLossScale
+    lock: lm_files.FolderLock | None = None  # --out's lock, held for the run (first host)
+
+    def release(self) -> None:
+        """Drops --out's lock (at the end of the run)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def is_float32(self) -> bool:
@@ -245,8 +252,17 @@ def validate(args: argparse.Namespace) -> Setup:
     folder.writer = jax.process_index() == 0  # several hosts: the first writes --out
     # Every input is valid: only now is the disk touched (the folder created, if new).
     _check_writable(folder.path)
+    held = None
+    if folder.writer:
+        try:
+            held = lm_files.lock(folder, resume=bool(args.resume), overwrite=args.overwrite)
+        except lm_files.FolderError as e:
+            raise UsageError(str(e)) from None
+        except OSError as e:
+            raise UsageError(f"--out {folder.path}: cannot lock it ({e.strerror or e}); choose "
+                             "a folder on a filesystem that supports flock") from None
     return Setup(args, config, policy, policy_str, kind, folder.path, corpus, folder, note,
-                 loss_scale)
+                 loss_scale, held)
 
 
 def _check_loss_scale(kind: str, args):
@@ -266,17 +282,32 @@ def _check_loss_scale(kind: str, args):
 
 
 def _check_writable(out: Path) -> None:
+    """--out and the subfolder the run writes (checkpoints/, if there) take a new file, and
+    the path is UTF-8 (orbax and tensorstore take paths as UTF-8 text)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder; choose a folder to write to")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}-{jax.process_index()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise UsageError(f"--out {out}: cannot write there ({reason}); choose a writable "
-                         "folder") from None
+        str(out.resolve()).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(out).decode("utf-8", "backslashreplace")
+        raise UsageError(f"--out {shown}: the name is not valid UTF-8, which the checkpoint "
+                         "library needs; choose a folder name in UTF-8") from None
+    ckpt = out / lm_files.CHECKPOINT_DIR
+    if ckpt.exists() and not ckpt.is_dir():
+        raise UsageError(f"--out {out}: {ckpt} is a file, not a folder, and checkpoints go "
+                         "there; move it away or choose another --out")
+    for folder in (out, ckpt):
+        if folder is ckpt and not ckpt.exists():
+            continue
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".write-test-{os.getpid()}-{jax.process_index()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+            raise UsageError(f"--out {out}: cannot write in {folder} ({reason}); choose a "
+                             "writable folder") from None
 
 
 def make_loss_scale(kind: str, args):

@@ -13,25 +13,35 @@ Rules (see examples/README.md, "What lands in --out"):
   ``--resume`` to continue it). Without ``--out`` the default folder ``runs/<preset>-<dtype>``
   is used when free, else the first free ``runs/<preset>-<dtype>-2``, ``-3``, ... so the
   README's command keeps working; ``--resume`` without ``--out`` continues the newest of them.
+* A run holds an exclusive lock on ``--out`` (``fcntl.flock`` on :data:`LOCK_FILE`, which
+  holds the pid and host while locked and is emptied when the run ends): a second run started
+  on the same folder exits 2 with one line naming the first. The folder is checked again once
+  the lock is held, so of two runs started together exactly one trains.
 * Metrics, summary and manifest are strict JSON: non-finite floats are written as ``null``
   (``jaxamp.diagnostics.metrics.dumps``; that module owns the metrics and summary format).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 from jaxamp.diagnostics.metrics import SUMMARY_FILE, MetricsWriter, dumps, write_summary
 
-__all__ = ["CHECKPOINT_DIR", "MANIFEST", "OUTPUT_FILES", "RunFolder", "FolderError",
-           "choose_out", "metrics_writer", "prepare", "write_outputs"]
+__all__ = ["CHECKPOINT_DIR", "LOCK_FILE", "MANIFEST", "OUTPUT_FILES", "FolderError",
+           "FolderLock", "RunFolder", "choose_out", "lock", "metrics_writer", "prepare",
+           "write_outputs"]
 
 #: The list of what train_lm.py wrote in --out (the only files ``--overwrite`` removes).
 MANIFEST = "train_lm.manifest.json"
+#: The lock a run holds on --out (empty when no run holds it).
+LOCK_FILE = "train_lm.lock"
 CHECKPOINT_DIR = "checkpoints"
 #: The files train_lm.py writes in --out, besides checkpoints/ and the manifest.
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "precision.json", "curves.png")
@@ -141,6 +151,50 @@ class RunFolder:
         self.files, self.steps = set(), set()
         (self.path / MANIFEST).unlink(missing_ok=True)
         return removed
+
+
+class FolderLock:
+    """The exclusive ``flock`` a run holds on ``--out`` until :meth:`release` (or its exit)."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # at rest the lock file is empty
+            os.close(fd)  # closing drops the flock
+
+
+def lock(folder: RunFolder, *, resume: bool, overwrite: bool) -> FolderLock:
+    """Takes ``--out``'s lock (the folder exists), then checks the folder again under it: a run
+    that finished on it since :func:`choose_out` looked is seen. FolderError when another run
+    holds the lock (naming its pid and host) or the folder no longer fits."""
+    path = folder.path / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise FolderError(f"--out {folder.path} is in use by another train_lm.py run ({holder}, "
+                          f"holding {path}); wait for it to finish or choose another "
+                          "--out") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    held = FolderLock(path, fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        fresh = RunFolder(folder.path)  # what is there now, under the lock
+        _check(fresh, resume=resume, overwrite=overwrite)
+        folder.files, folder.steps = fresh.files, fresh.steps
+    except BaseException:
+        held.release()
+        raise
+    return held
 
 
 def _check(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:

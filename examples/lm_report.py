@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -268,10 +267,3 @@ def fmt_bytes(n) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return str(n)
-
-
-def interrupted(step: int, last_checkpoint) -> int:
-    """Says where a Ctrl-C stopped and how to continue; returns the exit status, 130."""
-    print(f"interrupted at step {step}; the last checkpoint is at step {last_checkpoint}. "
-          "Continue with the same flags plus --resume.", file=sys.stderr)
-    return 130

@@ -18,7 +18,9 @@ bit-identically), ``lm_files.py`` (which ``--out``; the script lists what it wro
 Everything lands in ``--out`` (default ``runs/<preset>-<dtype>``, or ``-2``, ``-3``, ... when
 that holds an earlier run): ``metrics.jsonl``, ``summary.json``, ``precision.json`` (which dtype
 every op ran in), ``curves.png`` and ``checkpoints/``. Bad input prints one ``error: ...`` line
-and exits with status 2 before anything is compiled or any file is touched; Ctrl-C exits 130.
+and exits with status 2 before anything is compiled or any file is touched; so does a disk error
+later, naming the checkpoint kept. A run locks ``--out``; Ctrl-C exits 130, SIGTERM 143
+(``lm_stop.py``: one line, at any point, after the save in progress).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import lm_model_nnx  # noqa: E402
 import lm_report  # noqa: E402
+import lm_stop  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from lm_cli import EXIT_USAGE, Setup, UsageError, build_parser, validate  # noqa: E402
+from lm_cli import Setup, UsageError, build_parser, validate  # noqa: E402, F401
 
 import jaxamp  # noqa: E402
 from jaxamp.diagnostics import metrics  # noqa: E402 - the run-log format jaxamp.review reads
@@ -112,21 +115,13 @@ def make_step(model, tx, s: Setup, mesh=None):
 # ---- main ------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    """Runs the CLI: exit status 0, 2 (bad input, disk error), 130 / 143 (SIGINT / SIGTERM)."""
     lm_mesh.initialize_distributed()  # several hosts (JAX_COORDINATOR_ADDRESS, ...): first
-    try:
-        try:
-            args = build_parser().parse_args(argv)
-        except SystemExit as e:  # --help
-            return int(e.code or 0)
-        return train(validate(args))  # every flag checked before anything runs
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    return lm_stop.main(lambda: validate(build_parser().parse_args(argv)), train)
 
 
-def train(s: Setup) -> int:
-    """Trains as the validated flags say; returns the exit status (0, or 130 on Ctrl-C)."""
+def train(s: Setup, run: lm_stop.Run) -> int:
+    """Trains as the validated flags say; returns 0 (``run``: how far it got, for lm_stop)."""
     args, config = s.args, s.config
     console = lm_report.Console(highlight=False, quiet=not s.folder.writer)  # first host
     metrics_path = s.out / metrics.METRICS_FILE
@@ -147,6 +142,7 @@ def train(s: Setup) -> int:
     model = build_model(s)
     tx = make_optimizer(args)
     start_step, meta, corrupted, kept = 0, None, [], []
+    run.phase = "reading the checkpoint" if args.resume else "initialising"
     if args.resume:
         abstract = lm_mesh.place(create_state(model, tx, s, abstract=True), mesh)
         state, meta, corrupted = lm_checkpoint.resume(s, abstract)  # onto the mesh, if any
@@ -155,9 +151,10 @@ def train(s: Setup) -> int:
     else:
         state = create_state(model, tx, s)
     lm_mesh.barrier("inputs read")  # several hosts: all have read --out before it changes
-    for note in lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
-                                 corrupted=corrupted, start_step=start_step):
-        console.print(lm_report.esc(note))  # every input is valid: only now is --out changed
+    with run.deferred(f"preparing {s.out}"):  # every input is valid: only now is --out changed
+        for note in lm_files.prepare(s.folder, overwrite=args.overwrite, note=s.out_note,
+                                     corrupted=corrupted, start_step=start_step):
+            console.print(lm_report.esc(note))
     lm_report.header(console, s, state.params, start_step, meta)
     state = lm_mesh.shard_state(state, mesh) if mesh else state
 
@@ -168,6 +165,7 @@ def train(s: Setup) -> int:
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
 
+    run.phase = "compiling the train step"
     t0 = time.perf_counter()
     with console.status("compiling the train step..."):
         compiled = step_fn.lower(state, batch_at(0)).compile()
@@ -178,7 +176,8 @@ def train(s: Setup) -> int:
                   f"(temp {lm_report.fmt_bytes(memory.get('temp'))})")
 
     # ---- loop: a metrics line per step; evaluate and checkpoint at their intervals ----
-    log = lm_files.metrics_writer(s.folder, keep_through=start_step)  # drops later lines
+    with run.deferred(f"writing {metrics_path}"):
+        log = lm_files.metrics_writer(s.folder, keep_through=start_step)  # drops later lines
     rows = list(kept)  # metrics.jsonl's lines, as written
     if args.resume:
         initial_val = meta["initial_val_loss"]
@@ -186,6 +185,7 @@ def train(s: Setup) -> int:
             console.print(f"note: metrics.jsonl holds {len(kept)} of the {start_step} steps "
                           "before the checkpoint")
     else:
+        run.phase = "evaluating the initial model"
         initial_val = evaluate(state.params)
         console.print(f"step 0: validation loss {initial_val:.4f} "
                       f"(uniform over 256 bytes: {np.log(256):.4f})")
@@ -195,10 +195,12 @@ def train(s: Setup) -> int:
         return bool(interval and step % interval == 0) or step == args.steps
 
     tokens_per_step = args.batch_size * config.block_size
-    train_s, tokens, last_val, step, interrupted = 0.0, 0, None, start_step, False
+    train_s, tokens, last_val = 0.0, 0, None
+    run.step = start_step
     try:
         with lm_report.Progress(console, s, start_step) as progress:
             for step in range(start_step + 1, args.steps + 1):
+                run.phase = f"training step {step}"
                 t = time.perf_counter()
                 state, m = compiled(state, batch_at(step - 1))
                 m = jax.device_get(m)
@@ -208,18 +210,17 @@ def train(s: Setup) -> int:
                 if due(args.eval_interval, step):
                     extra["val_loss"] = last_val = evaluate(state.params)
                 row = metrics.step_record(step, m, **extra)
-                log.write(row)
-                rows.append(row)
-                if due(args.checkpoint_interval, step):
-                    checkpoints.save(state, step)
+                with run.deferred(f"writing step {step} to {metrics_path}"):  # signals held
+                    log.write(row)
+                    rows.append(row)
+                    run.step = step
+                    if due(args.checkpoint_interval, step):
+                        run.phase = f"saving the checkpoint of step {step}"
+                        checkpoints.save(state, step)
                 progress.update(row, tokens / train_s, last_val)
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
-        log.close()
-        checkpoints.close()
-    if interrupted:
-        return lm_report.interrupted(step, lm_checkpoint.latest_step(s.out))  # exit status 130
+        run.close(log, checkpoints)  # signals held; an error here hides not the first one
+    run.phase = "writing the summary and plots"
 
     # ---- log: summary.json, precision.json, curves.png, tables ----
     if start_step >= args.steps:
@@ -238,11 +239,12 @@ def train(s: Setup) -> int:
     summary = lm_report.summary(s, state, rows, start_step=start_step, initial_val=initial_val,
                                 final_val=last_val, tokens=tokens, train_s=train_s,
                                 compile_s=compile_s, memory=memory, memory_f32=memory_f32)
-    lm_files.write_outputs(s.folder, summary, precision)
-    lm_report.finish(console, s, rows, summary, precision)
+    with run.deferred():
+        lm_files.write_outputs(s.folder, summary, precision)
+        lm_report.finish(console, s, rows, summary, precision)
     return 0
 
 
 if __name__ == "__main__":
     sys.unraisablehook = lm_checkpoint.closed_event_loop_filter(sys.unraisablehook)
-    sys.exit(main())
+    lm_stop.exit_process(main())  # skips the interpreter's teardown after a signal

@@ -68,6 +68,10 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     float64 is rejected: JAX only computes in float64 with ``jax_enable_x64`` and mixed precision
     has no use for it.
 
+    A :class:`jmp.Policy` is returned unchanged once its three dtypes are checked to be floating
+    point: jmp builds a policy with ``compute_dtype=jnp.int8`` without a word, and casting
+    params or activations to an integer type would fail deep inside the model (or truncate).
+
     Args:
         spec: A policy string, or a :class:`jmp.Policy`, which is returned unchanged.
 
@@ -77,8 +81,9 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
 
     Raises:
         TypeError: If ``spec`` is neither a string nor a :class:`jmp.Policy`.
-        ValueError: If the string is malformed; the message names the bad part, the allowed
-            keys or dtypes and gives a valid example.
+        ValueError: If the string is malformed, or a :class:`jmp.Policy` has a dtype that is
+            not floating point; the message names the bad part, the allowed keys or dtypes
+            and gives a valid example.
 
     Example:
         >>> p = get_policy("c=f16")
@@ -88,10 +93,28 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
         True
     """
     if isinstance(spec, jmp.Policy):
+        _check_float_policy(spec)
         return spec
     names = policy_spec.parse(spec)
     return jmp.Policy(param_dtype=_dtype(names["params"]), compute_dtype=_dtype(names["compute"]),
                       output_dtype=_dtype(names["output"]))
+
+
+def _check_float_policy(policy: jmp.Policy) -> None:
+    for field, attr in (("params", "param_dtype"), ("compute", "compute_dtype"),
+                        ("output", "output_dtype")):
+        value = getattr(policy, attr)
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            shown = dtype.name if dtype is not None else repr(value)
+            raise ValueError(
+                f"jmp.Policy with {attr}={shown}: the {field} dtype is not a floating type; "
+                "a policy casts floating-point params, activations and outputs only. Use "
+                f"float32, float16 or bfloat16, e.g. jaxamp.get_policy("
+                f"'params=float32,compute=float16,output=float32'). {policy_spec.ALLOWED_DTYPES}")
 
 
 def policy_to_str(policy: jmp.Policy) -> str:

@@ -115,6 +115,21 @@ def _check_rng(rng: Any, where: str) -> None:
                         f"dtype={dtype}, shape={np.shape(rng)}.")
 
 
+def _check_not_amp(opt_state: Any, where: str) -> None:
+    """The step wraps the state's optimizer in :func:`jaxamp.amp` itself: an optimizer that
+    is already ``amp(...)`` would unscale (and skip, clip) twice, updates loss_scale times too
+    small without a word."""
+    if any(isinstance(x, AmpState) for x in
+           jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AmpState))):
+        raise TypeError(
+            f"{where}: tx is (or contains) jaxamp.amp(...), but the train step applies "
+            "jaxamp.amp itself: the gradients would be unscaled twice (updates loss_scale "
+            "times too small). Pass the plain optimizer and give the options to the step, "
+            "e.g. TrainState.create(model, params, optax.sgd(0.1), loss_scale=...) and "
+            "make_train_step(model, loss_fn, clip_norm=...); jaxamp.amp is for a "
+            "hand-written step.")
+
+
 class TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` plus what an AMP step needs.
 
@@ -211,8 +226,10 @@ class TrainState(train_state.TrainState):
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
                 "Omit loss_scale= for dynamic scaling (or pass jaxamp.DynamicLossScale()).",
                 UserWarning, stacklevel=2)
+        opt_state = tx.init(params)
+        _check_not_amp(opt_state, where)
         return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
-                   opt_state=tx.init(params), loss_scale=copy_tree(loss_scale),
+                   opt_state=opt_state, loss_scale=copy_tree(loss_scale),
                    skipped_steps=jnp.zeros((), jnp.int32), rng=copy_tree(rng),
                    collections=copy_tree(dict(collections)), policy=policy, **kwargs)
 
@@ -364,6 +381,17 @@ def _check_loss_out(out, has_aux: bool, where: str) -> None:
         raise ValueError(f"{where}: loss_fn must return a floating scalar, got "
                          f"{_describe(out)}. Reduce the per-example losses (e.g. with jnp.mean) "
                          "and return only the loss (or (loss, aux) with has_aux=True).")
+
+
+def _check_loss_is_array(loss, where: str) -> None:
+    """A Python or NumPy number is a constant: no gradient reaches the params through it."""
+    if not isinstance(loss, jax.Array) and isinstance(loss, (int, float, np.generic,
+                                                              np.ndarray)):
+        raise TypeError(
+            f"{where}: loss_fn returned a {type(loss).__name__} ({loss!r}), a constant: the "
+            "loss must be a JAX scalar computed from the params, or its gradient is zero. "
+            "Return the jnp value itself (no float(...), .item() or np.asarray(...)), e.g. "
+            "return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)).")
 
 
 def _mutable_names(mutable, collections, where: str) -> tuple[str, ...]:
@@ -543,6 +571,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             if has_aux:
                 _check_loss_out(jax.tree.map(_spec, out), True, "step")
             loss, aux = out if has_aux else (out, None)
+            _check_loss_is_array(loss, "step")
             updates = bound.updates if collections else {}
             return loss, aux, {**collections, **updates}
 
@@ -666,6 +695,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                              "it: the step uses the state's).")
         check_loss_scale(state.loss_scale, "step")
         check_opt_state(state.tx, state.opt_state, state.params, "step")
+        _check_not_amp(state.opt_state, "step")
         _check_float_params(state.params, "step")
         loss, _, _ = eval_loss(state, batch, loss_of, use_rng)
         _check_loss_out(loss, False, "step" if not has_aux else "step (loss_fn's loss)")
@@ -704,7 +734,7 @@ def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | 
             return loss_fn(bound, params, batch)
         amp_loss = autocast(loss, pol.with_output_dtype(jnp.float32), overrides=overrides,
                             op_rules=op_rules, f32_weight_grads=f32_weight_grads)
-        return amp_loss(params, collections, batch).astype(jnp.float32)
+        return jnp.asarray(amp_loss(params, collections, batch), jnp.float32)
 
     def eval_step(params, batch):
         if isinstance(params, TrainState):

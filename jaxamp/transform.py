@@ -97,14 +97,16 @@ def copy_tree(tree: Any) -> Any:
 
 
 def check_clip_norm(clip_norm: Any, where: str) -> float | jax.Array | None:
-    """``None``, or a positive finite number (Python or JAX/NumPy scalar) as a float."""
+    """``None``, or a positive finite number (Python or JAX/NumPy scalar of any integer or
+    float dtype, bfloat16 included) as a float."""
     if clip_norm is None:
         return None
     if isinstance(clip_norm, Tracer):
         return clip_norm  # traced (e.g. built inside jit): nothing to check at trace time
     arr = np.asarray(clip_norm) if not isinstance(clip_norm, bool) else None
-    if arr is None or arr.ndim != 0 or arr.dtype == bool \
-            or not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr) \
+    # jnp.issubdtype: NumPy does not count bfloat16/float8 (ml_dtypes) as np.number
+    if arr is None or arr.ndim != 0 or not (jnp.issubdtype(arr.dtype, jnp.floating)
+                                            or jnp.issubdtype(arr.dtype, jnp.integer)) \
             or not math.isfinite(float(arr)) or float(arr) <= 0:
         raise ValueError(f"{where}: clip_norm must be a positive finite number or None, got "
                          f"{clip_norm!r}. Example: clip_norm=1.0.")

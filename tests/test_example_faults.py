@@ -384,3 +384,276 @@ def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
         assert _strict_json((out / "summary.json").read_text())["steps"] == KILL_STEPS
     # every run was really killed (not finished before the signal)
     assert all(rc == -signal.SIGKILL for *_, rc in kills), kills
+
+
+# ------------------------------------------------------------------------------------------
+# issue #27: two runs on one --out, signals at any point, disk full, start-up checks
+# ------------------------------------------------------------------------------------------
+
+#: Runs train_lm.py as the program does (its __main__), after one fault injected by argv[1]:
+#: "none"; "sigint-compile" (SIGINT while XLA compiles the step); "sigint-save" (SIGINT as
+#: the first checkpoint save starts); "sigterm-step3" (SIGTERM while step 3 trains);
+#: "sigterm-after" (SIGTERM once the loop is done); "enospc-save" (the step-20 save fails with
+#: ENOSPC after orbax made its temporary folder); "enospc-metrics" (the disk fills up half-way
+#: through step 15's metrics line: a short write).
+RUNNER = r'''
+import errno, os, signal, sys, threading
+sys.path.insert(0, sys.argv[2])
+import jax, train_lm, lm_checkpoint, lm_stop, orbax.checkpoint as ocp
+import jaxamp
+mode, argv = sys.argv[1], sys.argv[3:]
+me = os.getpid()
+if mode == "sigint-compile":  # the signal arrives while XLA compiles (a C++ call)
+    compile_ = jax.stages.Lowered.compile
+    def compile(self, *a, **k):
+        timer = threading.Timer(0.01, os.kill, (me, signal.SIGINT))
+        timer.start()
+        out = compile_(self, *a, **k)
+        timer.join()  # a compile served from the cache may end first: then the signal is here
+        return out
+    jax.stages.Lowered.compile = compile
+def signal_before(owner, name, signum, when=lambda *a, **k: True):
+    """``owner.name`` sends ``signum`` to this process first (when ``when(*args)``)."""
+    original = getattr(owner, name)
+    def patched(*a, **k):
+        if when(*a, **k):
+            os.kill(me, signum)
+        return original(*a, **k)
+    setattr(owner, name, patched)
+if mode == "sigint-save":
+    signal_before(lm_checkpoint, "save", signal.SIGINT)
+elif mode == "sigterm-step3":
+    signal_before(train_lm.lm_data, "get_batch", signal.SIGTERM, lambda *a, step, **k: step == 2)
+elif mode == "sigterm-after":
+    signal_before(jaxamp, "precision_table", signal.SIGTERM)
+if mode == "enospc-save":
+    save_ = ocp.CheckpointManager.save
+    def save(self, step, *a, **k):
+        if step == 20:
+            tmp = self.directory / "20.orbax-checkpoint-tmp-1"
+            (tmp / "state").mkdir(parents=True)
+            (tmp / "state" / "part").write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save_(self, step, *a, **k)
+    ocp.CheckpointManager.save = save
+elif mode == "enospc-metrics":
+    write_ = os.write
+    def write(fd, data):
+        if bytes(data).startswith(b'{"step": 15,'):
+            return write_(fd, bytes(data)[:len(data) // 2])  # a short write: the disk is full
+        return write_(fd, data)
+    os.write = write
+sys.unraisablehook = lm_checkpoint.closed_event_loop_filter(sys.unraisablehook)
+lm_stop.exit_process(train_lm.main(argv))  # as train_lm.py's __main__
+'''
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    """``(mode, argv) -> CompletedProcess`` of RUNNER, sharing this module's XLA cache."""
+    import jax
+
+    script = tmp_path_factory.mktemp("runner") / "runner.py"
+    script.write_text(RUNNER)
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+    def start(mode, argv):
+        return subprocess.Popen([sys.executable, str(script), mode, str(EXAMPLES), *argv],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    def run(mode, argv):
+        proc = start(mode, argv)
+        out, err = proc.communicate(timeout=180)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    run.start = start
+    return run
+
+
+def one_line(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    return lines[0]
+
+
+def test_two_runs_on_one_out_started_together(run, runner, tmp_path):
+    """Before: both passed the "holds a previous run" check; both exited 0 and the folder held
+    one run's files mixed with the other's (or one died with orbax's "Directory not empty")."""
+    out = tmp_path / "shared"
+    procs = [runner.start("none", args(out)) for _ in range(2)]
+    results = [(p.wait(timeout=180), *p.communicate()) for p in procs]
+    codes = sorted(rc for rc, _, _ in results)
+    assert codes == [0, 2], [(rc, err[-2000:]) for rc, _, err in results]
+    (winner,) = [p for p, (rc, _, _) in zip(procs, results) if rc == 0]
+    err = next(e for rc, _, e in results if rc == 2)
+    line = one_line(subprocess.CompletedProcess([], 2, "", err))
+    assert (line.startswith(f"error: --out {out} is in use by another train_lm.py run (pid "
+                            f"{winner.pid} on ") or
+            line.startswith(f"error: --out {out} holds a previous run")), line
+    # the folder holds one complete run, the same as the module's run
+    assert_same_metrics(metrics(out), metrics(run))
+    assert_same_state(restore_state(out, STEPS), restore_state(run, STEPS))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "20"]
+    assert (out / "train_lm.lock").read_bytes() == b""  # released
+
+
+def test_a_locked_out_is_refused_with_the_holder(part, capsys):
+    import fcntl
+
+    fd = os.open(part / "train_lm.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b"pid 4242 on otherhost\n")
+        before = snapshot(part)
+        line = run_error(capsys, args(part, 30, "--resume"))
+        assert line == (f"error: --out {part} is in use by another train_lm.py run (pid 4242 "
+                        f"on otherhost, holding {part / 'train_lm.lock'}); wait for it to "
+                        "finish or choose another --out")
+        assert snapshot(part) == before
+    finally:
+        os.close(fd)
+    assert train_lm.main(args(part, 30, "--resume")) == 0  # once free, it resumes
+
+
+@pytest.mark.parametrize("mode, status, says", [
+    ("sigint-compile", 130, "interrupted by SIGINT while compiling the train step; no "
+                            "checkpoint was saved in {ckpt}, so there is nothing to resume: "
+                            "start again with the same flags"),
+    ("sigterm-step3", 143, "interrupted by SIGTERM while training step 3, after step 2; kept: "
+                           "the checkpoint of step 2 in {ckpt} (continue with the same flags "
+                           "plus --resume)"),
+    ("sigterm-after", 143, "interrupted by SIGTERM while writing the summary and plots, after "
+                           "step 6; kept: the checkpoint of step 6 in {ckpt} (continue with "
+                           "the same flags plus --resume)"),
+])
+def test_a_signal_at_any_point_is_one_line_and_its_status(runner, tmp_path, mode, status, says):
+    """Before: Ctrl-C while compiling or after the loop printed a KeyboardInterrupt traceback
+    and then crashed (exit 139); SIGTERM killed the run without a word (exit -15)."""
+    out = tmp_path / "run"
+    res = runner(mode, args(out, 6, "--checkpoint-interval", "2"))
+    assert res.returncode == status, res.stderr[-3000:]
+    assert one_line(res) == says.format(ckpt=out / "checkpoints")
+    if mode == "sigterm-step3":
+        assert [r["step"] for r in metrics(out)] == [1, 2]
+    if mode == "sigint-compile":
+        assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_sigint_during_the_only_save_finishes_it_and_resume_works(runner, tmp_path, capsys):
+    """Before: the clean line, then an orbax thread traceback; "Last checkpoint is at step
+    None ... --resume", and --resume then failed. Now the save completes first."""
+    out = tmp_path / "run"
+    res = runner("sigint-save", args(out, 6, "--checkpoint-interval", "0"))
+    assert res.returncode == 130, res.stderr[-3000:]
+    assert one_line(res) == (f"interrupted by SIGINT while saving the checkpoint of step 6, "
+                             f"after step 6; kept: the checkpoint of step 6 in "
+                             f"{out / 'checkpoints'} (continue with the same flags plus "
+                             "--resume)")
+    assert train_lm.main(args(out, 6, "--checkpoint-interval", "0", "--resume")) == 0
+    assert "nothing to train: the checkpoint is already at step 6" in flat(
+        capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mode, step_line, kept_lines", [
+    ("enospc-save", "saving the checkpoint of step 20", 20),
+    ("enospc-metrics", "writing step 15 to {out}/metrics.jsonl", 14),
+])
+def test_disk_full_is_one_line_and_the_previous_checkpoint_resumes(run, runner, tmp_path,
+                                                                    mode, step_line, kept_lines):
+    """Before: disk full during a save was exit 1 with ~680 lines of tracebacks; during a
+    metrics line, a traceback and a torn line. Now: one line naming what is kept, whole lines
+    only, and --resume continues from step 10 to the same state as an uninterrupted run."""
+    out = tmp_path / "full"
+    res = runner(mode, args(out))
+    assert res.returncode == 2, res.stderr[-3000:]
+    where = step_line.format(out=out)
+    target = out / "checkpoints" if mode == "enospc-save" else out / "metrics.jsonl"
+    assert one_line(res) == (f"error: {where}: No space left on device ({target}); kept: the "
+                             f"checkpoint of step 10 in {out / 'checkpoints'} (continue with "
+                             "the same flags plus --resume)")
+    text = (out / "metrics.jsonl").read_bytes()
+    assert text.endswith(b"\n") and text.count(b"\n") == kept_lines  # whole lines only
+    assert train_lm.main(args(out, STEPS, "--resume")) == 0
+    assert_same_metrics(metrics(out), metrics(run))
+    assert_same_state(restore_state(out, STEPS), restore_state(run, STEPS))
+
+
+def test_start_up_checks_cover_checkpoints_and_the_name(tmp_path, capsys):
+    """Before: a checkpoints/ the run cannot write into, or a --out whose name is not UTF-8,
+    passed the start-up checks and failed at the first save with a traceback."""
+    out = tmp_path / "blocked"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")
+    line = run_error(capsys, args(out))
+    assert line == (f"error: --out {out}: {out / 'checkpoints'} is a file, not a folder, and "
+                    "checkpoints go there; move it away or choose another --out")
+    bad = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9"))
+    line = run_error(capsys, args(bad))
+    assert line == (f"error: --out {tmp_path}/caf\\xe9: the name is not valid UTF-8, which the "
+                    "checkpoint library needs; choose a folder name in UTF-8")
+    assert not bad.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_checkpoints_folder_is_refused_at_start(tmp_path, capsys):
+    out = tmp_path / "ro"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints").chmod(0o555)
+    try:
+        line = run_error(capsys, args(out))
+    finally:
+        (out / "checkpoints").chmod(0o755)
+    assert line.startswith(f"error: --out {out}: cannot write in {out / 'checkpoints'} ("), line
+
+
+def test_resume_with_another_dropout_names_dropout(part, capsys):
+    """Before: "--preset: checkpoint has {...the whole model config...}"."""
+    line = run_error(capsys, args(part, 30, "--resume", "--dropout", "0.1"))
+    assert line == (f"error: --resume: the checkpoint in {part / 'checkpoints'} was made with "
+                    "other settings (--dropout: checkpoint has 0.0, now 0.1); pass the original "
+                    "flags or choose another --out")
+
+
+def _mount_tmpfs(where: Path, size: int) -> bool:
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                         capture_output=True)
+    return res.returncode == 0
+
+
+def test_a_really_full_disk_during_a_save(run, runner, tmp_path):
+    """The same on a real full disk (a tmpfs with room for one checkpoint and a half), where
+    the test may mount one: tensorstore's error from orbax's threads, not an injected one."""
+    fs = tmp_path / "fs"
+    ckpt = sum(f.stat().st_size for f in (run / "checkpoints" / "10").rglob("*") if f.is_file())
+    if not _mount_tmpfs(fs, int(ckpt * 1.5) + 200_000):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = fs / "run"
+        res = runner("none", args(out))
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert one_line(res) == (f"error: saving the checkpoint of step 20: No space left on "
+                                 f"device ({out / 'checkpoints'}); kept: the checkpoint of step "
+                                 f"10 in {out / 'checkpoints'} (continue with the same flags "
+                                 "plus --resume)")
+        subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)
+        assert train_lm.main(args(out, STEPS, "--resume")) == 0
+        assert_same_metrics(metrics(out), metrics(run))
+        assert_same_state(restore_state(out, STEPS), restore_state(run, STEPS))
+    finally:
+        subprocess.run(["umount", str(fs)], capture_output=True)
+
+
+def test_resume_reads_metrics_with_the_same_checks_as_the_review(part, capsys):
+    """Before: --resume read metrics.jsonl whole with the same parser: a 100k-deep line was a
+    RecursionError traceback. Now one line naming the line, and nothing changed."""
+    with open(part / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 21, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    before = snapshot(part)
+    line = run_error(capsys, args(part, 30, "--resume"))
+    assert line == (f"error: --resume: {part / 'metrics.jsonl'} line 21: JSON nested too deeply "
+                    "to read; move it away to resume without it")
+    assert snapshot(part) == before

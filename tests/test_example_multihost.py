@@ -62,7 +62,8 @@ def test_two_hosts_train_resume_and_checkpoint_like_one(tmp_path):
     assert sorted(manifest["files"]) == sorted(lm_files.OUTPUT_FILES)
     assert manifest["checkpoint_steps"] == [2, 4, 6]
     written = {p.name for p in two.iterdir()}
-    assert written == {*lm_files.OUTPUT_FILES, lm_files.MANIFEST, lm_files.CHECKPOINT_DIR}
+    assert written == {*lm_files.OUTPUT_FILES, lm_files.MANIFEST, lm_files.CHECKPOINT_DIR,
+                       lm_files.LOCK_FILE}
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["2", "4", "6"]
 
     # The two hosts' checkpoint, restored here on one device and checked against the

@@ -218,11 +218,80 @@ def test_malformed_step_is_one_error_line(tmp_path, capsys, step):
     assert err.startswith(f"error: {run / 'metrics.jsonl'} line 21: ") and "'step'" in err, err
 
 
-def test_malformed_values_are_ignored_not_fatal(tmp_path):
-    rows = healthy_rows()
-    rows[10].update(loss="abc", grad_norm=[1, 2], loss_scale={"x": 1}, skipped="yes")
-    review = review_run(write_run(tmp_path / "run", rows, healthy_summary()))
+@pytest.mark.parametrize("key, value, says", [
+    ("skipped", '"false"', "'skipped' must be true or false, got \"false\""),
+    ("grads_finite", "1", "'grads_finite' must be true or false, got 1"),
+    ("loss", '"abc"', "'loss' must be a number or null, got \"abc\""),
+    ("grad_norm", "[1, 2]", "'grad_norm' must be a number or null, got [1, 2]"),
+    ("loss_scale", '{"x": 1}', "'loss_scale' must be a number or null, got {\"x\": 1}"),
+    ("loss_scale", "true", "'loss_scale' must be a number or null, got true"),
+])
+def test_a_value_of_the_wrong_type_is_an_error_not_truthy(tmp_path, capsys, key, value, says):
+    """Issue #27: another tool's "skipped": "false" was read as true (bool("false")): 50 such
+    lines gave a false "50 consecutive steps skipped". Before #27 wrong types were ignored."""
+    run = write_run(tmp_path / "run", healthy_rows(20))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "loss": 1.0, "' + key + '": ' + value + "}\n")
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {run / 'metrics.jsonl'} line 21: {says}\n", err
+
+
+def _bad_line(kind: str) -> bytes:
+    return {
+        "deep": b'{"step": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "huge-int": b'{"step": ' + b"7" * 5000 + b"}",
+        "utf8": b'{"step": 1, "note": "\xff\xfe"}',
+        "long": b'{"step": 1, "pad": "' + b"x" * (2 << 20) + b'"}',
+    }[kind]
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("deep", "JSON nested too deeply to read"),
+    ("huge-int", "unreadable JSON (Exceeds the limit (4300 digits) for integer string "
+                 "conversion"),
+    ("utf8", "not UTF-8 text (byte 21)"),
+    ("long", "longer than 1048576 bytes"),
+])
+def test_every_parse_failure_is_one_error_line(tmp_path, kind, says):
+    """Before: a RecursionError traceback (100k-deep line), a ValueError traceback (5000-digit
+    step); the docs promise ``error:`` and exit 2. Run as the command, in a fresh process."""
+    run = write_run(tmp_path / "run", healthy_rows(20))
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(_bad_line(kind) + b"\n")
+    res = subprocess.run([sys.executable, "-m", "jaxamp.review", str(run)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res
+    assert res.stderr.startswith(f"error: {run / 'metrics.jsonl'} line 21: {says}"), res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("kind", ["deep", "huge-int", "utf8"])
+def test_a_torn_last_line_that_does_not_parse_is_dropped(tmp_path, kind):
+    """A kill mid-line leaves a last line without its newline: not a record, not an error."""
+    run = write_run(tmp_path / "run", healthy_rows(), healthy_summary())
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(_bad_line(kind)[:-1])
+    review = review_run(run)
     assert review.num_steps == STEPS and review.ok, review.to_text()
+
+
+def test_review_memory_does_not_grow_with_the_file_size(tmp_path):
+    """Issue #27: the whole file was read (peak ~7.5x its size; 20 MB -> 64 MB here). Now it is
+    read line by line: a 20 MB and a 2 MB file of the same 1000 steps peak alike (each
+    reviewed in a fresh interpreter). bench/review_memory.py measures 200 MB the same way."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import review_memory
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    peaks = {}
+    for mb in (2, 20):
+        size = review_memory.write_metrics(tmp_path / f"run{mb}", mb)
+        assert size >= mb * 0.9e6
+        peaks[mb], code = review_memory.peak_rss_of_review(tmp_path / f"run{mb}")
+        assert code == 0
+    assert peaks[20] - peaks[2] < 4e6, peaks  # before: +45 MB
 
 
 def diverged_rows(at: int, nan_token: bool) -> list[dict]:

@@ -46,16 +46,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRICS_FILE", "STEP_KEYS", "SUMMARY_FILE", "SUMMARY_KEYS", "MetricsError",
-           "MetricsWriter", "dumps", "read_metrics", "read_summary", "step_record", "strict",
-           "write_summary"]
+__all__ = ["MAX_LINE_BYTES", "METRICS_FILE", "STEP_KEYS", "SUMMARY_FILE", "SUMMARY_KEYS",
+           "MetricsError", "MetricsWriter", "dumps", "iter_metrics", "read_metrics",
+           "read_summary", "step_record", "strict", "write_summary"]
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -104,11 +106,16 @@ def step_record(step: int, metrics: Mapping[str, Any], **extra: Any) -> dict[str
 
 
 class MetricsWriter:
-    """Appends :func:`step_record` lines to ``metrics.jsonl``, flushed line by line.
+    """Appends :func:`step_record` lines to ``metrics.jsonl``: each line whole or not at all.
+
+    A line is one ``write`` of its bytes at the end of the file; if that fails or writes
+    only part of it (disk full), the file is truncated back to where the line began and the
+    ``OSError`` is raised, so the file never holds a torn line written by this writer.
+    :meth:`close` syncs the file to disk.
 
     ``keep_through=step`` first drops the lines logged after ``step`` (a resumed run continues
-    from its checkpoint; the file is rewritten atomically), keeping a line cut short by a kill
-    out of the file.
+    from its checkpoint; the file is rewritten atomically, read line by line), keeping a line
+    cut short by a kill out of the file.
     """
 
     def __init__(self, path: str | os.PathLike, *, keep_through: int | None = None):
@@ -117,16 +124,41 @@ class MetricsWriter:
             rows = [r for r in read_metrics(self.path, missing_ok=True)
                     if r["step"] <= keep_through]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(dumps(r) + "\n" for r in rows))
-            os.replace(tmp, self.path)
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
+            try:
+                with open(tmp, "w") as f:
+                    f.writelines(dumps(r) + "\n" for r in rows)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                       0o666)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(dumps(dict(record)) + "\n")
-        self._file.flush()
+        data = (dumps(dict(record)) + "\n").encode()
+        fd = self._fd
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            done = os.write(fd, data)
+            if done != len(data):  # a short write: the disk filled up mid-line
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
 
     def close(self) -> None:
-        self._file.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: not syncable (os.devnull)
+                    raise
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -135,53 +167,114 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(path: str | os.PathLike, *, missing_ok: bool = False) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl``, sorted by step (the last line of a repeated step wins).
+#: The longest ``metrics.jsonl`` line the reader takes (a step's record is ~250 bytes): a
+#: longer one is an error, so a corrupt file never has to be held in memory whole.
+MAX_LINE_BYTES = 1 << 20
+_NUMBERS = ("loss", "loss_scale", "grad_norm", "tokens_per_s", "val_loss")
 
-    A last line without its newline (the writer was killed mid-line) is dropped. Any other line
-    that is not a JSON object with a whole-number ``step`` raises :class:`MetricsError` naming
-    the line. ``missing_ok``: a missing file reads as no rows.
+
+def iter_metrics(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` for each line of ``metrics.jsonl``, in file order, read one
+    line at a time (memory bounded by :data:`MAX_LINE_BYTES`, whatever the file's size).
+
+    Each row is checked (:class:`MetricsError` naming the file, line and key): a JSON object
+    with a whole-number ``step`` >= 0; ``loss``, ``loss_scale``, ``grad_norm``,
+    ``tokens_per_s`` and ``val_loss`` numbers or ``null``; ``grads_finite``, ``skipped`` and
+    ``loss_scale_at_min`` ``true``/``false``; ``skipped_steps`` a whole number. Every parse
+    failure (bad UTF-8, invalid JSON, nesting too deep, a number too long to convert) is a
+    :class:`MetricsError` too. A last line without its newline (the writer was killed
+    mid-line) that does not parse is dropped. Blank lines are skipped.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise MetricsError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
+    with f:
+        n = 0
+        while True:
+            try:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except OSError as e:
+                raise MetricsError(f"{path} line {n + 1}: cannot read "
+                                   f"({e.strerror or type(e).__name__})") from None
+            if not raw:
+                return
+            n += 1
+            torn = not raw.endswith(b"\n")
+            if torn and len(raw) > MAX_LINE_BYTES:
+                raise MetricsError(f"{path} line {n}: longer than {MAX_LINE_BYTES} bytes; a "
+                                   "metrics line is one step's record (a few hundred bytes)")
+            if not raw.strip():
+                continue
+            try:
+                yield n, _row(raw, path, n)
+            except MetricsError:
+                if torn:  # cut short by a kill: the last line, not a record
+                    return
+                raise
+
+
+def read_metrics(path: str | os.PathLike, *, missing_ok: bool = False,
+                 keys: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``, sorted by step (the last line of a repeated step wins),
+    read line by line (:func:`iter_metrics`, which checks every line and says what an
+    unreadable one is).
+
+    ``missing_ok``: a missing file reads as no rows. ``keys``: keep only these keys of each
+    row (``step`` always), so the rows kept in memory stay small however long the lines.
     """
     path = Path(path)
     if not path.is_file():
         if missing_ok and not path.exists():
             return []
         raise MetricsError(f"{path}: no such file")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise MetricsError(f"{path}: cannot read ({e})") from None
-    lines = text.split("\n")
-    torn = lines.pop()  # "" when the file ends with a newline
+    keep = None if keys is None else frozenset(keys) | {"step"}
     rows: dict[int, dict] = {}
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            row = _row(line, path, n)
-            rows[row["step"]] = row
-    if torn.strip():
-        try:
-            row = _row(torn, path, len(lines) + 1)
-        except MetricsError:
-            row = None  # cut short by a kill
-        if row is not None:
-            rows[row["step"]] = row
+    for _, row in iter_metrics(path):
+        if keep is not None:
+            row = {k: v for k, v in row.items() if k in keep}
+        rows[row["step"]] = row
     return [rows[k] for k in sorted(rows)]
 
 
-def _row(line: str, path: Path, n: int) -> dict[str, Any]:
+def _row(raw: bytes, path: Path, n: int) -> dict[str, Any]:
+    where = f"{path} line {n}"
     try:
-        row = json.loads(line)
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MetricsError(f"{where}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise MetricsError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        raise MetricsError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise MetricsError(f"{where}: JSON nested too deeply to read") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise MetricsError(f"{where}: unreadable JSON ({str(e).splitlines()[0][:120]})") \
+            from None
     if not isinstance(row, dict):
-        raise MetricsError(f"{path} line {n}: expected a JSON object per line")
+        raise MetricsError(f"{where}: expected a JSON object per line")
     step = row.get("step")
     if isinstance(step, bool) or not isinstance(step, (int, float)):
-        raise MetricsError(f"{path} line {n}: missing or non-numeric 'step'")
-    if not (math.isfinite(step) and step == int(step)):
-        raise MetricsError(f"{path} line {n}: 'step' must be a whole number, got {step!r}")
+        raise MetricsError(f"{where}: missing or non-numeric 'step'")
+    if isinstance(step, float) and not (math.isfinite(step) and step.is_integer()):
+        raise MetricsError(f"{where}: 'step' must be a whole number, got {step!r}")
     row["step"] = int(step)
+    for key in _NUMBERS:
+        v = row.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise MetricsError(f"{where}: {key!r} must be a number or null, got {_show(v)}")
+    for key in _BOOLS:
+        if key in row and not isinstance(row[key], bool):
+            raise MetricsError(f"{where}: {key!r} must be true or false, got {_show(row[key])}")
+    v = row.get("skipped_steps")
+    if "skipped_steps" in row and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise MetricsError(f"{where}: 'skipped_steps' must be a number, got {_show(v)}")
     return row
+
+
+def _show(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def write_summary(path: str | os.PathLike, summary: Mapping[str, Any]) -> None:

@@ -18,9 +18,11 @@ code                            what it means
 =============================== =================================================================
 
 Non-finite numbers are read as ``null`` (strict JSON: what jaxamp and ``train_lm.py`` write) or
-as the non-standard ``NaN``/``Infinity`` tokens of older files. A line that is not a JSON object
-with a whole-number ``step`` is an error (exit 2, naming the line); a value of the wrong type
-only disables the checks that need it.
+as the non-standard ``NaN``/``Infinity`` tokens of older files. The file is read one line at a
+time and only the keys the review uses are kept (memory grows with the number of steps, not
+with the file's size). A line that is not a JSON object with a whole-number ``step``, a value of
+the wrong type (``"skipped": "false"``, a string loss) and any line that does not parse (bad
+UTF-8, nesting too deep, a number too long) is an error (exit 2, naming the line and key).
 
 Command line::
 
@@ -166,7 +168,10 @@ def _num(x) -> float:
     if isinstance(x, bool):
         return float(x)
     if isinstance(x, (int, float)):
-        return float(x)
+        try:
+            return float(x)
+        except OverflowError:  # an integer beyond float range
+            return math.inf if x > 0 else -math.inf
     return math.nan
 
 
@@ -183,7 +188,7 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], dict]:
     if not (d / metrics.METRICS_FILE).is_file():
         raise ReviewError(f"{d}: no {metrics.METRICS_FILE} in the run directory")
     try:
-        rows = metrics.read_metrics(d / metrics.METRICS_FILE)
+        rows = metrics.read_metrics(d / metrics.METRICS_FILE, keys=metrics.STEP_KEYS)
         summary = metrics.read_summary(d / metrics.SUMMARY_FILE)
     except metrics.MetricsError as e:
         raise ReviewError(str(e)) from None
@@ -288,7 +293,8 @@ def _spikes(steps, loss, skipped, cfg) -> list[int]:
 
 def _clip_norm(summary: Mapping, override: float | None) -> float | None:
     v = summary.get("clip_norm") if override is None else override
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(_num(v)) \
+            and v > 0:
         return float(v)
     return None
 
@@ -312,7 +318,7 @@ def _memory_pair(summary: Mapping) -> tuple[dict, dict] | None:
 def _mem_value(m: Mapping) -> tuple[str, float] | None:
     def num(k):
         v = m.get(k)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        return _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
     if num("temp"):
         return "temp", num("temp")
     if num("total"):
@@ -433,7 +439,7 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
     varies = len(set(finite_scales)) > 1
     if has_scale and varies and mode not in ("none", "static"):
         floor = summary.get("min_loss_scale")
-        floor = float(floor) if isinstance(floor, (int, float)) else 1.0
+        floor = _num(floor) if isinstance(floor, (int, float)) else 1.0
         at_min = [bool(r.get("loss_scale_at_min")) if "loss_scale_at_min" in r
                   else (math.isfinite(s) and s <= floor * (1 + 1e-6))
                   for r, s in zip(rows, scale)]
