@@ -241,17 +241,25 @@ PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim",
 
 
 def _negative_square(v, producer: dict) -> bool:
-    """Whether ``v`` is ``-(x * x)``: what JAX's derivative of ``erf``/``erfc`` (an exact GELU,
-    ``jax.nn.gelu(approximate=False)``) exponentiates. ``exp`` of it lies in [0, 1] and
-    cannot overflow in any dtype."""
-    neg = producer.get(v) if isinstance(v, jcore.Var) else None
-    if neg is None or neg.primitive.name != "neg":
+    """Whether ``v`` is ``-(x * x)`` (or ``(-x) * x``): what JAX's derivative of
+    ``erf``/``erfc`` (an exact GELU, ``jax.nn.gelu(approximate=False)``) exponentiates.
+    ``exp`` of it lies in [0, 1] and cannot overflow in any dtype."""
+    def made_by(u, name: str):
+        e = producer.get(u) if isinstance(u, jcore.Var) else None
+        return e if e is not None and e.primitive.name == name else None
+
+    if (neg := made_by(v, "neg")) is not None:
+        x = neg.invars[0]
+        if made_by(x, "square") is not None:
+            return True
+        sq = made_by(x, "mul")
+        return sq is not None and sq.invars[0] is sq.invars[1]
+    mul = made_by(v, "mul")
+    if mul is None:
         return False
-    sq = producer.get(neg.invars[0]) if isinstance(neg.invars[0], jcore.Var) else None
-    if sq is None:
-        return False
-    return sq.primitive.name == "square" or (
-        sq.primitive.name == "mul" and sq.invars[0] is sq.invars[1])
+    a, b = mul.invars
+    return any((n := made_by(p, "neg")) is not None and n.invars[0] is q
+               for p, q in ((a, b), (b, a)))
 
 
 def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
