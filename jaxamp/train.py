@@ -163,7 +163,9 @@ class TrainState(train_state.TrainState):
           policy: the policy (string or :class:`jmp.Policy`); ``None`` is
             :data:`DEFAULT_POLICY` (float16 compute), the default of ``make_train_step``.
           rng: the base PRNG key for dropout (see ``rng`` above), or ``None``.
-          **kwargs: other fields.
+          **kwargs: other fields (``collections=``, a subclass's fields). An option of the
+            step (``overrides=``, ``clip_norm=``, ``micro_batches=``, ...) is refused with the
+            place it belongs: :func:`make_train_step`.
 
         Every array is copied: the step donates the state's buffers, and what you passed in
         stays usable.
@@ -177,6 +179,9 @@ class TrainState(train_state.TrainState):
           'DynamicLossScale'
         """
         where = "TrainState.create"
+        # a subclass's own fields pass through; what create sets itself does not
+        _misplaced(where, kwargs, {f.name for f in dataclasses.fields(cls)}
+                   - set(_STATE_OPTIONS) | {"collections"})
         if nnx_frontend.is_module(model) and params is None:
             params = nnx_frontend.Apply.variables(model)  # {"params": ..., "nnx_state": ...}
         if apply_fn is None:
@@ -374,6 +379,37 @@ def _takes_rng(loss_fn: Callable) -> tuple[bool, bool]:
     return True, param.default is inspect.Parameter.empty
 
 
+#: What the state holds (given to TrainState.create) and what the step adds (make_train_step).
+_STATE_OPTIONS = ("params", "tx", "apply_fn", "loss_scale", "policy", "rng", "collections",
+                  "opt_state", "step", "skipped_steps")
+_STEP_OPTIONS = ("loss_fn", "overrides", "clip_norm", "micro_batches", "mesh", "data_axis",
+                 "axis_rules", "donate", "has_aux", "mutable", "op_rules", "f32_weight_grads")
+
+
+def _misplaced(where: str, kwargs: Mapping[str, Any], allowed: set[str]) -> None:
+    """Refuses keyword arguments ``where`` does not take, saying where each belongs."""
+    for name in kwargs:
+        if name in allowed:
+            continue
+        if name in ("opt_state", "step", "skipped_steps"):
+            home = (f"TrainState.create sets {name} itself (opt_state from tx.init); set it "
+                    f"afterwards with state.replace({name}=...).")
+        elif name in _STEP_OPTIONS and where != "make_train_step":
+            home = (f"{name} belongs to make_train_step: the step decides how to run, the "
+                    f"state what it holds. Use jaxamp.make_train_step(model, loss_fn, "
+                    f"{name}=...).")
+        elif name in _STATE_OPTIONS and where != "TrainState.create":
+            home = (f"{name} belongs to TrainState.create: the state is the one source of "
+                    f"truth for the params, policy, loss scale, RNG and collections. Use "
+                    f"jaxamp.TrainState.create(model, variables, tx, {name}=...).")
+        else:
+            takes = _STEP_OPTIONS if where == "make_train_step" else (
+                "model", "params", "tx", "apply_fn", "loss_scale", "policy", "rng",
+                "collections", *sorted(allowed - {"collections"}))
+            home = f"{where} takes {', '.join(takes)}."
+        raise TypeError(f"{where}: unexpected keyword argument {name!r}. {home}")
+
+
 def _step_key(state: TrainState) -> jax.Array:
     """The key of step ``state.step`` ("device 0": one stream for the global batch); micro-batch
     ``m`` uses ``fold_in(key, m)``."""
@@ -462,7 +498,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                     axis_rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
                     has_aux: bool = False, mutable: Sequence[str] | None = None,
                     op_rules: OpRules = DEFAULT_OP_RULES,
-                    f32_weight_grads: bool | None = None) -> Callable:
+                    f32_weight_grads: bool | None = None, **misplaced: Any) -> TrainStep:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
     The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
@@ -517,15 +553,18 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
       op_rules: which primitives run in which dtype, as for :func:`jaxamp.autocast` (the
         forward and the backward of the step follow them).
       f32_weight_grads: as for :func:`jaxamp.autocast` (None: decided by the mesh/devices).
+      **misplaced: refused, naming where each belongs: what the state holds (``loss_scale=``,
+        ``rng=``, ``params=``, ``collections=``) goes to :meth:`TrainState.create`.
 
     Returns:
-      The step. ``metrics`` holds float32/bool/int32 scalars: ``loss`` (unscaled),
-      ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used in this step),
-      ``grads_finite``, ``skipped``, ``skipped_steps`` (running total), ``loss_scale_at_min``,
-      and ``aux`` with ``has_aux=True``. On a skipped step params, optimizer state and
-      collections come back bit-identical.
+      The step (a :class:`TrainStep`). ``metrics`` holds float32/bool/int32 scalars:
+      ``loss`` (unscaled), ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used
+      in this step), ``grads_finite``, ``skipped``, ``skipped_steps`` (running total),
+      ``loss_scale_at_min``, and ``aux`` with ``has_aux=True``. On a skipped step params,
+      optimizer state and collections come back bit-identical.
     """
     where = "make_train_step"
+    _misplaced(where, misplaced, set())
     apply_fn_arg = None if model is None else _apply_fn_of(model)
     if not callable(loss_fn):
         raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}. "
