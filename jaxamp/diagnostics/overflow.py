@@ -344,9 +344,9 @@ class OverflowReport:
           ``near_overflow`` (float16/bfloat16 values within :data:`NEAR_OVERFLOW_BITS` of the
           dtype's largest value), ``underflow`` (more than :data:`UNDERFLOW_FRACTION` of the
           module's true gradients flush to zero in float16 even with the loss scale) or ``ok``;
-        * ``forward_dtypes``, ``forward_max_abs`` (max |value| the module's own ops produced:
+        * ``forward_dtypes``, ``forward_max_abs`` (max ``|value|`` the module's own ops produced:
           its activations and internal values), ``forward_nonfinite`` (count),
-          ``forward_headroom_bits`` (log2 of the dtype's max over the max |value|, minimum
+          ``forward_headroom_bits`` (log2 of the dtype's max over the max ``|value|``, minimum
           over the float16/bfloat16 values; None if the module has none),
           ``forward_subnormal`` (fraction of nonzero float16/bfloat16 values below the
           smallest normal: precision lost), ``forward_saturated`` (values exactly at the
@@ -356,7 +356,7 @@ class OverflowReport:
           (activation gradients, *scaled* by the loss scale);
         * ``param_grad_max_abs``, ``param_grad_nonfinite``: the module's parameter gradients as
           the mixed-precision backward returns them (scaled);
-        * ``true_grad_max_abs``: max |float32 parameter gradient| (unscaled);
+        * ``true_grad_max_abs``: max ``|float32 parameter gradient|`` (unscaled);
         * ``underflow_unscaled`` / ``underflow_scaled``: the fraction of the module's nonzero
           float32 gradients -- parameter gradients and activation gradients together -- with
           ``|g| < 2**-24`` resp. ``|g * scale| < 2**-24`` (None: no gradients).
