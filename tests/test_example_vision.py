@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,14 +17,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import train_vision  # noqa: E402
 
+import jaxamp  # noqa: E402
 from jaxamp.review import main as review_main  # noqa: E402
 
 STEPS = 40
+BF16 = "params=float32,compute=bfloat16,output=float32"
+# Found while writing this example (2026-12-02): on jax 0.12 (XLA:CPU) the jitted bfloat16
+# forward of this ResNet under autocast in eval mode returns NaN in most rows, a different
+# number each run (uninitialised memory?), while the same jaxpr evaluated eagerly is exact and
+# jax 0.10 is fine; jaxamp.make_eval_step's loss is NaN too. Training (train=True) is not
+# affected. Minimal so far: conv stem + two ResidualBlocks + mean + Dense. Open: engine or XLA.
+JIT_BF16_EVAL_BUG = pytest.mark.xfail(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11), strict=True,
+    reason="jax >= 0.11: jit of the bfloat16 eval-mode ResNet under autocast gives NaN")
+
+
+@JIT_BF16_EVAL_BUG
+def test_jitted_bf16_eval_is_finite_and_equals_eager():
+    model = train_vision.ResNet()
+    images = train_vision.make_batch(1, 0, 16)["images"]
+    variables = model.init(jax.random.key(0), images, train=False)
+
+    def forward(v, x):
+        return jaxamp.autocast(model.apply, BF16)(v, x, train=False)
+
+    eager = np.asarray(forward(variables, images))
+    jitted = np.asarray(jax.jit(forward)(variables, images))
+    assert np.isfinite(eager).all()
+    np.testing.assert_allclose(jitted, eager, atol=2e-2)
 
 
 @pytest.mark.parametrize("policy,tag", [(None, "float16"),
-                                        ("params=float32,compute=bfloat16,output=float32",
-                                         "bfloat16")])
+                                        pytest.param(BF16, "bfloat16",
+                                                     marks=JIT_BF16_EVAL_BUG)])
 def test_trains_above_chance_and_reviews_clean(tmp_path, capsys, policy, tag):
     out = tmp_path / tag
     argv = ["--steps", str(STEPS), "--batch-size", "16", "--eval-interval", "20",
