@@ -25,7 +25,8 @@ import numpy as np
 import jaxamp
 import jaxamp.policy_spec
 
-__all__ = ["EXIT_USAGE", "Setup", "UsageError", "build_parser", "make_loss_scale", "validate"]
+__all__ = ["EXIT_USAGE", "Parser", "Setup", "UsageError", "build_parser", "check_number",
+           "make_loss_scale", "validate"]
 
 EXIT_USAGE = 2
 #: Upper bounds of flags that end up in int32 device counters or in host memory.
@@ -50,14 +51,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are a :class:`UsageError` (one line, exit status 2)."""
+
     def error(self, message):  # one line, no usage dump, no traceback
         raise UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of train_lm.py, one ``add_argument`` each (range checks go in validate)."""
-    p = _Parser(
+    p = Parser(
         prog="train_lm.py",
         description="Train a byte-level GPT with jaxamp automatic mixed precision. With no "
                     "flags: the tiny preset, float16 compute with dynamic loss scaling, the "
@@ -170,7 +173,7 @@ class Setup:
                                    loss_scale_kind="none", loss_scale=jaxamp.NoOpLossScale())
 
 
-def _check_number(name: str, value, *, minimum=None, positive=False, maximum=None,
+def check_number(name: str, value, *, minimum=None, positive=False, maximum=None,
                   float32=False, why=""):
     """``float32``: the value is stored as float32 (optax's learning rate, the clip norm), so
     it must stay finite there, and a positive one must stay a normal number (not 0 or
@@ -210,27 +213,27 @@ def validate(args: argparse.Namespace) -> Setup:
     kind = args.loss_scale
     if kind == "auto":
         kind = jaxamp.policy_spec.loss_scaling(compute)
-    _check_number("--init-scale", args.init_scale, positive=True)
-    _check_number("--growth-interval", args.growth_interval, minimum=1, maximum=MAX_INT32)
+    check_number("--init-scale", args.init_scale, positive=True)
+    check_number("--growth-interval", args.growth_interval, minimum=1, maximum=MAX_INT32)
     loss_scale = _check_loss_scale(kind, args)
-    _check_number("--lr", args.lr, positive=True, float32=True)
+    check_number("--lr", args.lr, positive=True, float32=True)
     if args.schedule == "cosine":  # decays to lr/10, which must stay a float32 number too
-        _check_number("--lr", args.lr / 10, float32=True)
-    _check_number("--warmup", args.warmup, minimum=0, maximum=MAX_INT32)
-    _check_number("--clip-norm", args.clip_norm, minimum=0, float32=True)
-    _check_number("--batch-size", args.batch_size, minimum=1,
+        check_number("--lr", args.lr / 10, float32=True)
+    check_number("--warmup", args.warmup, minimum=0, maximum=MAX_INT32)
+    check_number("--clip-norm", args.clip_norm, minimum=0, float32=True)
+    check_number("--batch-size", args.batch_size, minimum=1,
                   maximum=MAX_BATCH_TOKENS // config.block_size,
                   why=f" (at most {MAX_BATCH_TOKENS} tokens per step with the "
                       f"{args.preset} preset's context of {config.block_size})")
-    _check_number("--micro-batches", args.micro_batches, minimum=1)
-    _check_number("--seed", args.seed, minimum=0, maximum=MAX_SEED, why=" (a uint32)")
-    _check_number("--steps", args.steps, minimum=1, maximum=MAX_INT32,
+    check_number("--micro-batches", args.micro_batches, minimum=1)
+    check_number("--seed", args.seed, minimum=0, maximum=MAX_SEED, why=" (a uint32)")
+    check_number("--steps", args.steps, minimum=1, maximum=MAX_INT32,
                   why=" (the step counter is an int32)")
-    _check_number("--eval-interval", args.eval_interval, minimum=0)
-    _check_number("--eval-batches", args.eval_batches, minimum=1,
+    check_number("--eval-interval", args.eval_interval, minimum=0)
+    check_number("--eval-batches", args.eval_batches, minimum=1,
                   maximum=max(1, MAX_BATCH_TOKENS // (config.block_size * args.batch_size)),
                   why=f" (at most {MAX_BATCH_TOKENS} validation tokens, held in memory)")
-    _check_number("--checkpoint-interval", args.checkpoint_interval, minimum=0)
+    check_number("--checkpoint-interval", args.checkpoint_interval, minimum=0)
     if args.batch_size % args.micro_batches:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --micro-batches "
                          f"{args.micro_batches}")

@@ -215,6 +215,18 @@ def _check(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
             "are removed), or choose another --out")
 
 
+def _check_resumable(folder: RunFolder) -> None:
+    """--resume needs a folder with checkpoints: refused here, before anything is created."""
+    if not folder.path.is_dir():
+        raise FolderError(f"--resume: --out {folder.path} does not exist, so it holds no "
+                          "checkpoints to continue (nothing was created); drop --resume to "
+                          "start a new run there")
+    if not (folder.path / CHECKPOINT_DIR).is_dir():
+        raise FolderError(f"--resume: no checkpoints in {folder.path / CHECKPOINT_DIR}; start "
+                          "a new run there without --resume (with --overwrite if it holds an "
+                          "earlier run's files)")
+
+
 def choose_out(out: str | None, default: Path, *, resume: bool, overwrite: bool) -> tuple[
         RunFolder, str | None]:
     """The run folder to use and a note to print (or None); FolderError if none fits.
@@ -230,6 +242,8 @@ def choose_out(out: str | None, default: Path, *, resume: bool, overwrite: bool)
                               "folder)")
         folder = RunFolder(Path(out).expanduser())
         _check(folder, resume=resume, overwrite=overwrite)
+        if resume:
+            _check_resumable(folder)
         return folder, None
     numbered = [default] + [default.with_name(f"{default.name}-{n}")
                             for n in range(2, _MAX_NUMBERED)]
@@ -242,6 +256,7 @@ def choose_out(out: str | None, default: Path, *, resume: bool, overwrite: bool)
                 last = p
         folder = RunFolder(last)
         _check(folder, resume=True, overwrite=False)
+        _check_resumable(folder)
         return folder, None
     first = RunFolder(default)
     if overwrite or first.is_free():

@@ -98,6 +98,7 @@ class Progress:
                        disable=not self.live)
         self.task = self.bar.add_task("train", total=self.steps, completed=start_step,
                                       stats="")
+        self.val_step = start_step  # the step of the last validation loss shown
 
     def __enter__(self) -> Progress:
         self.bar.__enter__()
@@ -109,15 +110,22 @@ class Progress:
     def update(self, row: dict, tokens_per_s: float, last_val: float | None) -> None:
         """After the step ``row`` (a ``metrics.jsonl`` record)."""
         step = row["step"]
-        if self.live and "val_loss" in row:
+        evaluated = row.get("val_loss") is not None
+        if self.live and evaluated:
             self.bar.console.print(f"step {step}: validation loss {last_val:.4f}")
         stats = (f"loss {_fmt(row['loss'])}  scale {row['loss_scale']:g}  "
-                 f"skipped {row['skipped_steps']}  {tokens_per_s:,.0f} tok/s"
-                 + (f"  val {last_val:.3f}" if last_val is not None else ""))
-        self.bar.update(self.task, completed=step, stats=stats)
+                 f"skipped {row['skipped_steps']}  {tokens_per_s:,.0f} tok/s")
+        # the validation loss only on the step that measured it (a value repeated on later
+        # lines would read as a plateau); the bar says which step it is from
+        val = f"  val {last_val:.3f}" if evaluated else ""
+        if self.live and last_val is not None and not evaluated:
+            val = f"  val {last_val:.3f} (step {self.val_step})"
+        if evaluated:
+            self.val_step = step
+        self.bar.update(self.task, completed=step, stats=stats + val)
         if not self.live and ((step - self.start_step) % self.log_every == 0 or
-                              step == self.steps):
-            self.console.print(f"step {step}/{self.steps}: {stats}")
+                              step == self.steps or evaluated):
+            self.console.print(f"step {step}/{self.steps}: {stats}{val}")
 
 
 def summary(s: Setup, state, rows: list[dict], *, start_step: int, initial_val: float,
@@ -167,7 +175,8 @@ def finish(console: Console, s: Setup, rows: list[dict], summary: dict,
     if rows:
         plot_curves(rows, out / "curves.png",
                     f"{s.args.preset} | {s.policy_str} | loss scale: {s.loss_scale_kind}",
-                    summary["initial_val_loss"])
+                    summary["initial_val_loss"], clip_norm=summary.get("clip_norm"),
+                    resumed_from=summary.get("resumed_from"))
 
     shown = [r for r in precision if r.get("op") not in ("cast", "elementwise")]
     t = Table(title="precision: the dtypes each op ran in, forward / backward (traced; casts "
@@ -203,9 +212,13 @@ def finish(console: Console, s: Setup, rows: list[dict], summary: dict,
     console.print(st)
 
 
-def plot_curves(rows: list[dict], path: Path, title: str,
-                initial_val: float | None = None) -> None:
-    """Loss, loss scale (log y) and grad norm vs step; skipped steps as red lines/markers."""
+def plot_curves(rows: list[dict], path: Path, title: str, initial_val: float | None = None,
+                *, clip_norm: float | None = None, resumed_from: int | None = None,
+                ylabel: str = "loss (nats/byte)"):
+    """Loss, loss scale (log y) and grad norm vs step; skipped steps as red lines/markers, the
+    clip threshold as a dashed line on the grad norm (the review checklist: a norm that sits
+    on it every step was clipped while scaled), and a dotted line where a run resumed.
+    Returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,7 +240,7 @@ def plot_curves(rows: list[dict], path: Path, title: str,
     if val:
         vs, vl = zip(*val, strict=True)
         ax.plot(vs, vl, "o-", ms=4, label="validation loss")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel(ylabel)
     ax.legend(loc="upper right")
     ax.set_title(title, fontsize=9)
     ax = axes[1]
@@ -239,8 +252,16 @@ def plot_curves(rows: list[dict], path: Path, title: str,
     ax.plot(steps[finite], gnorm[finite], lw=1)
     if finite.any():
         ax.set_yscale("log")
+    if clip_norm:
+        ax.axhline(clip_norm, color="black", ls="--", lw=0.9, label=f"clip norm {clip_norm:g}")
+        ax.legend(loc="upper right")
     ax.set_ylabel("grad norm (unscaled)")
     ax.set_xlabel("step")
+    if resumed_from:
+        for i, a in enumerate(axes):
+            a.axvline(resumed_from, color="tab:green", ls=":", lw=1.2,
+                      label=f"resumed at step {resumed_from}" if i == 0 else None)
+        axes[0].legend(loc="upper right")
     if skipped.any():
         for a in axes:
             for s in steps[skipped]:
@@ -253,6 +274,7 @@ def plot_curves(rows: list[dict], path: Path, title: str,
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
 
 
 def _fmt(x, digits=3) -> str:

@@ -5,23 +5,23 @@ Two kinds of rules decide the dtype of every operation that :func:`jaxamp.autoca
 **Op rules** (:class:`OpRules`) classify JAX primitives, the way torch autocast's op lists classify
 ATen ops:
 
-================  ==========================================================  ====================
-class             JAX primitives (defaults)                                   torch autocast analog
-================  ==========================================================  ====================
-``matmul``        ``dot_general``, ``conv_general_dilated``                   "lower_precision_fp"
-                  -> run in the region's compute dtype, output in it too      (mm, conv, bmm, ...)
-``fp32``          ``exp``, ``log``, ``log1p``, ``expm1``, ``pow``, ``rsqrt``, "fp32" list (exp, log,
-                  ``reduce_sum``, ``reduce_prod``, ``cumsum``, ``tan``, ...   sum, softmax, norms)
+================  ============================================================  ====================
+class             JAX primitives (defaults)                                     torch autocast
+================  ============================================================  ====================
+``matmul``        ``dot_general``, ``conv_general_dilated``                     "lower_precision_fp"
+                  -> run in the region's compute dtype, output in it too        (mm, conv, bmm, ...)
+``fp32``          ``exp``, ``log``, ``log1p``, ``expm1``, ``pow``, ``rsqrt``,   "fp32" list (exp,
+                  ``reduce_sum``, ``reduce_prod``, ``cumsum``, ``tan``, ...     log, sum, norms)
                   -> inputs cast to float32
-``structural``    ``reshape``, ``transpose``, ``gather``, ``slice``,          (no analog: views)
+``structural``    ``reshape``, ``transpose``, ``gather``, ``slice``,            (no analog: views)
                   ``reduce_max``, ... -> keep the operand's dtype; a stored
                   value (a param) stays un-cast, so an embedding gathers
                   rows *then* casts them
-``promote``       elementwise arithmetic, ``select_n``, ``concatenate``, ...  "promote" list
+``promote``       elementwise arithmetic, ``select_n``, ``concatenate``, ...    "promote" list
                   -> the widest activation dtype (params and constants
                   follow it; with only params/inputs, as traced, left
                   un-cast until an activation or a matmul uses the result)
-================  ==========================================================  ====================
+================  ============================================================  ====================
 
 ``as_traced`` primitives run exactly as traced (float32 inputs), which is always safe: integer
 and bit operations, random numbers, typed sub-computations such as ``scatter-add``, ``sort`` and

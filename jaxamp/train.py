@@ -21,6 +21,7 @@ learning-rate schedules) counts applied updates only, and ``skipped_steps`` coun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -177,7 +178,9 @@ class TrainState(train_state.TrainState):
           policy: the policy (string or :class:`jmp.Policy`); ``None`` is
             :data:`DEFAULT_POLICY` (float16 compute), the default of ``make_train_step``.
           rng: the base PRNG key for dropout (see ``rng`` above), or ``None``.
-          **kwargs: other fields.
+          **kwargs: other fields (``collections=``, a subclass's fields). An option of the
+            step (``overrides=``, ``clip_norm=``, ``micro_batches=``, ...) is refused with the
+            place it belongs: :func:`make_train_step`.
 
         Every array is copied: the step donates the state's buffers, and what you passed in
         stays usable.
@@ -191,6 +194,9 @@ class TrainState(train_state.TrainState):
           'DynamicLossScale'
         """
         where = "TrainState.create"
+        # a subclass's own fields pass through; what create sets itself does not
+        _misplaced(where, kwargs, {f.name for f in dataclasses.fields(cls)}
+                   - set(_STATE_OPTIONS) | {"collections"})
         if nnx_frontend.is_module(model) and params is None:
             params = nnx_frontend.Apply.variables(model)  # {"params": ..., "nnx_state": ...}
         if apply_fn is None:
@@ -251,24 +257,74 @@ def _batch_size(batch: Any, where: str) -> int:
     return next(iter(sizes.values()))
 
 
-class _Step:
-    """The jitted step. Its checks run while it is traced: once per input signature, before
-    anything compiles, and at no cost on later calls.
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """What a train step runs for one state and batch, for the diagnostics to trace or run.
+
+    :meth:`TrainStep.program` builds it from the step's own internals (the same loss, policy,
+    collections, dropout key and ``train=`` arguments the step uses), so
+    ``precision_table(step, state, batch)``, ``audit(...)``, ``locate_overflow(...)`` and
+    ``audit_step(...)`` see the program the step differentiates.
+
+    Attributes:
+      loss: ``loss(params) -> float32 scalar``: the step's loss on ``batch`` (all of it, one
+        micro-batch's key), with the state's collections and this step's dropout key bound.
+        Call it under :func:`jaxamp.autocast` with ``policy``/``overrides``/``op_rules``.
+      params: the state's params.
+      opt_state: the state's optimizer state.
+      loss_scale: the state's loss scale.
+      policy: the policy the step runs (the state's, output float32).
+      overrides, op_rules, f32_weight_grads: as given to :func:`make_train_step`.
+      context: ``context()`` enters what the step traces under (its mesh and axis rules).
+    """
+
+    loss: Callable
+    params: Any
+    opt_state: Any
+    loss_scale: Any
+    policy: jmp.Policy
+    overrides: Any
+    op_rules: OpRules
+    f32_weight_grads: bool | None
+    context: Callable
+
+
+class TrainStep:
+    """The step :func:`make_train_step` returns: ``step(state, batch) -> (state, metrics)``,
+    jitted. Its checks run while it is traced: once per input signature, before anything
+    compiles, and at no cost on later calls.
 
     With a mesh, the state's shardings (:func:`jaxamp.sharding.state_shardings`) are read on
     every call; the state is placed on them (a no-op once it is there) and the step is
     compiled with them as its output shardings, so the state keeps them and one compile
     serves every step. Tracing runs under the mesh (and the ``axis_rules``), so the model's
     sharding constraints (``with_sharding_constraint``, Flax logical constraints) resolve.
+
+    :meth:`program` gives the diagnostics what the step runs; ``fn(step, state, batch)`` is
+    the call shape of :func:`jaxamp.precision_table`, :func:`jaxamp.audit`,
+    :func:`jaxamp.locate_overflow` and :func:`jaxamp.audit_step`.
     """
 
-    def __init__(self, step, donate: bool, mesh: Mesh | None = None, axis_rules=None):
+    def __init__(self, step, donate: bool, mesh: Mesh | None = None, axis_rules=None,
+                 program=None):
         self._step = step
         self._donate = donate
         self._mesh = mesh
         self._axis_rules = axis_rules
+        self._program = program
         self._plain = None
         self._by_sharding: dict = {}
+
+    @property
+    def traceable(self) -> Callable:
+        """The step as a plain (un-jitted) function of ``(state, batch)``, for tracing."""
+        return self._step
+
+    def program(self, state: TrainState, batch: Any) -> StepProgram:
+        """The loss this step differentiates for ``state`` and ``batch``, with its options
+        (see :class:`StepProgram`); checks ``state`` as a call does."""
+        self._check(state)
+        return self._program(state, batch, self._context)
 
     def _check(self, state):
         if not isinstance(state, TrainState):  # jit would fail on it with a pytree error
@@ -349,6 +405,43 @@ def _takes_rng(loss_fn: Callable) -> tuple[bool, bool]:
     if param is None:
         return False, False
     return True, param.default is inspect.Parameter.empty
+
+
+#: What the state holds (given to TrainState.create) and what the step adds (make_train_step).
+_STATE_OPTIONS = ("params", "tx", "apply_fn", "loss_scale", "policy", "rng", "collections",
+                  "opt_state", "step", "skipped_steps")
+_STEP_OPTIONS = ("loss_fn", "overrides", "clip_norm", "micro_batches", "mesh", "data_axis",
+                 "axis_rules", "donate", "has_aux", "mutable", "op_rules", "f32_weight_grads")
+
+
+def _misplaced(where: str, kwargs: Mapping[str, Any], allowed: set[str]) -> None:
+    """Refuses keyword arguments ``where`` does not take, saying where each belongs."""
+    for name in kwargs:
+        if name in allowed:
+            continue
+        if name in ("opt_state", "step", "skipped_steps"):
+            home = (f"TrainState.create sets {name} itself (opt_state from tx.init); set it "
+                    f"afterwards with state.replace({name}=...).")
+        elif name in _STEP_OPTIONS and where != "make_train_step":
+            home = (f"{name} belongs to make_train_step: the step decides how to run, the "
+                    f"state what it holds. Use jaxamp.make_train_step(model, loss_fn, "
+                    f"{name}=...).")
+        elif name in _STATE_OPTIONS and where != "TrainState.create":
+            home = (f"{name} belongs to TrainState.create: the state is the one source of "
+                    f"truth for the params, policy, loss scale, RNG and collections. Use "
+                    f"jaxamp.TrainState.create(model, variables, tx, {name}=...).")
+        else:
+            takes = _STEP_OPTIONS if where == "make_train_step" else (
+                "model", "params", "tx", "apply_fn", "loss_scale", "policy", "rng",
+                "collections", *sorted(allowed - {"collections"}))
+            home = f"{where} takes {', '.join(takes)}."
+        raise TypeError(f"{where}: unexpected keyword argument {name!r}. {home}")
+
+
+def _step_key(state: TrainState) -> jax.Array:
+    """The key of step ``state.step`` ("device 0": one stream for the global batch); micro-batch
+    ``m`` uses ``fold_in(key, m)``."""
+    return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 0)
 
 
 def _spec(x):
@@ -444,7 +537,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                     axis_rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
                     has_aux: bool = False, mutable: Sequence[str] | None = None,
                     op_rules: OpRules = DEFAULT_OP_RULES,
-                    f32_weight_grads: bool | None = None) -> Callable:
+                    f32_weight_grads: bool | None = None, **misplaced: Any) -> TrainStep:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
     The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
@@ -499,15 +592,18 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
       op_rules: which primitives run in which dtype, as for :func:`jaxamp.autocast` (the
         forward and the backward of the step follow them).
       f32_weight_grads: as for :func:`jaxamp.autocast` (None: decided by the mesh/devices).
+      **misplaced: refused, naming where each belongs: what the state holds (``loss_scale=``,
+        ``rng=``, ``params=``, ``collections=``) goes to :meth:`TrainState.create`.
 
     Returns:
-      The step. ``metrics`` holds float32/bool/int32 scalars: ``loss`` (unscaled),
-      ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used in this step),
-      ``grads_finite``, ``skipped``, ``skipped_steps`` (running total), ``loss_scale_at_min``,
-      and ``aux`` with ``has_aux=True``. On a skipped step params, optimizer state and
-      collections come back bit-identical.
+      The step (a :class:`TrainStep`). ``metrics`` holds float32/bool/int32 scalars:
+      ``loss`` (unscaled), ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used
+      in this step), ``grads_finite``, ``skipped``, ``skipped_steps`` (running total),
+      ``loss_scale_at_min``, and ``aux`` with ``has_aux=True``. On a skipped step params,
+      optimizer state and collections come back bit-identical.
     """
     where = "make_train_step"
+    _misplaced(where, misplaced, set())
     apply_fn_arg = None if model is None else _apply_fn_of(model)
     if not callable(loss_fn):
         raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}. "
@@ -594,8 +690,6 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
         def local(params, collections, batch, loss_scale, key):
             """Mean loss, aux, new collections and float32 *scaled* grads of the loss."""
-            if key is not None:
-                key = jax.random.fold_in(key, 0)  # "device 0": one stream for the global batch
             if micro_batches == 1:
                 k = None if key is None else jax.random.fold_in(key, 0)
                 grads, (loss, aux, coll) = grad_fn(params, collections, batch, loss_scale,
@@ -633,7 +727,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                 x, NamedSharding(mesh, PartitionSpec(None, data_axis)))
 
         per_example_aux = aux_layout(state, batch, loss_of, use_rng)
-        key = jax.random.fold_in(state.rng, state.step) if use_rng else None
+        key = _step_key(state) if use_rng else None
         if mesh is not None:  # the batch split over the data axis, whatever it arrived as
             batch = jax.tree.map(lambda x: lax.with_sharding_constraint(
                 x, NamedSharding(mesh, PartitionSpec(data_axis))), batch)
@@ -662,6 +756,20 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics
+
+    def program(state, batch, context):
+        """The step's loss for the diagnostics (:class:`StepProgram`): built as the step
+        builds it, with micro-batch 0's dropout key."""
+        pol, use_rng, loss_of = build(state)
+        key = jax.random.fold_in(_step_key(state), 0) if use_rng else None
+        collections = state.collections
+
+        def loss(params):
+            return loss_of(params, collections, batch, key)[0]
+
+        return StepProgram(loss, state.params, state.opt_state, state.loss_scale,
+                           pol.with_output_dtype(jnp.float32), overrides, op_rules,
+                           f32_weight_grads, context)
 
     def micro_spec(state, batch):
         size = _batch_size(batch, "step")
@@ -700,7 +808,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         loss, _, _ = eval_loss(state, batch, loss_of, use_rng)
         _check_loss_out(loss, False, "step" if not has_aux else "step (loss_fn's loss)")
 
-    return _Step(step, donate, mesh, axis_rules)
+    return TrainStep(step, donate, mesh, axis_rules, program)
 
 
 def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | None = None,

@@ -86,3 +86,39 @@ class MLP(nn.Module):
 
 def ce_loss(apply_fn, params, batch):
     return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, batch["x"]), batch["y"])
+
+
+class CNN(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> Conv -> BatchNorm -> pool -> Dropout -> Dense, with
+    ``train=``: the newcomer's image classifier (GitHub issue #26)."""
+
+    classes: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for features in (8, 16):
+            x = nn.Conv(features, (3, 3))(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+        x = jnp.mean(x, axis=(1, 2))
+        x = nn.Dropout(0.2, deterministic=not train)(x)
+        return nn.Dense(self.classes)(x)
+
+
+def cnn_loss(apply_fn, params, batch, rng=None):
+    rngs = {} if rng is None else {"dropout": rng}
+    logits = apply_fn({"params": params}, batch["x"], train=True, rngs=rngs)
+    return jaxamp.softmax_cross_entropy(logits, batch["y"])
+
+
+def cnn_state(policy: str = "p=f32,c=f16,o=f32", seed: int = 0, batch: int = 8):
+    """(model, state, batch) of :class:`CNN` on random 12x12 RGB images."""
+    import optax
+
+    model = CNN()
+    kx, ky = jax.random.split(jax.random.key(seed + 1))
+    data = {"x": jax.random.normal(kx, (batch, 12, 12, 3)),
+            "y": jax.random.randint(ky, (batch,), 0, model.classes)}
+    variables = model.init(jax.random.key(seed), data["x"], train=False)
+    state = jaxamp.TrainState.create(model, variables, optax.sgd(0.1), policy=policy,
+                                     rng=jax.random.key(seed + 2))
+    return model, state, data

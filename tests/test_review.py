@@ -164,6 +164,23 @@ def test_memory_not_reduced_names_the_largest_float32_buffers():
             {"memory_not_reduced"}, low
 
 
+def test_memory_on_the_cpu_backend_is_a_note_not_a_finding(tmp_path, capsys):
+    """XLA:CPU upcasts float16/bfloat16 dots: memory cannot drop there (GitHub issue #26)."""
+    summary = healthy_summary()
+    summary["memory_bytes"] = dict(F32_MEMORY)  # x1.00 of float32, as a CPU run measures
+    assert review_metrics(healthy_rows(), dict(summary, backend="gpu")).codes() == \
+        {"memory_not_reduced"}
+    review = review_metrics(healthy_rows(), dict(summary, backend="cpu", policy="c=bf16"))
+    assert review.ok and review.findings == []
+    (note,) = review.notes
+    assert "XLA:CPU" in note and "bfloat16" in note and "x1.00" in note
+    assert json.loads(review.to_json())["notes"] == [note]
+    run = write_run(tmp_path / "cpu", healthy_rows(), dict(summary, backend="cpu"))
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "no problems found" in out and "note: memory not judged" in out
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     ok = write_run(tmp_path / "ok", healthy_rows(), healthy_summary())
     rows = healthy_rows()

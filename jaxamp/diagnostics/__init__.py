@@ -21,6 +21,7 @@ from jaxamp._lazy import lazy_exports
 _EXPORTS = {
     "AuditReport": "jaxamp.diagnostics._audit",
     "Finding": "jaxamp.diagnostics._audit",
+    "PrecisionTable": "jaxamp.diagnostics._audit",
     "audit": "jaxamp.diagnostics._audit",
     "audit_step": "jaxamp.diagnostics._audit",
     "format_precision_table": "jaxamp.diagnostics._audit",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from jaxamp.diagnostics._audit import (
         AuditReport,
         Finding,
+        PrecisionTable,
         audit,
         audit_step,
         format_precision_table,

@@ -76,10 +76,11 @@ import numpy as np
 
 from jaxamp._compat import new_dtype
 from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
-from jaxamp.diagnostics._reference import is_norm
+from jaxamp.diagnostics._reference import is_norm, norm_row
 from jaxamp.diagnostics._report import (
     AuditReport,
     Finding,
+    PrecisionTable,
     format_precision_table,
     group_findings,
     storage_findings,
@@ -95,38 +96,56 @@ from jaxamp.diagnostics._trace import (
     dtype_name,
     is_low,
     join_dtypes,
+    resolve_call,
     table_rows,
     trace_model,
 )
 from jaxamp.policy import policy_to_str
-from jaxamp.policy_spec import DEFAULT_POLICY
-from jaxamp.rules import DEFAULT_OP_RULES, OpRules
+from jaxamp.rules import OpRules
 
-__all__ = ["AuditReport", "Finding", "audit", "audit_step", "format_precision_table",
-           "precision_table"]
-
+__all__ = ["AuditReport", "Finding", "PrecisionTable", "audit", "audit_step",
+           "format_precision_table", "precision_table"]
 
 
-def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
+
+def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
                     overrides: dict | None = None, argnums: int = 0,
-                    op_rules: OpRules = DEFAULT_OP_RULES) -> list[dict[str, str]]:
+                    op_rules: OpRules | None = None) -> PrecisionTable:
     """Rows ``{"module", "op", "forward", "backward"}`` for ``fn`` run under ``policy``.
 
+    Two call shapes:
+
+    * ``precision_table(step, state, batch)``: ``step`` from :func:`jaxamp.make_train_step`;
+      the table of the loss the step differentiates, as the step runs it (the state's policy,
+      collections and dropout key, the step's ``overrides``/``op_rules``, ``train=`` as the
+      loss_fn passes it).
+    * ``precision_table(fn, *args, policy=..., overrides=...)``: any function.
+
     Args:
-      fn: a loss or forward function (its float outputs are summed for the backward pass).
-      *args: example arguments; ``args[argnums]`` is what gradients are taken with respect to.
-      policy, overrides, op_rules: as for :func:`jaxamp.autocast`.
+      fn: a step, or a loss or forward function (its float outputs are summed for the
+        backward pass).
+      *args: ``(state, batch)`` for a step, else example arguments; ``args[argnums]`` is what
+        gradients are taken with respect to.
+      policy, overrides, op_rules: as for :func:`jaxamp.autocast` (``None``: the defaults;
+        with a step, the step's own and not allowed here).
       argnums: which argument the backward pass differentiates.
 
     Returns:
-      One row per (module path, op class) with the float dtypes seen, comma-separated
-      (``"-"`` when the pass has no such op). The last row is the function's output. Op
-      classes: ``matmul``, ``conv``, ``gather``, ``exp/log``, ``reduction``, ``rsqrt/sqrt``,
-      ``cast``, ``elementwise`` (everything else), ``output``.
+      A :class:`PrecisionTable`, a list of rows with ``.print()``, ``.to_json()`` and
+      ``.to_markdown()``: one row per (module path, op class) with the float dtypes seen,
+      comma-separated (``"-"`` when the pass has no such op). The last row is the function's
+      output. Op classes: ``matmul``, ``conv``, ``gather``, ``exp/log``, ``reduction``
+      (accumulating: sums, products), ``max/min`` (exact in any dtype), ``rsqrt/sqrt``,
+      ``cast``, ``elementwise`` (everything else), ``output``. Module paths are as
+      ``overrides=`` takes them.
     """
-    t = trace_model(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
-                    argnums=argnums)
-    return table_rows(t.records, t.out_dtypes)
+    call = resolve_call("precision_table", fn, args, policy=policy, overrides=overrides,
+                        op_rules=op_rules)
+    with call.context():
+        t = trace_model(call.fn, call.args, policy=call.policy, overrides=call.overrides,
+                        op_rules=call.op_rules, argnums=argnums if call.program is None else 0,
+                        f32_weight_grads=call.f32_weight_grads)
+    return PrecisionTable(table_rows(t.records, t.out_dtypes), policy_to_str(t.policy))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +157,7 @@ def _category(module: str, op: str, key: str, modules, has_explog: set[str],
               scalar_out: bool) -> str:
     if op in ("matmul", "conv"):
         return "matmul"
-    if op in ("cast", "gather", "output"):
+    if op in ("cast", "gather", "output", "max/min"):
         return op
     if is_norm(key, modules):
         return "normalisation"
@@ -192,7 +211,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
                 by_kind.setdefault(("matmul_f32_in_low_precision_region", r.module),
                                    []).append(r)
             continue
-        if not is_low(r.dtypes) or not r.rounds:
+        if not is_low(r.dtypes) or not r.rounds or r.bounded:
             continue
         sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
         if is_norm(r.key, mods):
@@ -245,6 +264,8 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
     }
     for (kind, module), recs in by_kind.items():
         text, row = explain[kind]
+        if kind == "normalisation_low_precision":
+            row = norm_row({mods[r.key].cls.__name__ for r in recs if r.key in mods})
         if kind == "matmul_f32_in_low_precision_region":
             compute = mods[recs[0].key].compute if recs[0].key in mods else \
                 dtype_name(t.policy.compute_dtype)
@@ -284,8 +305,8 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
     return found
 
 
-def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
-          overrides: dict | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
+def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
+          overrides: dict | None = None, op_rules: OpRules | None = None,
           argnums: int | None = 0, opt_state: Any = None) -> AuditReport:
     """Audits ``fn`` run under ``jaxamp.autocast``: the dtypes every module and op class used
     (forward and backward) and the common mixed-precision mistakes it can see.
@@ -296,10 +317,17 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
     recomputed with autocast's own rules from ``policy`` and ``overrides``, so a float32 matmul
     is flagged only where its module was meant to compute in float16/bfloat16.
 
+    ``audit(step, state, batch)`` audits the loss a step from :func:`jaxamp.make_train_step`
+    differentiates, as the step runs it (see :func:`precision_table`), and the state's params
+    and optimizer state.
+
     Args:
-      fn: a forward (``model.apply``), a loss, or any JAX function (unmodified user code).
-      *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` s).
-      policy, overrides, op_rules: as for :func:`jaxamp.autocast`.
+      fn: a step, a forward (``model.apply``), a loss, or any JAX function (unmodified user
+        code).
+      *args: ``(state, batch)`` for a step, else example arguments (arrays or
+        ``jax.ShapeDtypeStruct`` s).
+      policy, overrides, op_rules: as for :func:`jaxamp.autocast` (``None``: the defaults;
+        with a step, the step's own).
       argnums: the argument holding the parameters (differentiated, and checked for
         low-precision storage); ``None``: forward only.
       opt_state: optional optimizer state, checked for float16/bfloat16 leaves.
@@ -319,8 +347,15 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy = DEFAULT_POLICY,
       >>> [f.kind for f in report.findings]
       []
     """
-    t = trace_model(fn, args, policy=policy, overrides=overrides, op_rules=op_rules,
-               argnums=argnums)
+    call = resolve_call("audit", fn, args, policy=policy, overrides=overrides,
+                        op_rules=op_rules)
+    if call.program is not None:
+        args, argnums = call.args, 0
+        opt_state = call.program.opt_state if opt_state is None else opt_state
+    with call.context():
+        t = trace_model(call.fn, call.args, policy=call.policy, overrides=call.overrides,
+                        op_rules=call.op_rules, argnums=argnums,
+                        f32_weight_grads=call.f32_weight_grads)
     rows = table_rows(t.records, t.out_dtypes)
     explog = {r.module for r in t.records if r.op == "exp/log"}
     keys = {r.module: r.key for r in t.records}

@@ -5,8 +5,9 @@ The table lists, for a GPT-style model, which dtype each part should run in
 parameter update). :meth:`jaxamp.AuditReport.reference_table` rebuilds that table from the
 :class:`~jaxamp.diagnostics._trace.Eqn` records of a trace; its docstring documents the mapping.
 
-The mapping is a heuristic: it recognises a module's role by its class (``nn.LayerNorm``,
-``nn.Embed``, a class with ``Attention`` in its name) or, failing that, by the names common in
+The mapping is a heuristic: it recognises a module's role by its class (a normalisation layer
+only by the engine's own rule, :data:`jaxamp.FP32_MODULES`; ``nn.Embed``, a class with
+``Attention`` in its name) or, failing that, by the names common in
 GPT-style code (``ln_1``, ``wte``, ``attn``, ``q_proj``, ``mlp``, ``c_fc``, ...). The same
 predicates (:func:`is_norm` in particular) classify rows and findings in :mod:`jaxamp.audit`.
 """
@@ -38,8 +39,6 @@ from jaxamp.rules import EMBED_MODULES, FP32_MODULES
 # Classifying modules
 # ---------------------------------------------------------------------------------------------
 
-_NORM_NAME = re.compile(r"(^|_)(ln|norm|layer_?norm|rms_?norm|group_?norm|bn)(_?\d+)?$|norm",
-                        re.I)
 _EMBED_NAME = re.compile(r"embed|wte|tok_?emb|word_?emb", re.I)
 _ATTN_NAME = re.compile(r"attn|attention|mha", re.I)
 _QKV_NAME = re.compile(r"^(q|k|v|qk|kv|qkv|query|key|value|wq|wk|wv|wqkv|c_attn|in_proj|"
@@ -64,7 +63,13 @@ def _has_role(key: str, modules: dict[str, ModuleInfo], classes: tuple[type, ...
 
 
 def is_norm(key: str, modules: dict[str, ModuleInfo]) -> bool:
-    return _has_role(key, modules, FP32_MODULES, "Norm", _NORM_NAME)
+    """Whether the recorded module ``key`` is a normalisation layer, by the engine's own rule:
+    its class is one of :data:`jaxamp.FP32_MODULES` (or a subclass), the classes autocast runs
+    in float32. A class *named* like a norm is not one (HF's ``...EncoderLayerStableLayerNorm``
+    is a whole encoder layer, ``FlaxConvWithWeightNorm`` a convolution); a user's override of
+    a norm class (``{nn.LayerNorm: "float16"}``) leaves it a norm, so the audit flags it."""
+    m = modules.get(key) if key else None
+    return m is not None and issubclass(m.cls, FP32_MODULES)
 
 
 def _is_embed(key: str, modules: dict[str, ModuleInfo]) -> bool:
@@ -100,13 +105,15 @@ def _is_ffn(key: str, modules) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 _ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
-              "FFN Linear", "CrossEntropy loss", "Parameter update")
+         "Convolution", "FFN Linear", "CrossEntropy loss", "Parameter update")
+_COMPUTE_ROWS = ("Q/K/V Linear", "Attention scores", "Convolution", "FFN Linear")
 _NOTES = {
     "Embedding lookup": "the lookup computes nothing; its output is cast to the compute dtype",
     "Q/K/V Linear": "main Tensor Core work",
     "Attention scores": "cast to float32 before the softmax",
     "Softmax": "overflow-sensitive",
     "LayerNorm": "mean/variance need float32",
+    "Convolution": "main Tensor Core work of a CNN",
     "FFN Linear": "largest gain",
     "CrossEntropy loss": "log-sum-exp needs float32",
     "Parameter update": "master weights always float32",
@@ -136,6 +143,12 @@ def _use_dtype(rec: Eqn, jaxpr: jcore.Jaxpr) -> str | None:
     return None
 
 
+def norm_row(classes: set[str]) -> str:
+    """The reference row of a model's normalisation layers: ``"LayerNorm"`` (the
+    Transformer's), or what the model has instead (``"BatchNorm"``, ``"GroupNorm/RMSNorm"``)."""
+    return "/".join(sorted(classes)) if classes and classes != {"LayerNorm"} else "LayerNorm"
+
+
 def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
                opt_dtypes: Sequence[str]) -> list[dict[str, Any]]:
     """The rows of :meth:`jaxamp.AuditReport.reference_table` (which documents them) for trace
@@ -147,7 +160,8 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
     low = dtype_name(t.policy.compute_dtype)
     recs = [r for r in t.records if r.dtypes]
     groups: dict[str, dict[str, Any]] = {
-        name: {"forward": set(), "backward": set(), "modules": set()} for name in _ROWS}
+        name: {"forward": set(), "backward": set(), "modules": set(), "name": name}
+        for name in _ROWS}
 
     def add(name, r, forward=True, backward=True):
         g = groups[name]
@@ -160,12 +174,15 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
         g["modules"].add(r.module)
 
     emb_fwd = None
+    norm_classes: set[str] = set()
     for r in recs:
         key, prim = r.key, r.prim
         if prim in t.op_rules.matmul:
             if _is_embed(key, mods):
                 continue  # a tied head: not a reference row
-            if _is_qkv(key):
+            if r.op == "conv" and not _in_attention(key, mods):
+                add("Convolution", r)
+            elif _is_qkv(key):
                 add("Q/K/V Linear", r)
             elif _is_attention(key, mods):
                 if r.backward:
@@ -180,6 +197,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
         if is_norm(key, mods):
             if r.rounds:
                 add("LayerNorm", r)
+                norm_classes.add(mods[key].cls.__name__ if key in mods else "LayerNorm")
             continue
         if prim == "gather" and _is_embed(key, mods) and not r.backward:
             table = r.in_dtypes[:1]
@@ -187,7 +205,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
             emb_fwd = (table[0] if table else "-", out)
             groups["Embedding lookup"]["modules"].add(r.module)
             continue
-        sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
+        sensitive = (prim in EXPLOG and not r.bounded) or (prim in ACCUM and not r.count_sum)
         if not key and r.module == TOP_LEVEL:
             if (not r.backward and sensitive) or (r.backward and r.rounds):
                 add("CrossEntropy loss", r)
@@ -210,15 +228,17 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
             exp_f, exp_b = "-", "float32"
         else:
             fwd, bwd = join_dtypes(g["forward"]), join_dtypes(g["backward"])
-            compute = name in ("Q/K/V Linear", "Attention scores", "FFN Linear")
-            exp_f = exp_b = low if compute else "float32"
+            exp_f = exp_b = low if name in _COMPUTE_ROWS else "float32"
         if not t.grad and name != "Parameter update":
             exp_b = "-"
         present = fwd != "-" or (name == "Parameter update" and bwd != "-")
-        ok = None if not present else (fwd == exp_f and (bwd == exp_b or not t.grad
-                                                        or exp_b == "-"))
+        if not present:
+            continue  # the model has no such part: the table shows the rows it has
+        ok = fwd == exp_f and (bwd == exp_b or not t.grad or exp_b == "-")
+        if name == "LayerNorm":
+            name = norm_row(norm_classes)
         rows.append({"row": name, "forward": fwd, "backward": bwd,
                      "expected_forward": exp_f, "expected_backward": exp_b, "ok": ok,
-                     "modules": sorted(g["modules"]), "note": _NOTES[name]})
+                     "modules": sorted(g["modules"]), "note": _NOTES[g["name"]]})
     return rows
 

@@ -93,6 +93,43 @@ def format_precision_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+class PrecisionTable(list):
+    """What :func:`jaxamp.precision_table` returns: its rows (a list of ``{"module", "op",
+    "forward", "backward"}`` dicts, compared and indexed as a list) that print themselves.
+
+    Attributes:
+      policy: the default policy the table was traced under, as a string.
+    """
+
+    def __init__(self, rows=(), policy: str = ""):
+        super().__init__(rows)
+        self.policy = policy
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "rows": list(self)}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """``{"policy", "rows"}`` as a JSON string."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_markdown(self) -> str:
+        """The rows as a Markdown table (:func:`format_precision_table`)."""
+        return f"## Precision table ({self.policy})\n\n{format_precision_table(self)}"
+
+    def print(self, console=None) -> None:
+        """Prints the rows with rich."""
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        t = Table(title=f"precision table ({self.policy})", title_justify="left")
+        for col in ("module", "op", "forward", "backward"):
+            t.add_column(col)
+        for r in self:
+            t.add_row(escape(r["module"]), r["op"], r["forward"], r["backward"])
+        (console or Console()).print(t)
+
+
 @dataclasses.dataclass
 class AuditReport:
     """What :func:`jaxamp.audit` (or :func:`jaxamp.audit_step`) found.
@@ -101,7 +138,8 @@ class AuditReport:
       rows: ``{"module", "op", "forward", "backward", "category"}`` per (module path, op
         class); the first four keys are exactly :func:`jaxamp.precision_table`'s.
         ``category`` is the coarse class: ``matmul``, ``softmax``, ``normalisation``,
-        ``reduction``, ``loss``, ``elementwise``, ``gather``, ``cast`` or ``output``.
+        ``reduction``, ``loss``, ``elementwise``, ``gather``, ``max/min``, ``cast`` or
+        ``output``.
       findings: the :class:`Finding` s, most important first.
       policy: the default policy, as a string.
     """
@@ -133,13 +171,14 @@ class AuditReport:
         """What each part of a Transformer ran in vs what mixed precision wants, from the
         traced program.
 
-        Returns one dict per row, in this order (embedding lookup, Q/K/V linear, attention
-        scores, softmax, LayerNorm, FFN linear, cross-entropy loss, parameter update):
-        ``row``, ``forward``, ``backward``
+        Returns one dict per row the model has, in this order (embedding lookup, Q/K/V
+        linear, attention scores, softmax, LayerNorm, convolution, FFN linear, cross-entropy
+        loss, parameter update): a GPT has the seed's eight Transformer rows, a CNN its
+        normalisation, convolution, linear, loss and update rows; a part the model does not
+        have is left out. Keys: ``row``, ``forward``, ``backward``
         (dtypes actually used), ``expected_forward``, ``expected_backward`` (the reference's, with
-        the policy's compute dtype for FP16), ``ok`` (``True``/``False``, ``None`` when the
-        model has no such part), ``modules`` (the module paths that make up the row) and
-        ``note``.
+        the policy's compute dtype for FP16), ``ok`` (``True``/``False``), ``modules`` (the
+        module paths that make up the row) and ``note``.
 
         The mapping from module paths and op classes to rows is a heuristic for GPT-style
         models; it only counts equations that round (data movement, max/min, selections and
@@ -159,9 +198,11 @@ class AuditReport:
           Dense children, without a parameter operand (scores and weights @ V).
         * **Softmax**: exp/log and sums in an attention module itself; backward: its sums and
           exp/log (the softmax's backward reduction).
-        * **LayerNorm**: every rounding op of normalisation modules (``nn.LayerNorm``,
-          ``RMSNorm``, ``GroupNorm``, ``BatchNorm``, or a class with ``Norm`` in its name);
-          the cast of the result to the compute dtype on the way out is not counted.
+        * **LayerNorm**: every rounding op of normalisation modules (the classes of
+          :data:`jaxamp.FP32_MODULES`, the engine's own float32 rule, and their subclasses);
+          the cast of the result to the compute dtype on the way out is not counted. The row
+          is named after the classes when they are not LayerNorm (``"BatchNorm"``).
+        * **Convolution**: ``conv`` ops outside attention modules.
         * **FFN Linear**: matmuls in modules whose path has a segment like ``mlp``/``ffn``/
           ``fc``/``fc1``/``c_fc``/``w1``/``up_proj``/``Dense_<n>``, outside attention.
         * **CrossEntropy loss**: exp/log and sums outside every module (the loss function);
@@ -225,7 +266,7 @@ class AuditReport:
         for col in ("module", "op", "forward", "backward"):
             t.add_column(col)
         for r in self.rows:
-            if r.get("category") in ("cast", "elementwise"):
+            if r.get("category") in ("cast", "elementwise", "max/min"):
                 continue
             style = "red" if is_low(r["forward"].split(",") + r["backward"].split(",")) and \
                 r.get("category") in ("softmax", "normalisation", "loss", "reduction") else None

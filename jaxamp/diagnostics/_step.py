@@ -11,6 +11,7 @@ documented in :func:`audit_step`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +23,19 @@ from jaxamp._compat import scan_counts
 from jaxamp._jaxpr import walk
 from jaxamp.diagnostics._report import AuditReport, Finding, group_findings, storage_findings
 from jaxamp.diagnostics._trace import (
+    Recorder,
+    attribute,
     clean_path,
     collect_eqns,
     dce,
     float_dtypes,
+    recording,
+    resolve_call,
     table_rows,
 )
+from jaxamp.policy_spec import DEFAULT_POLICY
+from jaxamp.rules import ModuleRules
+from jaxamp.train import TrainStep
 
 
 class _Graph:
@@ -230,22 +238,37 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
     tensors after the backward pass (a false positive would name a norm that is then divided
     by such a scalar).
 
+    ``audit_step(step, state, batch)`` with a step from :func:`jaxamp.make_train_step` traces
+    that step and checks the state's params and optimizer state; module paths are printed as
+    ``overrides=`` takes them (the root module by its class name). A user's step wrapped in
+    ``jax.jit`` and already traced for these shapes may come from JAX's cache without running
+    the model's Python: its rows then keep the raw name-stack paths.
+
     Args:
       step_fn: the train step; traced with ``jax.make_jaxpr`` (never run).
-      *args: its example arguments.
-      params, opt_state: optional trees checked for float16/bfloat16 storage.
+      *args: its example arguments (``state, batch``).
+      params, opt_state: optional trees checked for float16/bfloat16 storage (default with a
+        step from :func:`jaxamp.make_train_step`: the state's).
 
     Returns:
       An :class:`AuditReport` (its ``reference_table()`` is empty: module policies are unknown).
     """
-    closed = jax.make_jaxpr(step_fn)(*args)
+    fn, context = step_fn, contextlib.nullcontext()
+    if isinstance(step_fn, TrainStep):
+        prog = resolve_call("audit_step", step_fn, args).program
+        fn, context = step_fn.traceable, prog.context()
+        params = prog.params if params is None else params
+        opt_state = prog.opt_state if opt_state is None else opt_state
+    recorder = Recorder(ModuleRules.create(DEFAULT_POLICY))
+    with context, recording(recorder):
+        closed = jax.make_jaxpr(fn)(*args)
     jaxpr, _ = dce(closed.jaxpr)
-    records = collect_eqns(jaxpr, [False] * len(jaxpr.invars))
+    records = attribute(collect_eqns(jaxpr, [False] * len(jaxpr.invars)), recorder.modules)
     out_dtypes = sorted({n for n in float_dtypes(jaxpr.outvars)})
     rows = table_rows(records, out_dtypes)
     for row in rows:
         row["category"] = {"matmul": "matmul", "conv": "matmul", "cast": "cast",
-                           "gather": "gather", "output": "output",
+                           "gather": "gather", "output": "output", "max/min": "max/min",
                            "reduction": "reduction"}.get(row["op"], "elementwise")
     findings = _clip_findings(jaxpr)
     storage = group_findings(storage_findings(params, opt_state))

@@ -20,6 +20,7 @@ This module knows nothing about findings or the reference table; :mod:`jaxamp.au
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from jaxamp._compat import dce_jaxpr
 from jaxamp._jaxpr import walk
 from jaxamp.engine import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
+from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import (
     DEFAULT_OP_RULES,
     SOFTMAX_PRIMITIVES,
@@ -46,12 +48,14 @@ from jaxamp.rules import (
     OpRules,
     module_path,
 )
+from jaxamp.train import StepProgram, TrainState, TrainStep
 
 _OP_CLASSES = {
     "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
     "exp": "exp/log", "log": "exp/log", "log1p": "exp/log", "expm1": "exp/log",
-    "reduce_sum": "reduction", "reduce_max": "reduction", "reduce_min": "reduction",
-    "reduce_prod": "reduction", "cumsum": "reduction", "argmax": "reduction",
+    "reduce_sum": "reduction", "reduce_prod": "reduction", "cumsum": "reduction",
+    # exact in any dtype (they select a value): apart from the accumulating reductions
+    "reduce_max": "max/min", "reduce_min": "max/min", "argmax": "max/min", "argmin": "max/min",
     "rsqrt": "rsqrt/sqrt", "sqrt": "rsqrt/sqrt", "convert_element_type": "cast",
 }
 _NOISE = re.compile(REGION_MARKER.pattern + "|rematted_computation|checkpoint|remat")
@@ -216,6 +220,7 @@ class Eqn:
     out_dtypes: list[str]
     param_operand: bool  # an operand comes (unchanged but for casts/reshapes) from the params
     count_sum: bool  # a sum of 0/1 indicators converted from booleans (an exact count)
+    bounded: bool = False  # exp(-x**2) (JAX's derivative of erf/erfc): in [0, 1], no overflow
 
     @property
     def prim(self) -> str:
@@ -233,6 +238,28 @@ class Eqn:
 PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
                            "squeeze", "expand_dims", "slice", "dynamic_slice", "gather", "copy",
                            "copy_p", "split", "concatenate", "rev"})
+
+
+def _negative_square(v, producer: dict) -> bool:
+    """Whether ``v`` is ``-(x * x)`` (or ``(-x) * x``): what JAX's derivative of
+    ``erf``/``erfc`` (an exact GELU, ``jax.nn.gelu(approximate=False)``) exponentiates.
+    ``exp`` of it lies in [0, 1] and cannot overflow in any dtype."""
+    def made_by(u, name: str):
+        e = producer.get(u) if isinstance(u, jcore.Var) else None
+        return e if e is not None and e.primitive.name == name else None
+
+    if (neg := made_by(v, "neg")) is not None:
+        x = neg.invars[0]
+        if made_by(x, "square") is not None:
+            return True
+        sq = made_by(x, "mul")
+        return sq is not None and sq.invars[0] is sq.invars[1]
+    mul = made_by(v, "mul")
+    if mul is None:
+        return False
+    a, b = mul.invars
+    return any((n := made_by(p, "neg")) is not None and n.invars[0] is q
+               for p, q in ((a, b), (b, a)))
 
 
 def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
@@ -279,7 +306,8 @@ def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
         matmul = name in op_rules.matmul
         op = _OP_CLASSES.get(name, "matmul" if matmul else "elementwise")
         records.append(Eqn(eqn, full, module, "", op, backward, float_dtypes(ins),
-                           float_dtypes(eqn.outvars), matmul and any(pflags), count))
+                           float_dtypes(eqn.outvars), matmul and any(pflags), count,
+                           name == "exp" and _negative_square(ins[0], producer)))
 
     walk(jaxpr, leaf, enter=enter, leave=leave)
     return records
@@ -336,6 +364,53 @@ def canonical_path(path: str, modules: dict[str, ModuleInfo]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# The step form: fn(step, state, batch)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Call:
+    """What a diagnostic traces: a function of ``args`` and the options it runs under. From a
+    train step (``fn(step, state, batch)``), the step's own (:meth:`TrainStep.program`)."""
+
+    fn: Callable
+    args: tuple
+    policy: Any
+    overrides: Any
+    op_rules: OpRules
+    f32_weight_grads: bool | None = None
+    program: StepProgram | None = None
+
+    def context(self):
+        return self.program.context() if self.program is not None else contextlib.nullcontext()
+
+
+def resolve_call(where: str, fn: Any, args: Sequence[Any], *, policy=None, overrides=None,
+                 op_rules=None) -> Call:
+    """``fn(*args)`` with ``policy``/``overrides``/``op_rules`` (``None``: the defaults), or,
+    when ``fn`` is a step from :func:`jaxamp.make_train_step`, ``(step, state, batch)``: the
+    step's loss of the state's params, under the step's options."""
+    if not isinstance(fn, TrainStep):
+        return Call(fn, tuple(args), DEFAULT_POLICY if policy is None else policy, overrides,
+                    DEFAULT_OP_RULES if op_rules is None else op_rules)
+    if len(args) != 2 or not isinstance(args[0], TrainState):
+        got = ", ".join(type(a).__name__ for a in args) or "nothing"
+        raise TypeError(f"{where}(step, state, batch): a train step is called with the state "
+                        f"and a batch, got {got} after the step. Example: "
+                        f"jaxamp.{where}(step, state, batch).")
+    given = [n for n, v in (("policy", policy), ("overrides", overrides),
+                            ("op_rules", op_rules)) if v is not None]
+    if given:
+        raise TypeError(f"{where}(step, state, batch): the step's own {', '.join(given)} "
+                        "apply; give the policy to TrainState.create(..., policy=...) and "
+                        "overrides=/op_rules= to make_train_step(...), not to "
+                        f"{where}.")
+    prog = fn.program(*args)
+    return Call(prog.loss, (prog.params,), prog.policy, prog.overrides, prog.op_rules,
+                prog.f32_weight_grads, prog)
+
+
+# ---------------------------------------------------------------------------------------------
 # Tracing
 # ---------------------------------------------------------------------------------------------
 
@@ -364,18 +439,18 @@ def _has_float(tree) -> bool:
 
 
 def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
-           argnums: int | None) -> Trace:
+                argnums: int | None, f32_weight_grads: bool | None = None) -> Trace:
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
     recorder = Recorder(rules)
     fn, args = nnx_frontend.functional(fn, tuple(args))  # NNX models -> their params
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor), \
-                nnx_frontend.intercept_calls(recorder.interceptor):
+        with recording(recorder):
             return fn(*a)
 
-    amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules)
+    amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules,
+                   f32_weight_grads=f32_weight_grads)
     grad = argnums is not None and _has_float(args[argnums])
 
     if grad:
@@ -398,15 +473,30 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
         param_inputs = [False] * len(closed.jaxpr.invars)
     jaxpr, used = dce(closed.jaxpr)
     param_inputs = [f for f, u in zip(param_inputs, used) if u]
-    records = collect_eqns(jaxpr, param_inputs, op_rules=op_rules)
-    for r in records:
-        r.module = canonical_path(r.module, recorder.modules)
-        r.key = _module_key(r.module, recorder.modules)
-        r.module = display_path(r.module, recorder.modules)
+    records = attribute(collect_eqns(jaxpr, param_inputs, op_rules=op_rules),
+                        recorder.modules)
     leaves = jax.tree.leaves(out_shape)
     out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
     scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()
     return Trace(records, jaxpr, recorder.modules, out_dtypes, scalar_out, pol, grad, op_rules)
+
+
+def attribute(records: list[Eqn], modules: dict[str, ModuleInfo]) -> list[Eqn]:
+    """Gives each record its recorded module (``key``) and the path reports print
+    (``module``, :func:`display_path`: what ``overrides=`` accepts)."""
+    for r in records:
+        r.module = canonical_path(r.module, modules)
+        r.key = _module_key(r.module, modules)
+        r.module = display_path(r.module, modules)
+    return records
+
+
+def recording(recorder: Recorder):
+    """The context in which ``recorder`` sees every linen and NNX module call."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(nn.intercept_methods(recorder.interceptor))
+    stack.enter_context(nnx_frontend.intercept_calls(recorder.interceptor))
+    return stack
 
 
 def table_rows(records: Sequence[Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:

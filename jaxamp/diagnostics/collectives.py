@@ -162,11 +162,12 @@ def collectives(fn: Callable, *args: Any, mesh: Mesh | None = None) -> list[dict
         the mesh of the first ``NamedSharding`` among ``args``.
 
     Returns:
-      ``[{"kind": "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all" |
-      "collective-permute" | ..., "dtype": "float32", "shape": [32, 32], "bytes": per-device
-      buffer size, "wire_bytes": bytes each device sends (ring estimate), "group_size": 8,
-      "axes": ("data",), "op_name": JAX name stack, "name": HLO name}, ...]`` in program
-      order. Empty on one device.
+      One dict per collective, in program order (empty on one device): ``kind``
+      (``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``,
+      ``"collective-permute"``, ...), ``dtype`` (``"float32"``), ``shape`` (``[32, 32]``),
+      ``bytes`` (the per-device buffer size), ``wire_bytes`` (bytes each device sends, a ring
+      estimate), ``group_size`` (``8``), ``axes`` (``("data",)``), ``op_name`` (the JAX name
+      stack) and ``name`` (the HLO name).
 
     It compiles ``fn`` once more (the HLO is dumped to a temporary directory and removed).
     """

@@ -29,6 +29,8 @@ non-finite float is written as ``null``. The keys, what they mean and who reads 
 - ``memory_bytes_f32``: the same for the float32 step (to see what the policy saved)
 - ``largest_f32_buffers``: optional, ``[{"name", "shape", "dtype", "bytes"}]``, named when
   memory did not drop
+- ``backend``: the JAX backend the step was compiled for (``jax.default_backend()``: ``"cpu"``,
+  ``"gpu"``, ``"tpu"``); on ``"cpu"`` low-precision memory cannot drop (XLA:CPU upcasts)
 
 Writers add other keys freely (``examples/train_lm.py`` records its configuration); readers
 ignore keys they do not know.
@@ -64,7 +66,7 @@ SUMMARY_FILE = "summary.json"
 STEP_KEYS = ("step", "loss", "loss_scale", "grad_norm", "grads_finite", "skipped",
              "skipped_steps", "loss_scale_at_min", "tokens_per_s", "val_loss")
 SUMMARY_KEYS = ("policy", "loss_scale_mode", "clip_norm", "min_loss_scale", "final_val_loss",
-                "memory_bytes", "memory_bytes_f32", "largest_f32_buffers")
+                "memory_bytes", "memory_bytes_f32", "largest_f32_buffers", "backend")
 _FLOATS = ("loss", "loss_scale", "grad_norm")
 _BOOLS = ("grads_finite", "skipped", "loss_scale_at_min")
 

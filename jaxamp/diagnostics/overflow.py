@@ -46,11 +46,12 @@ from jaxamp.diagnostics._trace import (
     clean_path,
     dce,
     display_path,
+    recording,
+    resolve_call,
 )
 from jaxamp.engine import autocast
 from jaxamp.policy import get_policy, policy_to_str
-from jaxamp.policy_spec import DEFAULT_POLICY
-from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules
+from jaxamp.rules import ModuleRules, OpRules
 from jaxamp.transform import default_loss_scale
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
@@ -343,9 +344,9 @@ class OverflowReport:
           ``near_overflow`` (float16/bfloat16 values within :data:`NEAR_OVERFLOW_BITS` of the
           dtype's largest value), ``underflow`` (more than :data:`UNDERFLOW_FRACTION` of the
           module's true gradients flush to zero in float16 even with the loss scale) or ``ok``;
-        * ``forward_dtypes``, ``forward_max_abs`` (max |value| the module's own ops produced:
+        * ``forward_dtypes``, ``forward_max_abs`` (max ``|value|`` the module's own ops produced:
           its activations and internal values), ``forward_nonfinite`` (count),
-          ``forward_headroom_bits`` (log2 of the dtype's max over the max |value|, minimum
+          ``forward_headroom_bits`` (log2 of the dtype's max over the max ``|value|``, minimum
           over the float16/bfloat16 values; None if the module has none),
           ``forward_subnormal`` (fraction of nonzero float16/bfloat16 values below the
           smallest normal: precision lost), ``forward_saturated`` (values exactly at the
@@ -355,7 +356,7 @@ class OverflowReport:
           (activation gradients, *scaled* by the loss scale);
         * ``param_grad_max_abs``, ``param_grad_nonfinite``: the module's parameter gradients as
           the mixed-precision backward returns them (scaled);
-        * ``true_grad_max_abs``: max |float32 parameter gradient| (unscaled);
+        * ``true_grad_max_abs``: max ``|float32 parameter gradient|`` (unscaled);
         * ``underflow_unscaled`` / ``underflow_scaled``: the fraction of the module's nonzero
           float32 gradients -- parameter gradients and activation gradients together -- with
           ``|g| < 2**-24`` resp. ``|g * scale| < 2**-24`` (None: no gradients).
@@ -483,20 +484,26 @@ def _param_module(path, root: str | None) -> str:
 
 
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
-                    policy: str | jmp.Policy = DEFAULT_POLICY,
-                    overrides: Mapping | None = None, op_rules: OpRules = DEFAULT_OP_RULES,
+                    policy: str | jmp.Policy | None = None,
+                    overrides: Mapping | None = None, op_rules: OpRules | None = None,
                     loss_fn: Callable[[Any], Any] | None = None,
                     loss_scale: Any = None) -> OverflowReport:
     """Runs one forward and backward of ``fn`` under ``policy`` and locates overflow/underflow.
 
+    ``locate_overflow(step, state, batch)`` runs the loss a step from
+    :func:`jaxamp.make_train_step` differentiates, as the step runs it (the state's policy,
+    collections, dropout key and current loss scale; the step's ``overrides``/``op_rules``;
+    ``train=`` as its loss_fn passes it), on ``batch``.
+
     Args:
-      fn: a Flax linen ``model.apply`` (or the module itself), or any function
+      fn: a step, a Flax linen ``model.apply`` (or the module itself), or any function
         ``fn(variables, *args)``; a loss if ``loss_fn`` is None and it returns a scalar.
       variables: what ``fn`` takes first: a linen variables dict (gradients are taken with
         respect to its ``"params"`` collection; other collections such as ``batch_stats`` are
         passed through unchanged) or a params pytree (differentiated whole).
       *args: the remaining arguments of ``fn`` (e.g. the batch).
-      policy, overrides, op_rules: as for :func:`jaxamp.autocast`.
+      policy, overrides, op_rules: as for :func:`jaxamp.autocast` (``None``: the defaults;
+        with a step, the step's own).
       loss_fn: ``loss_fn(outputs) -> scalar``, applied to ``fn``'s outputs (close over the
         targets: ``loss_fn=lambda logits: jaxamp.softmax_cross_entropy(logits, labels)``).
         It runs under the policy too. If None and ``fn`` returns a non-scalar, the loss is the
@@ -533,6 +540,23 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
       >>> rep.first_nonfinite
       {'module': 'fc1', 'pass': 'forward', 'primitive': 'dot_general', 'dtype': 'float16'}
     """
+    call = resolve_call("locate_overflow", fn, (variables, *args), policy=policy,
+                        overrides=overrides, op_rules=op_rules)
+    if call.program is not None:
+        if loss_fn is not None:
+            raise TypeError("locate_overflow(step, state, batch): the step's own loss_fn "
+                            "is used; drop loss_fn=.")
+        fn, (variables,), args = call.fn, call.args, ()
+        loss_scale = call.program.loss_scale if loss_scale is None else loss_scale
+    policy, overrides, op_rules = call.policy, call.overrides, call.op_rules
+    with call.context():
+        return _locate(fn, variables, *args, policy=policy, overrides=overrides,
+                       op_rules=op_rules, loss_fn=loss_fn, loss_scale=loss_scale,
+                       f32_weight_grads=call.f32_weight_grads)
+
+
+def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_scale,
+            f32_weight_grads) -> OverflowReport:
     if isinstance(fn, nn.Module):
         fn = fn.apply
     if nnx_frontend.is_module(fn) or nnx_frontend.is_module(variables):
@@ -572,12 +596,11 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
     recorder = Recorder(rules)
 
     def recorded(*a):
-        with nn.intercept_methods(recorder.interceptor), \
-                nnx_frontend.intercept_calls(recorder.interceptor):
+        with recording(recorder):
             return loss_of(*a)
 
     amp = autocast(recorded, pol.with_output_dtype(jnp.float32), overrides=overrides,
-                   op_rules=op_rules)
+                   op_rules=op_rules, f32_weight_grads=f32_weight_grads)
 
     def scaled(p, *a):
         loss = amp(p, *a).astype(jnp.float32)

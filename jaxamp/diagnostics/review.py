@@ -97,6 +97,9 @@ class RunReview:
     findings: list[RunFinding]
     num_steps: int
     run_dir: str | None = None
+    #: what the review could not judge and why (not problems: ``ok`` ignores them), e.g. that
+    #: memory cannot drop on the CPU backend
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -107,20 +110,22 @@ class RunReview:
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_dir": self.run_dir, "num_steps": self.num_steps, "ok": self.ok,
-                "findings": [f.to_dict() for f in self.findings]}
+                "findings": [f.to_dict() for f in self.findings], "notes": list(self.notes)}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_text(self) -> str:
         head = f"{self.run_dir}: " if self.run_dir else ""
+        notes = [f"note: {n}" for n in self.notes]
         if self.ok:
-            return f"{head}no problems found ({self.num_steps} steps reviewed)"
+            return "\n".join([f"{head}no problems found ({self.num_steps} steps reviewed)",
+                              *notes])
         lines = [f"{head}{len(self.findings)} problem(s) in {self.num_steps} steps"]
         for f in self.findings:
             lines.append(f"- {f.code} (steps {_steps_text(f.steps)}): {f.explanation}"
                          if f.steps else f"- {f.code}: {f.explanation}")
-        return "\n".join(lines)
+        return "\n".join(lines + notes)
 
     def to_markdown(self) -> str:
         if self.ok:
@@ -136,10 +141,11 @@ class RunReview:
         console = console or Console()
         if self.ok:
             console.print(f"[green]no problems found[/green] ({self.num_steps} steps reviewed)")
-            return
         for f in self.findings:
             steps = f" (steps {_steps_text(f.steps)})" if f.steps else ""
             console.print(f"[bold red]{f.code}[/bold red]{steps}: {escape(f.explanation)}")
+        for n in self.notes:
+            console.print(f"[dim]note:[/dim] {escape(n)}")
 
 
 def _steps_text(steps: Sequence[int], limit: int = 12) -> str:
@@ -526,7 +532,18 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
     # (d) memory that did not drop vs float32
     pair = _memory_pair(summary)
     compute = _policy_compute(summary)
-    if pair is not None and compute != "float32":
+    notes = []
+    backend = summary.get("backend")
+    if pair is not None and compute != "float32" and backend == "cpu":
+        va, vf = _mem_value(pair[0]), _mem_value(pair[1])
+        ratio = f" (here x{va[1] / vf[1]:.2f} of float32)" if va and vf and va[0] == vf[0] \
+            and vf[1] > 0 else ""
+        notes.append(
+            f"memory not judged: the step was compiled for XLA:CPU (summary.json backend: "
+            f"cpu), which upcasts {compute or 'low-precision'} matmuls and convolutions to "
+            f"float32, so mixed precision cannot reduce memory there{ratio}. Compare "
+            "memory_bytes with memory_bytes_f32 from a run on a GPU.")
+    elif pair is not None and compute != "float32":
         amp, f32 = pair
         va, vf = _mem_value(amp), _mem_value(f32)
         if va and vf and va[0] == vf[0] and vf[1] > 0 and va[1] >= cfg["memory_ratio"] * vf[1]:
@@ -551,7 +568,7 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 "which AMP does not shrink. Fix: check jaxamp.audit for float32 matmuls in "
                 "low-precision regions, remove manual casts, and use nn.remat for activation "
                 "memory."))
-    return RunReview(findings, len(rows))
+    return RunReview(findings, len(rows), notes=notes)
 
 
 def review_run(run_dir: str | Path, *, clip_norm: float | None = None,

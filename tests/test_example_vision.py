@@ -1,0 +1,107 @@
+"""examples/train_vision.py (GitHub issue #26): a small ResNet with BatchNorm and dropout on
+generated images trains in float16 (the default) and bfloat16 on CPU to an accuracy above
+chance, its run passes ``python -m jaxamp.review``, and it reuses the LM example's modules."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import train_vision  # noqa: E402
+
+import jaxamp  # noqa: E402
+from jaxamp.review import main as review_main  # noqa: E402
+
+STEPS = 40
+BF16 = "params=float32,compute=bfloat16,output=float32"
+# Found while writing this example (2026-12-02): on jax 0.12 (XLA:CPU) the jitted bfloat16
+# forward of this ResNet under autocast in eval mode returns NaN in most rows, a different
+# number each run (uninitialised memory?), while the same jaxpr evaluated eagerly is exact and
+# jax 0.10 is fine; jaxamp.make_eval_step's loss is NaN too. Training (train=True) is not
+# affected. Minimal so far: conv stem + two ResidualBlocks + mean + Dense. Open: engine or XLA.
+JIT_BF16_EVAL_BUG = pytest.mark.xfail(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11), strict=True,
+    reason="jax >= 0.11: jit of the bfloat16 eval-mode ResNet under autocast gives NaN")
+
+
+@JIT_BF16_EVAL_BUG
+def test_jitted_bf16_eval_is_finite_and_equals_eager():
+    model = train_vision.ResNet()
+    images = train_vision.make_batch(1, 0, 16)["images"]
+    variables = model.init(jax.random.key(0), images, train=False)
+
+    def forward(v, x):
+        return jaxamp.autocast(model.apply, BF16)(v, x, train=False)
+
+    eager = np.asarray(forward(variables, images))
+    jitted = np.asarray(jax.jit(forward)(variables, images))
+    assert np.isfinite(eager).all()
+    np.testing.assert_allclose(jitted, eager, atol=2e-2)
+
+
+@pytest.mark.parametrize("policy,tag", [(None, "float16"),
+                                        pytest.param(BF16, "bfloat16",
+                                                     marks=JIT_BF16_EVAL_BUG)])
+def test_trains_above_chance_and_reviews_clean(tmp_path, capsys, policy, tag):
+    out = tmp_path / tag
+    argv = ["--steps", str(STEPS), "--batch-size", "16", "--eval-interval", "20",
+            "--out", str(out)] + (["--policy", policy] if policy else [])
+    assert train_vision.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"compute={tag}" in summary["policy"]
+    assert summary["final_val_accuracy"] > 0.5  # chance is 0.25 (four classes)
+    assert summary["skipped_steps"] == 0
+    assert summary["loss_scale_mode"] == ("dynamic" if tag == "float16" else "none")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows if "val_accuracy" in r] == [20, 40]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    # convolutions in the compute dtype, BatchNorm statistics in float32
+    precision = {(r["module"], r["op"]): r for r in
+                 json.loads((out / "precision.json").read_text())}
+    assert precision[("Conv_0", "conv")]["forward"] == tag
+    assert precision[("BatchNorm_0", "reduction")]["forward"] == "float32"
+    for name in ("metrics.jsonl", "summary.json", "precision.json", "curves.png"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoints" / str(STEPS)).is_dir()
+    capsys.readouterr()
+    assert review_main([str(out)]) == 0
+    assert "no problems found" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_before_any_file(tmp_path, capsys):
+    out = tmp_path / "never"
+    for argv, pattern in ((["--policy", "c=int8"], r"--policy 'c=int8'"),
+                          (["--steps", "0"], r"--steps must be >= 1"),
+                          (["--lr", "-1"], r"--lr must be > 0")):
+        capsys.readouterr()
+        assert train_vision.main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.match(r"error: " + pattern, err[0]), err
+    assert not out.exists()
+
+
+def test_reuses_the_lm_examples_modules_and_no_copies():
+    src = (ROOT / "examples" / "train_vision.py").read_text()
+    for module in ("lm_cli", "lm_files", "lm_checkpoint", "lm_report"):
+        assert re.search(rf"^(import {module}|from {module} import)", src, re.M), module
+    for name in ("def plot_curves", "def compiled_memory", "class MetricsWriter",
+                 "def choose_out", "def save(", "class Parser"):
+        assert name not in src, name
+    assert len(src.splitlines()) <= 250  # a template a reader holds in their head
+
+
+def test_generated_images_are_a_pure_function_of_seed_and_step():
+    a, b = train_vision.make_batch(0, 3, 8), train_vision.make_batch(0, 3, 8)
+    assert np.array_equal(a["images"], b["images"]) and np.array_equal(a["labels"], b["labels"])
+    c = train_vision.make_batch(0, 4, 8)
+    assert not np.array_equal(a["images"], c["images"])
+    assert a["images"].shape == (8, 16, 16, 3) and a["images"].dtype == np.float32
