@@ -4,12 +4,15 @@ chance, its run passes ``python -m jaxamp.review``, and it reuses the LM example
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,13 +26,49 @@ from jaxamp.review import main as review_main  # noqa: E402
 STEPS = 40
 BF16 = "params=float32,compute=bfloat16,output=float32"
 # Found while writing this example (2026-12-02): on jax 0.12 (XLA:CPU) the jitted bfloat16
-# forward of this ResNet under autocast in eval mode returns NaN in most rows, a different
-# number each run (uninitialised memory?), while the same jaxpr evaluated eagerly is exact and
-# jax 0.10 is fine; jaxamp.make_eval_step's loss is NaN too. Training (train=True) is not
-# affected. Minimal so far: conv stem + two ResidualBlocks + mean + Dense. Open: engine or XLA.
+# forward of this ResNet in eval mode returns NaN, while the same program evaluated eagerly is
+# exact and jax 0.10 is fine. The plain-Flax twin below (dtype=jnp.bfloat16, no jaxamp, no
+# BatchNorm) does it too: XLA:CPU miscompiles it. Both tests are strict xfails, so a fixed XLA
+# turns them into failures and the marks get removed.
 JIT_BF16_EVAL_BUG = pytest.mark.xfail(
     tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11), strict=True,
-    reason="jax >= 0.11: jit of the bfloat16 eval-mode ResNet under autocast gives NaN")
+    reason="jax >= 0.11, XLA:CPU: the compiled bfloat16 ResNet forward gives NaN")
+
+
+class _Bf16Block(nn.Module):
+    features: int
+    strides: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=jnp.bfloat16)
+        y = nn.relu(conv(self.features, (3, 3), self.strides)(x))
+        y = conv(self.features, (3, 3))(y)
+        if x.shape != y.shape:
+            x = conv(self.features, (1, 1), self.strides)(x)
+        return nn.relu(x + y)
+
+
+class _Bf16Twin(nn.Module):
+    """The example's ResNet written with Flax's own dtype=bfloat16, without BatchNorm."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3), use_bias=False, dtype=jnp.bfloat16)(x))
+        x = _Bf16Block(32, strides=2)(_Bf16Block(16)(x))
+        return nn.Dense(4, dtype=jnp.bfloat16)(x.mean((1, 2)))
+
+
+@JIT_BF16_EVAL_BUG
+def test_the_plain_flax_bf16_twin_compiles_to_the_eager_result():
+    """Without jaxamp: the NaN of the test below is XLA:CPU's on jax 0.12."""
+    model = _Bf16Twin()
+    images = jax.random.normal(jax.random.key(0), (16, 16, 16, 3))
+    variables = model.init(jax.random.key(0), images)
+    eager = np.asarray(model.apply(variables, images), np.float32)
+    jitted = np.asarray(jax.jit(model.apply)(variables, images), np.float32)
+    assert np.isfinite(eager).all()
+    np.testing.assert_allclose(jitted, eager, atol=2e-2)
 
 
 @JIT_BF16_EVAL_BUG
