@@ -95,7 +95,7 @@ def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs in the region's compute dtype, inputs and output; with ``f32_weight_grads`` a
     param operand's gradient comes out in float32 (:mod:`jaxamp._wgrad`)."""
     name = eqn.primitive.name
-    dtype = ev.compute_dtype(site.region)
+    dtype = ev.matmul_dtype(site.region)
     floats = [v for v in ins if v.is_float]
     params = dict(eqn.params)
     if params.get("preferred_element_type") is not None and floats:
