@@ -105,6 +105,8 @@ class Evaluator:
         self.evaluations: collections.Counter = collections.Counter()  # id(jaxpr) -> count
         self.sharing = _sharing.Sharing(self)
         self.share = share  # evaluate repeated module calls once (see jaxamp._sharing)
+        # id(eqn) -> "first"/"last": the first and last matmul reading a param (RuleCall.position)
+        self.matmul_ends: dict[int, str] = {}
 
     # ---- regions -------------------------------------------------------------------------
     def policy(self, region: tuple[int, ...]) -> jmp.Policy:

@@ -81,6 +81,7 @@ import jmp
 from flax import nnx
 
 from jaxamp import policy_spec
+from jaxamp.fp8 import FP8_MATMULS
 from jaxamp.policy import get_policy, with_matmul
 
 __all__ = [
@@ -250,7 +251,9 @@ class OpRules:
         return None
 
 
-DEFAULT_OP_RULES = OpRules()
+#: The default rules; their one handler, :data:`jaxamp.fp8.FP8_MATMULS`, runs the eligible
+#: matmuls of ``matmul=float8`` regions in FP8 (and defers everywhere else).
+DEFAULT_OP_RULES = OpRules(handlers=(("dot_general", FP8_MATMULS),))
 
 #: Module classes (linen and NNX) that compute in float32 and return the compute dtype of the
 #: region they are in.
