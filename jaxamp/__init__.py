@@ -78,9 +78,9 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
         precision_table,
     )
     from jaxamp.engine import autocast
+    from jaxamp.fp8 import FP8Matmuls, fp8_dot_general, fp8_eligible
     from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
     from jaxamp.losses import softmax_cross_entropy
-    from jaxamp.fp8 import FP8Matmuls, fp8_dot_general, fp8_eligible
     from jaxamp.policy import DTYPE_NAMES, MatmulPolicy, get_policy, policy_to_str
     from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
     from jaxamp.sharding import shard_state

@@ -10,8 +10,9 @@ The recipe (Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format
 (``__cublas$lt$matmul$f8``):
 
 * **per-tensor current scaling**: each operand's scale is the amax of *this step's* tensor,
-  ``scale = amax * 2**margin / FP8_MAX`` (``FP8_MAX`` = 448 for E4M3, 57344 for E5M2; the
-  quantised tensor is ``clip(x / scale, -FP8_MAX, FP8_MAX)``). No state: nothing to
+  ``scale = amax * 2**margin / FP8_MAX`` (``FP8_MAX`` = 448 for E4M3, 57344 for E5M2) rounded
+  up to a power of two, so that the division rounds nothing (at most one binade of FP8 range
+  is left unused); the quantised tensor is ``clip(x / scale, -FP8_MAX, FP8_MAX)``. No state: nothing to
   checkpoint, accumulate across micro-batches or restore, and no amax history to go stale.
   ``margin`` (default 0) leaves ``2**margin`` of headroom.
 * a zero tensor (amax 0) or a non-finite amax uses scale 1: zeros stay zeros, an infinite
@@ -59,15 +60,23 @@ def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array
     """``x`` quantised to FP8 ``dtype`` with a per-tensor current scale.
 
     Returns ``(q, scale)``: ``q = clip(x / scale, -max, max)`` in ``dtype`` and ``scale`` a
-    float32 scalar (``x ~= q * scale``), ``scale = amax(|x|) * 2**margin / finfo(dtype).max``
-    rounded to ``x``'s dtype (the division is done in it); 1 when the amax is zero or not
-    finite."""
+    float32 scalar (``x ~= q * scale``): ``amax(|x|) * 2**margin / finfo(dtype).max`` rounded
+    up to a power of two (so dividing by it, in ``x``'s dtype, rounds nothing and the largest
+    element lands in ``[max / 2**(margin+1), max / 2**margin]``); 1 when the amax is zero or
+    not finite.
+
+    Example:
+      >>> q, s = quantize(jnp.array([0.5, -3.0, 896.0]), E4M3)
+      >>> q.dtype, float(s), [float(v) for v in q.astype(jnp.float32) * s]
+      (dtype(float8_e4m3fn), 2.0, [0.5, -3.0, 896.0])
+    """
     fmax = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)
-    scale = jnp.where(ok, amax * (2.0 ** margin / fmax), 1.0).astype(x.dtype)
-    q = jnp.clip(x / scale, -fmax, fmax).astype(dtype)
-    return q, scale.astype(jnp.float32)
+    raw = jnp.where(ok, amax * (2.0 ** margin / fmax), 1.0)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(raw)))
+    q = jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(dtype)
+    return q, scale
 
 
 def _dims(dimension_numbers) -> tuple:
