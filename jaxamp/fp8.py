@@ -12,8 +12,9 @@ The recipe (Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format
 * **per-tensor current scaling**: each operand's scale is the amax of *this step's* tensor,
   ``scale = amax * 2**margin / FP8_MAX`` (``FP8_MAX`` = 448 for E4M3, 57344 for E5M2) rounded
   up to a power of two, so that the division rounds nothing (at most one binade of FP8 range
-  is left unused); the quantised tensor is ``clip(x / scale, -FP8_MAX, FP8_MAX)``. No state: nothing to
-  checkpoint, accumulate across micro-batches or restore, and no amax history to go stale.
+  is left unused); the quantised tensor is ``clip(x / scale, -FP8_MAX, FP8_MAX)``. No state:
+  nothing to checkpoint, accumulate across micro-batches or restore, no amax history to go
+  stale.
   ``margin`` (default 0) leaves ``2**margin`` of headroom.
 * a zero tensor (amax 0) or a non-finite amax uses scale 1: zeros stay zeros, an infinite
   element saturates to +-FP8_MAX (finite), and a NaN stays NaN, so the loss and gradients are
