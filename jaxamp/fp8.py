@@ -176,9 +176,9 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
 
     Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"batched"`` (batch
     dimensions: attention's q @ k and weights @ v, which have no weight to scale once and are
-    best left to the fused attention), ``"unaligned"`` (the contracting size K, or the
-    non-contracting sizes M or N, not a multiple of 16: cuBLASLt's FP8 GEMM needs them, and
-    XLA would silently fall back to an f16 dot), ``"small"`` (K <= small[0] and N <= small[1],
+    best left to the fused attention), ``"unaligned"`` (the contracting size K or the
+    weight's output features N not a multiple of 16, torchao's rule: cuBLASLt's FP8 GEMM
+    needs aligned dims, XLA pads the others, the rows M, which vary with the batch), ``"small"`` (K <= small[0] and N <= small[1],
     N the output features of operand ``param``, the weight: torchao's ``tensorwise``
     auto-filter, where the cost of scaling outweighs the faster GEMM on an H100; the default is
     theirs, ``(1024, 4096)``; ``(0, 0)`` lets every aligned matmul run in FP8).
@@ -191,7 +191,7 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
     k = _size(lhs_shape, lc)
     m = _size(lhs_shape, _remaining(len(lhs_shape), lc))
     n = _size(rhs_shape, _remaining(len(rhs_shape), rc))
-    if k % 16 or m % 16 or n % 16:
+    if k % 16 or n % 16:
         return "unaligned"
     features = m if param == 0 else n
     if k <= small[0] and features <= small[1]:

@@ -299,8 +299,9 @@ def _fp32_within(inherited: jmp.Policy) -> jmp.Policy:
 
 
 def _embed_within(inherited: jmp.Policy) -> jmp.Policy:
-    """The built-in embedding rule: rows gathered as stored, the enclosing compute dtype out."""
-    return jmp.Policy(inherited.param_dtype, inherited.compute_dtype, inherited.compute_dtype)
+    """The built-in embedding rule: rows gathered as stored, the enclosing compute dtype out
+    (a tied head, ``embed.attend``, keeps the enclosing ``matmul=``)."""
+    return dataclasses.replace(inherited, output_dtype=inherited.compute_dtype)
 
 
 #: A class rule's policy: absolute (a user's rule) or relative to the policy the module would
