@@ -90,10 +90,11 @@ def _remaining(n: int, *taken: Sequence[int]) -> list[int]:
     return [d for d in range(n) if d not in used]
 
 
-def _transpose_lhs(g, lhs_ndim: int, rhs, dims, out_dtype, *, swap=False):
-    """The cotangent of a dot_general's lhs: ``dot_general(g, rhs)`` with the axes put back
-    (the transpose rule of ``lax.dot_general``, here with FP8 operands, HIGHEST precision and
-    the caller's output dtype, which ``jax.vjp`` of the FP8 dot could not take)."""
+def _transpose_lhs(g, lhs_ndim: int, rhs, dims, out_dtype, scale, *, swap=False):
+    """The cotangent of a dot_general's lhs: ``dot_general(g, rhs) * scale`` with the axes put
+    back (the transpose rule of ``lax.dot_general``, here with FP8 operands, HIGHEST precision
+    and the caller's output dtype, which ``jax.vjp`` of the FP8 dot could not take). The scale
+    multiplies the dot's own output, before the transpose: the pattern XLA fuses."""
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
     r_kept = _remaining(rhs.ndim, rc, rb)
@@ -103,8 +104,9 @@ def _transpose_lhs(g, lhs_ndim: int, rhs, dims, out_dtype, *, swap=False):
     else:
         ans_r = list(range(nb + len(l_kept), nb + len(l_kept) + len(r_kept)))
     ans_b = list(range(nb))
-    out = lax.dot_general(g, rhs, ((ans_r, r_kept), (ans_b, list(rb))),
-                          precision=lax.Precision.HIGHEST, preferred_element_type=out_dtype)
+    out = _dequant(lax.dot_general(g, rhs, ((ans_r, r_kept), (ans_b, list(rb))),
+                                   precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=out_dtype), scale, out_dtype)
     lc_by_r = list(np.take(lc, np.argsort(rc))) if lc else []
     return lax.transpose(out, tuple(int(a) for a in np.argsort(list(lb) + l_kept + lc_by_r)))
 
@@ -130,10 +132,10 @@ def _fp8_fwd(lhs, rhs, dims, out_dtype, margin):
 def _fp8_bwd(dims, out_dtype, margin, res, g):
     lq, rq, ls, rs, (lz, rz) = res
     gq, gs = quantize(g, E5M2, margin)
-    dl = _transpose_lhs(gq, lq.ndim, rq, dims, lz.dtype)
+    dl = _transpose_lhs(gq, lq.ndim, rq, dims, lz.dtype, gs * rs)
     (lc, rc), (lb, rb) = dims
-    dr = _transpose_lhs(gq, rq.ndim, lq, ((rc, lc), (rb, lb)), rz.dtype, swap=True)
-    return _dequant(dl, gs * rs, lz.dtype), _dequant(dr, gs * ls, rz.dtype)
+    dr = _transpose_lhs(gq, rq.ndim, lq, ((rc, lc), (rb, lb)), rz.dtype, gs * ls, swap=True)
+    return dl, dr
 
 
 _fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
@@ -178,8 +180,8 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
     dimensions: attention's q @ k and weights @ v, which have no weight to scale once and are
     best left to the fused attention), ``"unaligned"`` (the contracting size K or the
     weight's output features N not a multiple of 16, torchao's rule: cuBLASLt's FP8 GEMM
-    needs aligned dims, XLA pads the others, the rows M, which vary with the batch), ``"small"`` (K <= small[0] and N <= small[1],
-    N the output features of operand ``param``, the weight: torchao's ``tensorwise``
+    needs aligned dims; XLA pads the rows M, which vary with the batch), ``"small"``
+    (K <= small[0] and N <= small[1], N the output features
     auto-filter, where the cost of scaling outweighs the faster GEMM on an H100; the default is
     theirs, ``(1024, 4096)``; ``(0, 0)`` lets every aligned matmul run in FP8).
     """
