@@ -41,6 +41,7 @@ _EXPORTS = {
     "format_precision_table": "jaxamp.diagnostics",
     "FP32_MODULES": "jaxamp.rules",
     "FP8Matmuls": "jaxamp.fp8",
+    "fp8_gemms": "jaxamp.diagnostics",
     "fp8_dot_general": "jaxamp.fp8",
     "fp8_eligible": "jaxamp.fp8",
     "get_policy": "jaxamp.policy",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
         collectives,
         format_collectives,
         format_precision_table,
+        fp8_gemms,
         locate_overflow,
         precision_table,
     )

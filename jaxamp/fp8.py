@@ -33,7 +33,7 @@ tensor before it is cast to E5M2, and bfloat16 has float32's range; float16 comp
 matmuls is refused by :func:`jaxamp.get_policy`.
 
 On CPU, XLA runs FP8 dots by upcasting (correct numbers, no speed); only a Hopper GPU runs the
-fused FP8 GEMM (``bench/gpu.sh`` checks the compiled HLO: :func:`jaxamp.fp8.unfused_fp8_dots`).
+fused FP8 GEMM (``bench/gpu.sh`` checks the compiled HLO: :func:`jaxamp.fp8_gemms`).
 """
 
 from __future__ import annotations

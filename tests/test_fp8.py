@@ -334,3 +334,19 @@ def test_fp8_on_8_virtual_devices_equals_one_device_and_adds_scalar_reductions()
         assert removed <= {"bfloat16"}, (key, r["removed"])
         assert r["wire_bytes"] <= r["bf16_wire_bytes"] * 1.01, (key, r)
     assert any(k.startswith("all-gather float8_e4m3fn") for k in out["fsdp8/mb2"]["added"])
+
+
+def test_the_fp8_gemm_diagnostic_counts_planned_dots_and_reads_compiled_hlo():
+    from jaxamp.diagnostics import fp8_hlo
+
+    model, params, batch = _net()
+    f = jaxamp.autocast(functools.partial(_loss, model.apply), FP8, op_rules=RULES)
+    report = jaxamp.fp8_gemms(jax.value_and_grad(f), params, batch)
+    assert report["planned"] == 6 and report["backend"] == "cpu"  # fc, proj: fwd, dgrad, wgrad
+    assert report["checked"] is False and report["fused"] is None
+    # the compiled-HLO reader on XLA:GPU text (one fused FP8 GEMM, one f16 fallback dot)
+    gpu = ('%cublas-gemm.1 = (bf16[16,64]{1,0}, s8[4194304]{0}) custom-call(f8e4m3fn[16,32]{1,0} '
+           '%a, f8e4m3fn[64,32]{1,0} %b, f32[] %s, f32[] %t), '
+           'custom_call_target="__cublas$lt$matmul$f8"\n'
+           '%dot.2 = f16[16,64]{1,0} dot(f16[16,32]{1,0} %c, f16[32,64]{1,0} %d)\n')
+    assert fp8_hlo.count_fp8_gemm_calls(gpu) == 1
