@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurement of jaxamp in one command (the GPU issue: Tensor Cores, figures against
-# PyTorch AMP). On an H200 it stays within a 435 s budget (about 7 minutes), every stage under
+# PyTorch AMP). On an H200 it stays within a 555 s budget (about 9 minutes), every stage under
 # its own timeout, and writes everything under OUTDIR (with the fp8 stage: within 555 s):
 #
 #   results-fp8.json                  FP8 matmuls (bench/fp8_gpu.py): planned FP8 GEMMs vs
