@@ -418,6 +418,10 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "--policy" in line and "int8" in line and "Allowed" in line
     line = run_error(capsys, ["--policy", "c=f16,,o=f32", "--out", out])
     assert "--policy" in line
+    line = run_error(capsys, ["--policy", "c=f16,matmul=fp8", "--out", out])
+    assert "--policy" in line and "matmul=float8 needs compute=bfloat16" in line
+    line = run_error(capsys, ["--fp8-small", "1024", "--out", out])
+    assert "--fp8-small must be two integers >= 0 as K,N" in line and "'1024'" in line
     line = run_error(capsys, ["--preset", "test", "--data", str(tmp_path / "nope"),
                               "--out", out])
     assert "nope" in line and "no such file" in line
