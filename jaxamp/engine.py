@@ -254,6 +254,7 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
                               share=SHARE_REPEATED_CALLS)
         if any(getattr(p, "matmul_dtype", None) is not None for p in regions.policies):
             evaluator.matmul_ends = _matmul_ends(closed.jaxpr)
+            _warn_no_fp8_rule(regions.policies, op_rules)
         consts = [Value(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [Value(leaves[i], True, False, ()) for i in dyn]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
@@ -316,6 +317,17 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _warn_no_fp8_rule(policies, op_rules: OpRules) -> None:
+    fp8 = any(p is not None and getattr(p, "matmul_dtype", None) is not None
+              and np.dtype(p.matmul_dtype).itemsize == 1 for p in policies)
+    if fp8 and op_rules.handler("dot_general") is None:
+        warnings.warn(
+            "jaxamp.autocast: a policy sets matmul=float8 but op_rules has no dot_general "
+            "handler (the FP8 rule), so every matmul runs in the compute dtype. Build the rules "
+            "from jaxamp.DEFAULT_OP_RULES, or add handlers={'dot_general': "
+            "jaxamp.FP8Matmuls()}.", stacklevel=_user_stacklevel())
 
 
 def _warn_unknown(names: set[str]) -> None:

@@ -190,6 +190,13 @@ def test_the_saved_residuals_of_an_fp8_matmul_are_fp8_bytes():
     assert f8 == [(2, 16, 32), (2, 16, 64), (32, 64), (64, 32)]
 
 
+def test_matmul_float8_without_the_fp8_rule_warns():
+    model, params, batch = _net()
+    with pytest.warns(UserWarning, match="matmul=float8 but op_rules has no dot_general handler"):
+        jax.make_jaxpr(jaxamp.autocast(functools.partial(_loss, model.apply), FP8,
+                                       op_rules=jaxamp.OpRules()))(params, batch)
+
+
 def test_bad_options_are_refused_before_tracing():
     with pytest.raises(ValueError, match=r"small must be a tuple \(K, N\) of ints >= 0, got 7"):
         jaxamp.FP8Matmuls(small=7)
