@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurement of jaxamp in one command (the GPU issue: Tensor Cores, figures against
-# PyTorch AMP). On an H200 it stays within a 435 s budget (about 7 minutes), every stage under
-# its own timeout, and writes everything under OUTDIR:
+# PyTorch AMP). On an H200 it stays within a 555 s budget (about 9 minutes), every stage under
+# its own timeout, and writes everything under OUTDIR (with the fp8 stage: within 555 s):
 #
+#   results-fp8.json                  FP8 matmuls (bench/fp8_gpu.py): planned FP8 GEMMs vs
+#                                     __cublas$lt$matmul$f8 calls in the compiled HLO, f16
+#                                     fallbacks, tokens/s FP8 vs bf16 at gpt2-small and d2048
 #   results-gpu.json                  the bench (bench/run.py --gpu), the five targets, the
 #                                     stages, the environment, the gpu tests, the example runs
 #   gpu.log                           every stage's output
@@ -20,6 +23,7 @@
 #   3 bench    python bench/run.py --gpu --json OUTDIR/results-gpu.json (jaxamp, hand-cast
 #              Flax, PyTorch AMP + torch.compile; f32/bf16/f16; tokens/s, MFU, memory, compile)
 #   4 example  examples/train_lm.py, gpt2-small preset, 200 steps in bf16 and in f16
+#   fp8        python bench/fp8_gpu.py --json OUTDIR/results-fp8.json (FP8 GEMM check, speed)
 #   5 merge    everything into results-gpu.json, and a short table last in the output
 #
 # jmp: if `import jmp` fails and a .whl/ folder is in the repository root, the wheels there are
@@ -32,8 +36,8 @@
 # (jmp is pure Python, py3-none-any; its own needs, numpy and dataclasses, are there already.)
 # jaxamp itself is not installed: the repository root goes on PYTHONPATH.
 #
-# Time budget (seconds; environment overrides): JAXAMP_GPU_BUDGET_S (whole run, default 435),
-# and per stage JAXAMP_GPU_T_ENV / _T_TESTS / _T_BENCH / _T_EXAMPLE (each example run).
+# Time budget (seconds; environment overrides): JAXAMP_GPU_BUDGET_S (whole run, default 555),
+# and per stage JAXAMP_GPU_T_ENV / _T_TESTS / _T_BENCH / _T_EXAMPLE (each example run) / _T_FP8.
 # Narrowing (a rerun, or the CPU test of this script): JAXAMP_GPU_VARIANTS (bench variants,
 # e.g. "jaxamp/bfloat16,torch/bfloat16"), JAXAMP_GPU_PYTEST_ARGS (e.g. "-k poisoned"),
 # JAXAMP_GPU_EXAMPLE_STEPS (default 200; 8 in the dry run).
@@ -63,16 +67,18 @@ export PYTHONDONTWRITEBYTECODE=1
 
 if [[ $DRY == 1 ]]; then
   export JAXAMP_GPU_DRY_RUN=1 JAX_PLATFORMS=cpu
-  BUDGET=${JAXAMP_GPU_BUDGET_S:-400}
+  BUDGET=${JAXAMP_GPU_BUDGET_S:-550}
   T_ENV=${JAXAMP_GPU_T_ENV:-40}; T_TESTS=${JAXAMP_GPU_T_TESTS:-120}
   T_BENCH=${JAXAMP_GPU_T_BENCH:-150}; T_EXAMPLE=${JAXAMP_GPU_T_EXAMPLE:-60}
+  T_FP8=${JAXAMP_GPU_T_FP8:-150}; FP8_ARGS=(--cpu-dry-run)
   EXAMPLE_ARGS=(--preset test --steps "${JAXAMP_GPU_EXAMPLE_STEPS:-8}" --batch-size 2
                 --eval-interval 4 --eval-batches 1 --checkpoint-interval 0 --no-compare-f32
                 --data "$ROOT/examples")
 else
-  BUDGET=${JAXAMP_GPU_BUDGET_S:-435}
+  BUDGET=${JAXAMP_GPU_BUDGET_S:-555}
   T_ENV=${JAXAMP_GPU_T_ENV:-20}; T_TESTS=${JAXAMP_GPU_T_TESTS:-70}
   T_BENCH=${JAXAMP_GPU_T_BENCH:-230}; T_EXAMPLE=${JAXAMP_GPU_T_EXAMPLE:-50}
+  T_FP8=${JAXAMP_GPU_T_FP8:-120}; FP8_ARGS=()
   EXAMPLE_ARGS=(--preset gpt2-small --steps "${JAXAMP_GPU_EXAMPLE_STEPS:-200}" --batch-size 8
                 --eval-interval 25 --eval-batches 4 --checkpoint-interval 0 --no-compare-f32)
 fi
@@ -202,6 +208,10 @@ for dt in bfloat16 float16; do
     fi
   done
 done
+
+# ---- fp8: planned FP8 GEMMs vs __cublas$lt$matmul$f8 in the compiled HLO; FP8 vs bf16 ----
+stage fp8 "$T_FP8" "$PY" bench/fp8_gpu.py --json "$OUTDIR/results-fp8.json" \
+  ${FP8_ARGS[@]+"${FP8_ARGS[@]}"}
 
 # ---- 5 merge ----
 say "stage merge"

@@ -75,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--policy", default=jaxamp.DEFAULT_POLICY,
                    help="jaxamp/jmp policy string: params/compute/output dtypes, e.g. "
                         "'params=float32,compute=bfloat16,output=float32', 'c=f16' or "
-                        "'float32' (full precision)")
+                        "'float32' (full precision); add ',matmul=float8' for FP8 matmuls")
+    m.add_argument("--fp8-small", default="1024,4096", metavar="K,N",
+                   help="with matmul=float8: a matmul with contracting size <= K and output "
+                        "features <= N stays in the compute dtype (default: torchao's "
+                        "threshold; '0,0' runs every aligned matmul in FP8)")
     m.add_argument("--dropout", type=float, default=0.0,
                    help="dropout rate (embeddings and residual branches), in [0, 1)")
     m.add_argument("--loss-scale", default="auto",
@@ -153,6 +157,7 @@ class Setup:
     out_note: str | None = None  # e.g. "runs/tiny-f16 holds an earlier run; ... -2"
     loss_scale: object = None  # jaxamp.DynamicLossScale / StaticLossScale / NoOpLossScale
     lock: lm_files.FolderLock | None = None  # --out's lock, held for the run (first host)
+    op_rules: object = jaxamp.DEFAULT_OP_RULES  # --fp8-small (jaxamp.FP8Matmuls)
 
     def release(self) -> None:
         """Drops --out's lock (at the end of the run)."""
@@ -209,6 +214,7 @@ def validate(args: argparse.Namespace) -> Setup:
     except (ValueError, TypeError) as e:
         raise UsageError(f"--policy {args.policy!r}: {e}") from None
     policy_str = jaxamp.policy_to_str(policy)
+    op_rules = _fp8_rules(args.fp8_small)
     compute = np.dtype(policy.compute_dtype).name
     kind = args.loss_scale
     if kind == "auto":
@@ -265,7 +271,19 @@ def validate(args: argparse.Namespace) -> Setup:
             raise UsageError(f"--out {folder.path}: cannot lock it ({e.strerror or e}); choose "
                              "a folder on a filesystem that supports flock") from None
     return Setup(args, config, policy, policy_str, kind, folder.path, corpus, folder, note,
-                 loss_scale, held)
+                 loss_scale, held, op_rules)
+
+
+def _fp8_rules(text: str):
+    """``--fp8-small K,N`` -> op rules whose FP8 rule has that size threshold."""
+    parts = text.split(",")
+    try:
+        small = tuple(int(v) for v in parts)
+        rule = jaxamp.FP8Matmuls(small=small)
+    except ValueError:
+        raise UsageError(f"--fp8-small must be two integers >= 0 as K,N (e.g. 1024,4096 or "
+                         f"0,0), got {text!r}") from None
+    return jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": rule})
 
 
 def _check_loss_scale(kind: str, args):

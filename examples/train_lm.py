@@ -109,7 +109,8 @@ def make_step(model, tx, s: Setup, mesh=None):
     clipping the unscaled gradients, micro-batches, --mesh (lm_mesh.py)."""
     return jaxamp.make_train_step(model, loss_fn, tx, policy=s.policy,
                                   clip_norm=s.args.clip_norm or None,
-                                  micro_batches=s.args.micro_batches, **lm_mesh.step_kwargs(mesh))
+                                  micro_batches=s.args.micro_batches, op_rules=s.op_rules,
+                                  **lm_mesh.step_kwargs(mesh))
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def train(s: Setup, run: lm_stop.Run) -> int:
 
     # ---- step: compiled once; its memory read from the compiled program ----
     step_fn = make_step(model, tx, s, mesh)
-    eval_fn = jaxamp.make_eval_step(model, loss_fn, policy=s.policy)
+    eval_fn = jaxamp.make_eval_step(model, loss_fn, policy=s.policy, op_rules=s.op_rules)
 
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
@@ -235,7 +236,7 @@ def train(s: Setup, run: lm_stop.Run) -> int:
             make_step(model, tx, s32).lower(create_state(model, tx, s32, abstract=True),
                                             batch_at(0)).compile())
     precision = jaxamp.precision_table(lambda p, b: loss_fn(model.apply, p, b), state.params,
-                                       batch_at(0), policy=s.policy)
+                                       batch_at(0), policy=s.policy, op_rules=s.op_rules)
     summary = lm_report.summary(s, state, rows, start_step=start_step, initial_val=initial_val,
                                 final_val=last_val, tokens=tokens, train_s=train_s,
                                 compile_s=compile_s, memory=memory, memory_f32=memory_f32)

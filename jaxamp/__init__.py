@@ -4,7 +4,8 @@ Per-module precision policies for unmodified Flax models (:func:`autocast`), flo
 numerics need it (:data:`DEFAULT_OP_RULES`, :data:`FP32_MODULES`), loss scaling
 (:class:`DynamicLossScale`), the AMP update as an optax transformation (:func:`amp`) and a jitted
 AMP train step built on it (:func:`make_train_step`), on one device or a mesh
-(:func:`shard_state`; :func:`collectives` shows what crosses the wire). The tools that
+(:func:`shard_state`; :func:`collectives` shows what crosses the wire), FP8 matmuls from a
+policy's ``matmul=float8`` (:mod:`jaxamp.fp8`). The tools that
 inspect a program or a run (:func:`audit`, :func:`precision_table`, :func:`locate_overflow`,
 ``python -m jaxamp.review``) live in :mod:`jaxamp.diagnostics` and are re-exported here.
 
@@ -39,10 +40,15 @@ _EXPORTS = {
     "format_collectives": "jaxamp.diagnostics",
     "format_precision_table": "jaxamp.diagnostics",
     "FP32_MODULES": "jaxamp.rules",
+    "FP8Matmuls": "jaxamp.fp8",
+    "fp8_gemms": "jaxamp.diagnostics",
+    "fp8_dot_general": "jaxamp.fp8",
+    "fp8_eligible": "jaxamp.fp8",
     "get_policy": "jaxamp.policy",
     "locate_overflow": "jaxamp.diagnostics",
     "make_eval_step": "jaxamp.train",
     "make_train_step": "jaxamp.train",
+    "MatmulPolicy": "jaxamp.policy",
     "nnx_update": "jaxamp.train",
     "ModuleRules": "jaxamp.rules",
     "NoOpLossScale": "jaxamp.loss_scale",
@@ -71,13 +77,15 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
         collectives,
         format_collectives,
         format_precision_table,
+        fp8_gemms,
         locate_overflow,
         precision_table,
     )
     from jaxamp.engine import autocast
+    from jaxamp.fp8 import FP8Matmuls, fp8_dot_general, fp8_eligible
     from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
     from jaxamp.losses import softmax_cross_entropy
-    from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
+    from jaxamp.policy import DTYPE_NAMES, MatmulPolicy, get_policy, policy_to_str
     from jaxamp.rules import DEFAULT_OP_RULES, EMBED_MODULES, FP32_MODULES, ModuleRules, OpRules
     from jaxamp.sharding import shard_state
     from jaxamp.train import (

@@ -30,6 +30,7 @@ __all__ = [
     "close_jaxpr",
     "cond_params",
     "custom_jvp_params",
+    "dot_dimension_numbers",
     "custom_vjp_call_jaxpr",
     "custom_vjp_name",
     "dce_jaxpr",
@@ -149,6 +150,11 @@ def call_jaxpr(eqn) -> Any:
 def call_name(eqn) -> str:
     """The function name a ``jit``/``pjit`` equation records ('' if none)."""
     return str(eqn.params.get("name", ""))
+
+
+def dot_dimension_numbers(eqn):
+    """A ``dot_general`` equation's ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``."""
+    return eqn.params["dimension_numbers"]
 
 
 def new_dtype(eqn):

@@ -34,6 +34,7 @@ from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate, name_s
 from jaxamp._op_rules import RuleCall, Site, first_order
 from jaxamp._sharing import Node, Program
 from jaxamp._values import F32, Value, cast, is_float
+from jaxamp.policy import matmul_dtype
 from jaxamp.rules import OpRules
 
 __all__ = ["REGION_MARKER", "Body", "Evaluator"]
@@ -106,6 +107,8 @@ class Evaluator:
         self.evaluations: collections.Counter = collections.Counter()  # id(jaxpr) -> count
         self.sharing = _sharing.Sharing(self)
         self.share = share  # evaluate repeated module calls once (see jaxamp._sharing)
+        # id(eqn) -> "first"/"last": the first and last matmul reading a param (RuleCall.position)
+        self.matmul_ends: dict[int, str] = {}
 
     # ---- regions -------------------------------------------------------------------------
     def policy(self, region: tuple[int, ...]) -> jmp.Policy:
@@ -113,6 +116,13 @@ class Evaluator:
 
     def compute_dtype(self, region: tuple[int, ...]) -> np.dtype:
         return np.dtype(self.policy(region).compute_dtype)
+
+    def matmul_dtype(self, region: tuple[int, ...]) -> np.dtype:
+        """The dtype the built-in matmul rule runs in: the policy's ``matmul=`` dtype when it
+        is a float16/bfloat16/float32 one, else the compute dtype (FP8 is the FP8 rule's,
+        :mod:`jaxamp.fp8`, and falls back to the compute dtype)."""
+        dtype = np.dtype(matmul_dtype(self.policy(region)))
+        return dtype if dtype.itemsize > 1 else self.compute_dtype(region)
 
     def markers(self, eqn) -> tuple[int, ...]:
         """The ids of this call's module-call markers in ``eqn``'s name stack, outermost

@@ -10,7 +10,9 @@ audit all read programs through the functions here (no other module reads ``.eqn
 * :func:`walk` visits every equation of a jaxpr and of its sub-programs, in execution order,
   with its full name stack (the audit's records, the step audit's dataflow graph);
 * :func:`iter_jaxprs`/:func:`iter_eqns` list them without order or mapping (tests, benchmarks);
-* :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses.
+* :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses;
+* :func:`param_matmuls` lists the matmuls that read a program input (a param), in order (the
+  first and last matmul that the FP8 rule keeps in the compute dtype).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "jaxpr_of",
     "lossy_round_trips",
     "name_stack",
+    "param_matmuls",
     "sub_programs",
     "walk",
 ]
@@ -258,6 +261,44 @@ def containing(j: Any, eqn) -> jcore.Jaxpr | None:
         if any(e is eqn for e in jaxpr.eqns):
             return jaxpr
     return None
+
+
+def param_matmuls(j: Any, matmuls: frozenset[str],
+                  passes: frozenset[str]) -> list[tuple[Any, bool]]:
+    """The equations of primitives ``matmuls`` (``dot_general``) with an operand that is a
+    float input or const of ``j`` as it is, or after primitives ``passes`` only (reshape,
+    transpose, convert: a param read), in execution order, sub-programs included; each with
+    whether it sits in a ``scan``/``while`` body (run once per iteration)."""
+    found: list[tuple[Any, bool]] = []
+
+    def visit(jaxpr, consts_params: bool, params: set, in_loop: bool) -> None:
+        jaxpr = as_jaxpr(jaxpr)
+        if consts_params:
+            params.update(jaxpr.constvars)
+        for eqn in jaxpr.eqns:
+            subs = sub_programs(eqn)
+            name = eqn.primitive.name
+            if subs:
+                loop = in_loop or name in ("scan", "while")
+                for sub in subs:
+                    inner = {v for v, o in zip(sub.jaxpr.invars, sub.ins)
+                             if o is not None and not isinstance(o, jcore.Literal)
+                             and o in params}
+                    inner.update(sub.jaxpr.constvars)
+                    visit(sub.jaxpr, False, inner, loop)
+                    params.update(o for v, o in zip(sub.jaxpr.outvars, sub.outs)
+                                  if o is not None and not isinstance(v, jcore.Literal)
+                                  and v in inner)
+                continue
+            reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal) and v in params]
+            if name in matmuls and reads:
+                found.append((eqn, in_loop))
+            elif name in passes and reads:
+                params.update(eqn.outvars)
+
+    top = as_jaxpr(j)
+    visit(top, True, set(top.invars), False)
+    return found
 
 
 # ---- checks on casts ------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs in the region's compute dtype, inputs and output; with ``f32_weight_grads`` a
     param operand's gradient comes out in float32 (:mod:`jaxamp._wgrad`)."""
     name = eqn.primitive.name
-    dtype = ev.compute_dtype(site.region)
+    dtype = ev.matmul_dtype(site.region)
     floats = [v for v in ins if v.is_float]
     params = dict(eqn.params)
     if params.get("preferred_element_type") is not None and floats:
@@ -220,6 +220,9 @@ class RuleCall:
         rather than an activation.
       policy: the :class:`jmp.Policy` of the region the equation runs in.
       want_f32: per output, whether every consumer computes in float32.
+      position: ``"first"`` or ``"last"`` for the first and the last matmul of the program
+        that reads a param (outside loop bodies; see :func:`jaxamp._jaxpr.param_matmuls`),
+        found when some policy sets ``matmul=``; else None.
 
     A handler returns the equation's outputs (a list of arrays, activations of the region),
     or None to leave the equation to its op class's rule; :meth:`default` runs that rule.
@@ -232,6 +235,7 @@ class RuleCall:
         self.stored = [v.stored for v in ins]
         self.policy: jmp.Policy = ev.policy(site.region)
         self.want_f32 = list(site.want32)
+        self.position: str | None = ev.matmul_ends.get(id(eqn))
 
     @property
     def compute_dtype(self) -> np.dtype:

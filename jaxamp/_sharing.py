@@ -167,8 +167,11 @@ class Sharing:
 
     def eqn_key(self, eqn, refs: dict, marker: int | None) -> tuple:
         policies = tuple(self.ev.policies[i] for i in self.ev.markers(eqn))
+        # the first/last matmul (kept out of FP8) is not the same as its repeats
+        end = self.ev.matmul_ends.get(id(eqn))
         return (eqn.primitive, self.params_key(eqn), tuple(self.ref(refs, v) for v in eqn.invars),
-                tuple(_aval_key(v) for v in eqn.outvars), self.stack_key(eqn, marker), policies)
+                tuple(_aval_key(v) for v in eqn.outvars), self.stack_key(eqn, marker), policies,
+                end)
 
     # ---- plans ----------------------------------------------------------------------------
     def plan(self, jaxpr, wants: set, out_wants: Sequence[bool]) -> dict[int, Node]:

@@ -93,6 +93,7 @@ import numpy as np
 from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import Tracer, mesh_is_set
 from jaxamp._evaluator import COUNTERS, REGION_MARKER, Evaluator
+from jaxamp._jaxpr import param_matmuls
 from jaxamp._values import Value, cast
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
@@ -289,6 +290,9 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
                               regions.attention.calls, _sums_across_devices()
                               if f32_weight_grads is None else f32_weight_grads,
                               share=SHARE_REPEATED_CALLS)
+        if any(getattr(p, "matmul_dtype", None) is not None for p in regions.policies):
+            evaluator.matmul_ends = _matmul_ends(closed.jaxpr)
+            _warn_no_fp8_rule(regions.policies, op_rules)
         consts = [Value(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [Value(leaves[i], True, False, ()) for i in dyn]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
@@ -315,6 +319,24 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
     return wrapped
 
 
+def _matmul_ends(jaxpr) -> dict[int, str]:
+    """id(eqn) -> ``"first"``/``"last"``: the first and the last ``dot_general`` of the program
+    that reads a param (an input, through reshapes/transposes/casts), unless it sits in a loop
+    body (it runs once per iteration: every layer of a scanned stack)."""
+    dots = param_matmuls(jaxpr, frozenset({"dot_general"}), _PARAM_READS)
+    ends: dict[int, str] = {}
+    if dots and not dots[0][1]:
+        ends[id(dots[0][0])] = "first"
+    if dots and not dots[-1][1] and dots[-1][0] is not dots[0][0]:
+        ends[id(dots[-1][0])] = "last"
+    return ends
+
+
+#: What a param goes through between its read and a matmul (still "the param").
+_PARAM_READS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim",
+                          "squeeze", "expand_dims", "copy", "copy_p", "slice"})
+
+
 def _sums_across_devices() -> bool:
     """Whether a batch contraction may be a sum across devices: traced under a mesh
     (``jax.set_mesh``), or more than one device visible (plain ``jax.jit`` of inputs placed
@@ -333,6 +355,17 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _warn_no_fp8_rule(policies, op_rules: OpRules) -> None:
+    fp8 = any(p is not None and getattr(p, "matmul_dtype", None) is not None
+              and np.dtype(p.matmul_dtype).itemsize == 1 for p in policies)
+    if fp8 and op_rules.handler("dot_general") is None:
+        warnings.warn(
+            "jaxamp.autocast: a policy sets matmul=float8 but op_rules has no dot_general "
+            "handler (the FP8 rule), so every matmul runs in the compute dtype. Build the rules "
+            "from jaxamp.DEFAULT_OP_RULES, or add handlers={'dot_general': "
+            "jaxamp.FP8Matmuls()}.", stacklevel=_user_stacklevel())
 
 
 def _warn_unknown(names: set[str]) -> None:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 
 from jaxamp import policy_spec
 
-__all__ = ["DTYPE_NAMES", "get_policy", "policy_to_str"]
+__all__ = ["DTYPE_NAMES", "MatmulPolicy", "get_policy", "matmul_dtype", "policy_to_str"]
 
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -46,6 +47,49 @@ def _dtype(name: str) -> Any:
     return jmp.half_dtype() if name == policy_spec.HALF else _DTYPES[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class MatmulPolicy(jmp.Policy):
+    """A :class:`jmp.Policy` that also says which dtype the matmuls run in.
+
+    ``matmul_dtype``: ``jnp.float8_e4m3fn`` runs every *eligible* ``dot_general`` of the
+    region in FP8 (:mod:`jaxamp.fp8`: E4M3 forward operands, E5M2 output gradients, per-tensor
+    current scaling, the result in the compute dtype; the others stay in the compute dtype and
+    the audit says why); a floating dtype runs the region's matmuls in it instead of the
+    compute dtype; None is a plain policy (matmuls in the compute dtype). Everything that
+    takes a :class:`jmp.Policy` takes it; :func:`get_policy` makes one for ``matmul=``.
+
+    Example:
+        >>> p = get_policy("params=float32,compute=bfloat16,output=float32,matmul=fp8")
+        >>> type(p).__name__, policy_to_str(p)
+        ('MatmulPolicy', 'params=float32,compute=bfloat16,output=float32,matmul=float8')
+    """
+
+    matmul_dtype: Any = None
+
+
+def matmul_dtype(policy: jmp.Policy) -> Any:
+    """The dtype ``policy``'s matmuls run in: its ``matmul_dtype`` if it is a
+    :class:`MatmulPolicy` that sets one, else its compute dtype."""
+    found = getattr(policy, "matmul_dtype", None)
+    return policy.compute_dtype if found is None else found
+
+
+def _check_matmul(names: dict[str, str], compute, spec: str) -> Any:
+    name = names.get("matmul")
+    if name is None:
+        return None
+    if name != policy_spec.FLOAT8:
+        return _dtype(name)
+    if np.dtype(compute) == np.dtype(jnp.float16):
+        raise ValueError(
+            f"Policy {spec!r}: matmul=float8 needs compute=bfloat16 or compute=float32, got "
+            "compute=float16. FP8 matmuls return the compute dtype: float16's range (max "
+            "65504) overflows where the FP8 product of two scaled tensors does not, and "
+            "float16 also needs a global loss scale on top of FP8's per-tensor scales. Write "
+            "'params=float32,compute=bfloat16,output=float32,matmul=float8'.")
+    return jnp.float8_e4m3fn
+
+
 def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     """Parses a policy string into a :class:`jmp.Policy`.
 
@@ -55,6 +99,11 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     ``float16``/``f16``, ``bfloat16``/``bf16`` and ``half``. Names are case-insensitive and
     whitespace around parts, keys and values is ignored. Unset values default as in jmp: params
     to float32, compute to params, output to compute.
+
+    jaxamp adds ``matmul=``: ``float8`` (``fp8``, ``f8``) returns a :class:`MatmulPolicy`
+    whose eligible matmuls run in FP8 (:mod:`jaxamp.fp8`); float8 with ``compute=float16`` is
+    refused (use bfloat16 compute: see :class:`MatmulPolicy`); a floating dtype runs the
+    matmuls in that dtype. Without ``matmul=`` the result is a plain :class:`jmp.Policy`.
 
     ``half`` is resolved when the string is parsed, from the platform of the first local device
     (the same rule as :func:`jmp.half_dtype`):
@@ -96,8 +145,22 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
         _check_float_policy(spec)
         return spec
     names = policy_spec.parse(spec)
-    return jmp.Policy(param_dtype=_dtype(names["params"]), compute_dtype=_dtype(names["compute"]),
-                      output_dtype=_dtype(names["output"]))
+    compute = _dtype(names["compute"])
+    fields = dict(param_dtype=_dtype(names["params"]), compute_dtype=compute,
+                  output_dtype=_dtype(names["output"]))
+    matmul = _check_matmul(names, compute, spec)
+    if matmul is None:
+        return jmp.Policy(**fields)
+    return MatmulPolicy(**fields, matmul_dtype=matmul)
+
+
+def with_matmul(policy: jmp.Policy, spec: str) -> jmp.Policy:
+    """``policy`` with the ``matmul=`` of ``spec`` (a string that sets only ``matmul=``, as an
+    override ``{"lm_head": "matmul=bfloat16"}`` does): its other fields unchanged."""
+    names = policy_spec.parse_given(spec)
+    matmul = _check_matmul(names, policy.compute_dtype, spec)
+    return MatmulPolicy(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
+                        matmul_dtype=matmul)
 
 
 def _check_float_policy(policy: jmp.Policy) -> None:
@@ -148,4 +211,9 @@ def policy_to_str(policy: jmp.Policy) -> str:
         except (KeyError, TypeError):
             raise ValueError(f"The {field} dtype {dtype!r} has no policy-string name. "
                              f"{policy_spec.ALLOWED_DTYPES}") from None
+    matmul = getattr(policy, "matmul_dtype", None)
+    if matmul is not None:
+        fp8 = np.dtype(matmul) == np.dtype(jnp.float8_e4m3fn)
+        name = policy_spec.FLOAT8 if fp8 else _CANONICAL_NAMES[np.dtype(matmul)]
+        names.append(f"matmul={name}")
     return ",".join(names)

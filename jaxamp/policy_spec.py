@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "FIELDS", "HALF", "loss_scaling", "parse", "to_str"]
+__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "FIELDS", "FLOAT8", "HALF", "MATMUL_ALIASES",
+           "loss_scaling", "parse", "parse_given", "to_str"]
 
 #: What jaxamp uses when no policy is given: float32 master weights, float16 compute, float32
 #: outputs (with dynamic loss scaling, see :func:`loss_scaling`).
@@ -35,6 +36,14 @@ DTYPE_ALIASES = {
 #: The backend-dependent half-precision name.
 HALF = "half"
 
+#: The ``matmul=`` value that runs eligible matmuls in FP8 (E4M3 forward operands, E5M2
+#: gradients: :mod:`jaxamp.fp8`).
+FLOAT8 = "float8"
+
+#: Accepted ``matmul=`` names (lower case) -> canonical name: ``float8`` and its aliases, or a
+#: floating dtype name (matmuls in that dtype instead of the compute dtype).
+MATMUL_ALIASES = {"float8": FLOAT8, "fp8": FLOAT8, "f8": FLOAT8, **DTYPE_ALIASES}
+
 _KEYS = {
     "params": "params",
     "p": "params",
@@ -42,6 +51,7 @@ _KEYS = {
     "c": "compute",
     "output": "output",
     "o": "output",
+    "matmul": "matmul",
 }
 _NON_FLOAT_NAMES = frozenset(
     {"bool", "complex64", "complex128", "c64", "c128"}
@@ -50,7 +60,9 @@ _NON_FLOAT_NAMES = frozenset(
 _FLOAT64_NAMES = frozenset({"float64", "f64", "double"})
 
 ALLOWED_DTYPES = "Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half."
-_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o."
+ALLOWED_MATMUL = ("Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible matmuls), float32/f32, "
+                  "float16/f16, bfloat16/bf16, half.")
+_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o, matmul."
 EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
 
 
@@ -81,19 +93,50 @@ def _parse_dtype(value: str, part: str, spec: str) -> str:
     raise _error(f"Unknown dtype {where}.", ALLOWED_DTYPES)
 
 
+def _parse_matmul(value: str, part: str, spec: str) -> str:
+    name = value.strip().lower()
+    if name in MATMUL_ALIASES:
+        return MATMUL_ALIASES[name]
+    if name == HALF:
+        return HALF
+    if name.startswith(("float8", "f8", "fp8")):
+        raise _error(f"Unknown matmul dtype '{value.strip()}' in '{part.strip()}' of '{spec}': "
+                     "write float8 (E4M3 forward operands, E5M2 gradients).", ALLOWED_MATMUL)
+    _parse_dtype(value, part, spec)  # raises with the dtype's own message
+    raise _error(f"Unknown matmul dtype '{value.strip()}' in '{part.strip()}'.",
+                 ALLOWED_MATMUL)  # pragma: no cover - _parse_dtype raised
+
+
 def parse(spec: str) -> dict[str, str]:
-    """Parses a policy string into canonical dtype names ``{"params", "compute", "output"}``.
+    """Parses a policy string into canonical dtype names ``{"params", "compute", "output"}``
+    (and ``"matmul"`` when the string sets it).
 
     The grammar is jmp's: a bare dtype name, which sets all three, or comma-separated
     ``key=dtype`` parts (keys ``params``/``p``, ``compute``/``c``, ``output``/``o``, each at
     most once). Names are case-insensitive; whitespace is ignored. Unset values default as in
     jmp: params to float32, compute to params, output to compute. ``half`` stays ``"half"``.
+    jaxamp adds ``matmul=``: ``float8`` (aliases ``fp8``, ``f8``) runs the eligible matmuls in
+    FP8 (:mod:`jaxamp.fp8`); a floating dtype runs the matmuls in it instead of the compute
+    dtype. Unset, matmuls run in the compute dtype (no ``"matmul"`` key in the result).
 
     Raises:
         TypeError: ``spec`` is not a string.
         ValueError: the string is malformed; the message names the bad part, what is allowed,
             and gives a valid example.
     """
+    dtypes = parse_given(spec)
+    params = dtypes.get("params", "float32")
+    compute = dtypes.get("compute", params)
+    out = {"params": params, "compute": compute, "output": dtypes.get("output", compute)}
+    if "matmul" in dtypes:
+        out["matmul"] = dtypes["matmul"]
+    return out
+
+
+def parse_given(spec: str) -> dict[str, str]:
+    """The keys ``spec`` sets, as :func:`parse` reads them, without defaults (a bare dtype
+    name sets params, compute and output). An override that sets only ``matmul=`` keeps the
+    other fields of the policy its module inherits (:class:`jaxamp.ModuleRules`)."""
     if not isinstance(spec, str):
         raise TypeError(
             f"Policy must be a str or jmp.Policy, got {type(spec).__name__}: {spec!r}. {EXAMPLE}"
@@ -138,19 +181,19 @@ def parse(spec: str) -> dict[str, str]:
         if field in seen:
             raise _error(
                 f"Duplicate policy key '{raw_key.strip()}' in '{spec}': {field} is already set "
-                f"by '{seen[field]}'. Each of params/p, compute/c, output/o may appear once."
+                f"by '{seen[field]}'. Each of params/p, compute/c, output/o, matmul may appear "
+                "once."
             )
         seen[field] = part.strip()
-        dtypes[field] = _parse_dtype(value, part, spec)
-
-    params = dtypes.get("params", "float32")
-    compute = dtypes.get("compute", params)
-    return {"params": params, "compute": compute, "output": dtypes.get("output", compute)}
+        parse_value = _parse_matmul if field == "matmul" else _parse_dtype
+        dtypes[field] = parse_value(value, part, spec)
+    return dtypes
 
 
 def to_str(names: dict[str, str]) -> str:
     """The canonical full form of :func:`parse`'s result, which :func:`parse` reads back."""
-    return ",".join(f"{field}={names[field]}" for field in FIELDS)
+    fields = (*FIELDS, "matmul") if "matmul" in names else FIELDS
+    return ",".join(f"{field}={names[field]}" for field in fields)
 
 
 def loss_scaling(compute: str) -> str:

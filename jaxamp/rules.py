@@ -53,6 +53,10 @@ per path pattern (``{"decoder/layers_*/attn": "float32"}``; NNX paths read as NN
 3. the policy of the nearest ancestor module that matched a rule (Haiku's scoping);
 4. the default policy.
 
+An override that sets only ``matmul=`` (``{"lm_head": "matmul=bfloat16"}``, ``{nnx.Linear:
+"matmul=float8"}``) is relative too: the module keeps the policy it would inherit, with that
+matmul dtype (:class:`jaxamp.policy.MatmulPolicy`).
+
 Built-in class rules (:data:`FP32_MODULES`, :data:`EMBED_MODULES`) are relative to the region
 they sit in: normalisation layers compute in float32 and return the compute dtype of the
 enclosing region ("FP16 input -> FP32 compute -> FP16 output"; inside a module that a rule
@@ -66,6 +70,7 @@ module itself is matched by its class name (``"GPT"``), as every jaxamp report p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -75,7 +80,9 @@ import jax.numpy as jnp
 import jmp
 from flax import nnx
 
-from jaxamp.policy import get_policy
+from jaxamp import policy_spec
+from jaxamp.fp8 import FP8_MATMULS
+from jaxamp.policy import get_policy, with_matmul
 
 __all__ = [
     "DEFAULT_OP_RULES",
@@ -244,7 +251,9 @@ class OpRules:
         return None
 
 
-DEFAULT_OP_RULES = OpRules()
+#: The default rules; their one handler, :data:`jaxamp.fp8.FP8_MATMULS`, runs the eligible
+#: matmuls of ``matmul=float8`` regions in FP8 (and defers everywhere else).
+DEFAULT_OP_RULES = OpRules(handlers=(("dot_general", FP8_MATMULS),))
 
 #: Module classes (linen and NNX) that compute in float32 and return the compute dtype of the
 #: region they are in.
@@ -290,13 +299,27 @@ def _fp32_within(inherited: jmp.Policy) -> jmp.Policy:
 
 
 def _embed_within(inherited: jmp.Policy) -> jmp.Policy:
-    """The built-in embedding rule: rows gathered as stored, the enclosing compute dtype out."""
-    return jmp.Policy(inherited.param_dtype, inherited.compute_dtype, inherited.compute_dtype)
+    """The built-in embedding rule: rows gathered as stored, the enclosing compute dtype out
+    (a tied head, ``embed.attend``, keeps the enclosing ``matmul=``)."""
+    return dataclasses.replace(inherited, output_dtype=inherited.compute_dtype)
 
 
 #: A class rule's policy: absolute (a user's rule) or relative to the policy the module would
-#: inherit (the built-in rules).
+#: inherit (the built-in rules, and a user's rule that sets only ``matmul=``).
 ClassPolicy = jmp.Policy | Callable[[jmp.Policy], jmp.Policy]
+
+
+def _rule_policy(value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
+    """An override's policy: a string that sets only ``matmul=`` (``"matmul=bfloat16"``) is
+    relative (the inherited policy with that matmul dtype); anything else is absolute."""
+    if isinstance(value, str) and set(policy_spec.parse_given(value)) == {"matmul"}:
+        with_matmul(default, value)  # validate now (against the default), before tracing
+        return functools.partial(_matmul_within, spec=value)
+    return get_policy(value)
+
+
+def _matmul_within(inherited: jmp.Policy, spec: str) -> jmp.Policy:
+    return with_matmul(inherited, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +331,7 @@ class ModuleRules:
 
     default: jmp.Policy
     class_rules: tuple[tuple[type, ClassPolicy], ...]
-    path_rules: tuple[tuple[str, re.Pattern[str], jmp.Policy], ...]
+    path_rules: tuple[tuple[str, re.Pattern[str], ClassPolicy], ...]
 
     @classmethod
     def create(cls, policy: str | jmp.Policy,
@@ -325,7 +348,7 @@ class ModuleRules:
         class_rules: list[tuple[type, ClassPolicy]] = []
         path_rules: list[tuple[str, re.Pattern[str], jmp.Policy]] = []
         for key, value in overrides.items():
-            pol = get_policy(value)
+            pol = _rule_policy(value, default)
             if isinstance(key, str):
                 pattern = key.strip().strip("/")
                 if not pattern:
@@ -364,11 +387,14 @@ class ModuleRules:
                 if best is None or _literal_len(pattern) >= _literal_len(best[0]):
                     best = (pattern, pol)
         if best is not None:
-            return best[1], best[0]
+            return self._resolve(best[1], inherited), best[0]
         for base in type(module).__mro__:
             for klass, pol in self.class_rules:
                 if klass is base:
-                    if callable(pol) and not isinstance(pol, jmp.Policy):
-                        return pol(self.default if inherited is None else inherited), None
-                    return pol, None
+                    return self._resolve(pol, inherited), None
         return None, None
+
+    def _resolve(self, pol: ClassPolicy, inherited: jmp.Policy | None) -> jmp.Policy:
+        if callable(pol) and not isinstance(pol, jmp.Policy):
+            return pol(self.default if inherited is None else inherited)
+        return pol

@@ -97,7 +97,8 @@ def test_rows_extend_the_precision_table(gpt):
     assert {r["module"].split(".")[0] for r in table} - {"(top level)", "(output)"} <= names
     assert {"blocks/ln1", "blocks/attn", "embed"} <= {r["module"] for r in table}
     data = json.loads(report.to_json())
-    assert set(data) == {"policy", "rows", "findings", "reference_table", "seed_rows"}
+    assert set(data) == {"policy", "rows", "findings", "matmuls", "reference_table",
+                         "seed_rows"}
     assert data["reference_table"][3]["row"] == "Softmax"
     assert data["seed_rows"] == data["reference_table"]
     md = report.to_markdown()

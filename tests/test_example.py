@@ -418,6 +418,10 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "--policy" in line and "int8" in line and "Allowed" in line
     line = run_error(capsys, ["--policy", "c=f16,,o=f32", "--out", out])
     assert "--policy" in line
+    line = run_error(capsys, ["--policy", "c=f16,matmul=fp8", "--out", out])
+    assert "--policy" in line and "matmul=float8 needs compute=bfloat16" in line
+    line = run_error(capsys, ["--fp8-small", "1024", "--out", out])
+    assert "--fp8-small must be two integers >= 0 as K,N" in line and "'1024'" in line
     line = run_error(capsys, ["--preset", "test", "--data", str(tmp_path / "nope"),
                               "--out", out])
     assert "nope" in line and "no such file" in line
@@ -500,3 +504,26 @@ def test_real_process_exit_status_and_stderr(runs, tmp_path):
         assert proc.returncode == 2, proc
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+def test_fp8_policy_trains_the_tiny_preset_close_to_bf16(tmp_path):
+    """``--policy ...,matmul=float8`` with ``--fp8-small 0,0`` (the tiny preset's matmuls are
+    below torchao's threshold): its projections run in FP8 (read from the run's program in
+    precision.json) and the final validation loss is within 3% of the bf16 run's."""
+    common = ["--preset", "tiny", "--steps", "30", "--warmup", "5", "--batch-size", "8",
+              "--eval-interval", "0", "--eval-batches", "2", "--checkpoint-interval", "0",
+              "--no-compare-f32"]
+    bf16 = "params=float32,compute=bfloat16,output=float32"
+    assert train_lm.main([*common, "--policy", bf16, "--out", str(tmp_path / "bf16")]) == 0
+    assert train_lm.main([*common, "--policy", bf16 + ",matmul=float8", "--fp8-small", "0,0",
+                          "--out", str(tmp_path / "fp8")]) == 0
+    fp8, ref = summary(tmp_path / "fp8"), summary(tmp_path / "bf16")
+    assert fp8["policy"] == bf16 + ",matmul=float8"
+    rows = json.loads((tmp_path / "fp8" / "precision.json").read_text())
+    fp8_modules = sorted(r["module"] for r in rows
+                         if r["op"] == "matmul" and "float8_e4m3fn" in r["forward"])
+    assert len(fp8_modules) >= 4 and all("blocks" in m or "h_" in m or "layers" in m
+                                         for m in fp8_modules), fp8_modules
+    assert fp8["final_val_loss"] < fp8["initial_val_loss"] - 1.0
+    assert abs(fp8["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"] < 0.03
+    assert fp8["skipped_steps"] == 0

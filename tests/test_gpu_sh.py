@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu.sh"
 TARGETS = {"bf16_jaxamp_over_torch_amp", "bf16_jaxamp_over_hand", "f16_dynamic_over_bf16",
            "bf16_peak_memory_vs_f32", "bf16_mfu"}
-STAGES = ["env", "tests", "bench", "example-bfloat16", "example-float16"]
+STAGES = ["env", "tests", "bench", "example-bfloat16", "example-float16", "fp8"]
 # One variant per code path: autocast (no scaling), the hand-written jmp step with dynamic
 # scaling, and PyTorch AMP.
 VARIANTS = ("jaxamp/bfloat16", "hand/float16", "torch/bfloat16")
@@ -50,7 +50,7 @@ def test_files(dry_run):
     names = sorted(p.name for p in out.iterdir())
     assert names == ["example-bfloat16-curves.png", "example-bfloat16-metrics.jsonl",
                      "example-float16-curves.png", "example-float16-metrics.jsonl", "gpu.log",
-                     "results-gpu.json"]
+                     "results-fp8.json", "results-gpu.json"]
     # The device tool brings back at most 8 files, none deeper than 2 folders: OUTDIR is flat.
     assert len(names) <= 8
     assert (out / "example-float16-curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -58,6 +58,11 @@ def test_files(dry_run):
     for stage in STAGES:
         assert f"stage {stage}: exit 0" in log, stage
     assert "CPU DRY RUN" in stdout and "target bf16_mfu" in stdout
+    fp8 = json.loads((out / "results-fp8.json").read_text())
+    assert set(fp8["shapes"]) == {"gpt2-small", "d2048"} and fp8["dry_run"] is True
+    for r in fp8["shapes"].values():  # planned FP8 GEMMs counted; the check needs a GPU
+        assert r["hlo"]["planned"] > 0 and r["hlo"]["checked"] is False
+        assert r["fp8_tokens_per_s"] > 0 and r["bf16_tokens_per_s"] > 0
 
 
 def test_stages_and_env(dry_run):

@@ -12,7 +12,7 @@ from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
 HALF = jmp.half_dtype()
 
-ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o.")
+ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o, matmul.")
 ALLOWED_DTYPES = re.escape("Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half.")
 EXAMPLE = re.escape("Example: 'params=float32,compute=float16,output=float32'.")
 
@@ -168,17 +168,17 @@ MALFORMED = [
     (
         "p=f32,p=f16",
         r"Duplicate policy key 'p' in 'p=f32,p=f16': params is already set by "
-        r"'p=f32'\. Each of params/p, compute/c, output/o may appear once\.",
+        r"'p=f32'\. Each of params/p, compute/c, output/o, matmul may appear once\.",
     ),
     (
         "p=f32,params=f16",
         r"Duplicate policy key 'params' in 'p=f32,params=f16': params is "
-        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o may appear once\.",
+        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o, matmul may appear once\.",
     ),
     (
         "c=f16,compute=bf16",
         r"Duplicate policy key 'compute' in .*compute is already set by "
-        r"'c=f16'\. Each of params/p, compute/c, output/o",
+        r"'c=f16'\. Each of params/p, compute/c, output/o, matmul",
     ),
     # Empty string.
     ("", r"Empty policy string ''\..*" + ALLOWED_KEYS + " " + ALLOWED_DTYPES),
@@ -238,3 +238,51 @@ def test_malformed(spec, message):
 def test_wrong_type(spec, type_name):
     with pytest.raises(TypeError, match=r"Policy must be a str or jmp\.Policy, got " + type_name):
         get_policy(spec)
+
+
+# ---- matmul= (FP8 matmuls, issue 25) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias", ["float8", "fp8", "f8", "FP8", " float8 "])
+def test_matmul_float8_aliases_make_a_matmul_policy_that_round_trips(alias):
+    from jaxamp.policy import MatmulPolicy, matmul_dtype
+
+    p = get_policy(f"params=float32,compute=bfloat16,output=float32,matmul={alias}")
+    assert isinstance(p, MatmulPolicy) and isinstance(p, jmp.Policy)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (F32, BF16, F32)
+    assert np.dtype(matmul_dtype(p)) == np.dtype(jnp.float8_e4m3fn)
+    text = policy_to_str(p)
+    assert text == "params=float32,compute=bfloat16,output=float32,matmul=float8"
+    assert get_policy(text) == p
+    # without matmul= it is jmp's own policy, equal to jmp.get_policy's
+    assert type(get_policy("p=f32,c=bf16,o=f32")) is jmp.Policy
+    assert matmul_dtype(get_policy("p=f32,c=bf16,o=f32")) == BF16
+
+
+def test_matmul_float_dtype_and_errors():
+    p = get_policy("p=f32,c=bf16,o=f32,matmul=f32")
+    assert p.matmul_dtype == F32 and policy_to_str(p).endswith(",matmul=float32")
+    with pytest.raises(ValueError, match=r"matmul=float8 needs compute=bfloat16 or "
+                                         r"compute=float32, got compute=float16.*Write "):
+        get_policy("p=f32,c=f16,o=f32,matmul=fp8")
+    with pytest.raises(ValueError, match=r"Unknown matmul dtype 'float8_e5m2'.*write float8"):
+        get_policy("c=bf16,matmul=float8_e5m2")
+    with pytest.raises(ValueError, match=r"Duplicate policy key 'matmul'"):
+        get_policy("c=bf16,matmul=f8,matmul=bf16")
+
+
+def test_a_matmul_only_override_keeps_the_inherited_policy():
+    import flax.linen as nn
+
+    from jaxamp.rules import ModuleRules
+
+    rules = ModuleRules.create("p=f32,c=bf16,o=f32,matmul=float8",
+                               {"lm_head": "matmul=bfloat16", nn.Dense: "matmul=f32"})
+    head, pattern = rules.match(nn.Dense(4), path=("lm_head",), inherited=rules.default)
+    assert pattern == "lm_head"
+    assert policy_to_str(head) == "params=float32,compute=bfloat16,output=float32,matmul=bfloat16"
+    other, _ = rules.match(nn.Dense(4), path=("fc",), inherited=rules.default)
+    assert policy_to_str(other) == "params=float32,compute=bfloat16,output=float32,matmul=float32"
+    # validated eagerly against the default policy, before any tracing
+    with pytest.raises(ValueError, match="matmul=float8 needs compute=bfloat16"):
+        ModuleRules.create("p=f32,c=f16,o=f32", {"lm_head": "matmul=fp8"})

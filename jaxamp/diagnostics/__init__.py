@@ -3,6 +3,7 @@
 - :func:`audit`, :func:`audit_step`, :func:`precision_table`: the dtype of every part of a traced
   program (forward and backward) against the mixed-precision reference table.
 - :func:`collectives`: every collective of the partitioned program (kind, dtype, bytes).
+- :func:`fp8_gemms`: whether each planned FP8 matmul became a cuBLASLt FP8 GEMM (compiled HLO).
 - :func:`locate_overflow`: runs a failing batch and finds the module where inf/nan starts.
 - :mod:`jaxamp.diagnostics.review` (``python -m jaxamp.review``): reads a run's logs; imports no
   JAX.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "precision_table": "jaxamp.diagnostics._audit",
     "collectives": "jaxamp.diagnostics.collectives",
     "format_collectives": "jaxamp.diagnostics.collectives",
+    "fp8_gemms": "jaxamp.diagnostics.fp8_hlo",
     "OverflowReport": "jaxamp.diagnostics.overflow",
     "locate_overflow": "jaxamp.diagnostics.overflow",
     "RunFinding": "jaxamp.diagnostics.review",
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
         precision_table,
     )
     from jaxamp.diagnostics.collectives import collectives, format_collectives
+    from jaxamp.diagnostics.fp8_hlo import fp8_gemms
     from jaxamp.diagnostics.overflow import OverflowReport, locate_overflow
     from jaxamp.diagnostics.review import RunFinding, RunReview, review_metrics, review_run
 

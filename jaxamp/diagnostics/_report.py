@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 from jaxamp.diagnostics._reference import reference_rows
-from jaxamp.diagnostics._trace import Trace, is_low, low_leaves
+from jaxamp.diagnostics._trace import Trace, is_low, low_leaves, matmul_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +152,13 @@ class AuditReport:
     _opt_dtypes: list[str] = dataclasses.field(default_factory=list, repr=False)
 
     @property
+    def matmuls(self) -> list[dict[str, str]]:
+        """Every forward matmul (``dot_general``) in program order: ``{"module", "shapes",
+        "dtypes", "fp8", "reason"}``, ``fp8`` ``"yes"``/``"no"`` and ``reason`` why not
+        (:func:`jaxamp.diagnostics._trace.matmul_rows`)."""
+        return matmul_rows(self._trace.records) if self._trace is not None else []
+
+    @property
     def ok(self) -> bool:
         """True when there are no findings."""
         return not self.findings
@@ -215,7 +222,7 @@ class AuditReport:
     # ---- output --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "rows": self.rows,
-                "findings": [f.to_dict() for f in self.findings],
+                "findings": [f.to_dict() for f in self.findings], "matmuls": self.matmuls,
                 "reference_table": (table := self.reference_table()),
                 "seed_rows": table}  # the key before 0.2, kept for readers of old JSON
 
@@ -239,6 +246,11 @@ class AuditReport:
                 ok = {True: "yes", False: "**NO**", None: "n/a"}[r["ok"]]
                 out.append(f"| {r['row']} | {r['forward']} | {r['backward']} | "
                            f"{r['expected_forward']} / {r['expected_backward']} | {ok} |")
+        if "matmul=" in self.policy or any(m["fp8"] == "yes" for m in self.matmuls):
+            out += ["", "### Matmuls", "", "| module | shapes | dtypes | fp8 | why not |",
+                    "|---|---|---|---|---|"]
+            out += [f"| {m['module']} | {m['shapes']} | {m['dtypes']} | {m['fp8']} | "
+                    f"{m['reason']} |" for m in self.matmuls]
         out += ["", "### Precision table", "", format_precision_table(self.rows)]
         return "\n".join(out)
 

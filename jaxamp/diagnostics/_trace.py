@@ -58,7 +58,9 @@ _OP_CLASSES = {
     "reduce_max": "max/min", "reduce_min": "max/min", "argmax": "max/min", "argmin": "max/min",
     "rsqrt": "rsqrt/sqrt", "sqrt": "rsqrt/sqrt", "convert_element_type": "cast",
 }
-_NOISE = re.compile(REGION_MARKER.pattern + "|rematted_computation|checkpoint|remat")
+_MATMUL_SCOPE = re.compile(r"jaxamp_matmul<([^>]*)>")  # the FP8 rule's decision (jaxamp.fp8)
+_NOISE = re.compile(REGION_MARKER.pattern + "|" + _MATMUL_SCOPE.pattern
+                    + "|rematted_computation|checkpoint|remat")
 _TRANSFORM = re.compile(r"^(jvp|transpose|vmap|pjit|jit)\((.*)\)$")
 SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
 TOP_LEVEL = "(top level)"
@@ -497,6 +499,27 @@ def recording(recorder: Recorder):
     stack.enter_context(nn.intercept_methods(recorder.interceptor))
     stack.enter_context(nnx_frontend.intercept_calls(recorder.interceptor))
     return stack
+
+
+def matmul_rows(records: Sequence[Eqn]) -> list[dict[str, str]]:
+    """One row per forward ``dot_general``, in program order: ``{"module", "shapes",
+    "dtypes", "fp8", "reason"}``. ``fp8`` is ``"yes"`` when its operands are FP8; ``reason``
+    says why not: the FP8 rule's decision (``first``, ``last``, ``small``, ``unaligned``,
+    ``batched``, ``not float``: :func:`jaxamp.fp8_eligible`), or ``policy`` where the module's
+    policy does not set ``matmul=float8``."""
+    rows = []
+    for r in records:
+        if r.prim != "dot_general" or r.backward or SCAFFOLD in r.stack:
+            continue
+        fp8 = any(d.startswith("float8") for d in r.in_dtypes)
+        found = _MATMUL_SCOPE.search(r.stack)
+        reason = "" if fp8 else found.group(1).replace("_", " ") if found else "policy"
+        shapes = " @ ".join("x".join(str(d) for d in getattr(v.aval, "shape", ()))
+                            for v in r.eqn.invars)
+        rows.append({"module": r.module, "shapes": shapes,
+                     "dtypes": f"{join_dtypes(r.in_dtypes)} -> {join_dtypes(r.out_dtypes)}",
+                     "fp8": "yes" if fp8 else "no", "reason": reason})
+    return rows
 
 
 def table_rows(records: Sequence[Eqn], out_dtypes: Sequence[str]) -> list[dict[str, str]]:

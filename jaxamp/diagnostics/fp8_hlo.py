@@ -1,0 +1,77 @@
+"""Did each planned FP8 GEMM become one? Reads the lowered and the compiled program.
+
+XLA's GPU compiler turns the pattern :mod:`jaxamp.fp8` emits (FP8 operands, a scalar dequant
+multiply) into a cuBLASLt FP8 GEMM, a ``custom-call`` to ``__cublas$lt$matmul$f8``; anything it
+cannot match (unaligned or odd layouts, E5M2 x E5M2, an older GPU) silently becomes an f16 dot
+(``TurnF8DotIntoF16Dot``): no error, no speed-up. :func:`fp8_gemms` counts the FP8
+``dot_general`` s of the lowered program (what jaxamp planned: forward, dgrad and wgrad) and the
+FP8 GEMM custom calls of the compiled one, and warns when fewer became one. On CPU (which runs
+FP8 dots by upcasting) there is nothing to fuse: the count is reported, the check is not made.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.fp8 import fp8_dot_general
+    >>> f = lambda x, w: fp8_dot_general(x, w, (((1,), (0,)), ((), ())),
+    ...                                  compute_dtype=jnp.bfloat16)
+    >>> r = fp8_gemms(f, jnp.ones((16, 32)), jnp.ones((32, 16)), warn=False)
+    >>> r["planned"], r["checked"] or r["backend"]
+    (1, 'cpu')
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["FP8_GEMM_TARGET", "count_fp8_gemm_calls", "count_planned_fp8_dots", "fp8_gemms"]
+
+#: The custom-call target of cuBLASLt's FP8 GEMM in compiled XLA:GPU HLO.
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+
+_F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<[^>]*xf8E\w+>, tensor<[^>]*xf8E\w+>\)")
+
+
+def count_planned_fp8_dots(stablehlo: str) -> int:
+    """``dot_general`` s with two FP8 operands in StableHLO text (``lower(...).as_text()``)."""
+    return sum(1 for line in stablehlo.splitlines() if _F8_DOT.search(line))
+
+
+def count_fp8_gemm_calls(compiled_hlo: str) -> int:
+    """Custom calls to :data:`FP8_GEMM_TARGET` in compiled HLO text
+    (``lower(...).compile().as_text()``)."""
+    return compiled_hlo.count(f'custom_call_target="{FP8_GEMM_TARGET}"')
+
+
+def fp8_gemms(fn: Callable, *args: Any, warn: bool = True) -> dict:
+    """Lowers and compiles ``jax.jit(fn)`` on ``args`` (or uses ``fn`` if it is already jitted:
+    a train step) and compares the planned FP8 dots with the FP8 GEMMs XLA emitted.
+
+    Returns ``{"backend", "planned", "fused", "checked", "fallback"}``: ``fused`` the number of
+    ``__cublas$lt$matmul$f8`` calls (None off GPU), ``checked`` whether the comparison was made
+    (a GPU), ``fallback`` how many planned FP8 dots did not become an FP8 GEMM (None off GPU).
+    With ``warn`` (default), a ``RuntimeWarning`` names the shortfall.
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    lowered = jitted.lower(*args)
+    planned = count_planned_fp8_dots(lowered.as_text())
+    backend = jax.default_backend()
+    out = {"backend": backend, "planned": planned, "fused": None, "checked": False,
+           "fallback": None}
+    if backend != "gpu" or planned == 0:
+        return out
+    fused = count_fp8_gemm_calls(lowered.compile().as_text())
+    out.update(fused=fused, checked=True, fallback=max(planned - fused, 0))
+    if warn and fused < planned:
+        warnings.warn(
+            f"jaxamp: {planned} FP8 matmuls were planned but XLA emitted {fused} "
+            f"{FP8_GEMM_TARGET} GEMMs: {planned - fused} silently ran as f16 dots (no FP8 "
+            "speed-up). Usual causes: a GPU older than Hopper (SM < 8.9), dims XLA cannot "
+            "align, or a layout it does not rewrite; see jaxamp.audit(...).matmuls for the "
+            "planned matmuls and raise the size threshold (FP8Matmuls(small=...)) or exclude "
+            "the module with an override {'path': 'matmul=bfloat16'}.",
+            RuntimeWarning, stacklevel=2)
+    return out

@@ -1,0 +1,267 @@
+"""FP8 matmuls: the quantise -> FP8 dot -> dequantise pattern, and the engine rule that uses it.
+
+A policy with ``matmul=float8`` (``"params=float32,compute=bfloat16,output=float32,
+matmul=float8"``, or an override ``{"blocks_*/mlp/*": "matmul=float8"}``) runs each *eligible*
+``dot_general`` of its modules as :func:`fp8_dot_general`; the others run in the compute dtype
+and :func:`jaxamp.audit` says why (:attr:`jaxamp.AuditReport.matmuls`).
+
+The recipe (Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format, torchao's
+``tensorwise``), written as the pattern XLA's GPU compiler fuses into one cuBLASLt FP8 GEMM
+(``__cublas$lt$matmul$f8``):
+
+* **per-tensor current scaling**: each operand's scale is the amax of *this step's* tensor,
+  ``scale = amax * 2**margin / FP8_MAX`` (``FP8_MAX`` = 448 for E4M3, 57344 for E5M2) rounded
+  up to a power of two, so that the division rounds nothing (at most one binade of FP8 range
+  is left unused); the quantised tensor is ``clip(x / scale, -FP8_MAX, FP8_MAX)``. No state:
+  nothing to checkpoint, accumulate across micro-batches or restore, no amax history to go
+  stale.
+  ``margin`` (default 0) leaves ``2**margin`` of headroom.
+* a zero tensor (amax 0) or a non-finite amax uses scale 1: zeros stay zeros, an infinite
+  element saturates to +-FP8_MAX (finite), and a NaN stays NaN, so the loss and gradients are
+  NaN and the train step's finite check skips the step (the params are not touched; the next
+  finite step is normal).
+* forward operands in E4M3 (``float8_e4m3fn``), the output gradient in E5M2 (``float8_e5m2``,
+  wider range); ``preferred_element_type`` is the output dtype (the compute dtype forward, the
+  operand's dtype for its gradient: a float32 param gets a float32 weight gradient), and the
+  dequantisation is one scalar multiply by ``scale_lhs * scale_rhs``.
+* the forward dot at DEFAULT precision (fast accumulation), dgrad and wgrad at HIGHEST (split
+  accumulator, TE's default); the FP8 operands and their scalar scales are the residuals saved
+  for the backward pass (1 byte per element instead of 2 or 4).
+
+No loss scale is needed with bfloat16 (or float32) compute: the output gradient is scaled per
+tensor before it is cast to E5M2, and bfloat16 has float32's range; float16 compute with FP8
+matmuls is refused by :func:`jaxamp.get_policy`.
+
+On CPU, XLA runs FP8 dots by upcasting (correct numbers, no speed); only a Hopper GPU runs the
+fused FP8 GEMM (``bench/gpu.sh`` checks the compiled HLO: :func:`jaxamp.fp8_gemms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._compat import dot_dimension_numbers
+
+__all__ = ["E4M3", "E5M2", "FP8Matmuls", "FP8_MATMULS", "fp8_dot_general", "fp8_eligible",
+           "quantize"]
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+_F32 = np.dtype(np.float32)
+
+
+def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``x`` quantised to FP8 ``dtype`` with a per-tensor current scale.
+
+    Returns ``(q, scale)``: ``q = clip(x / scale, -max, max)`` in ``dtype`` and ``scale`` a
+    float32 scalar (``x ~= q * scale``): ``amax(|x|) * 2**margin / finfo(dtype).max`` rounded
+    up to a power of two (so dividing by it, in ``x``'s dtype, rounds nothing and the largest
+    element lands in ``[max / 2**(margin+1), max / 2**margin]``); 1 when the amax is zero or
+    not finite.
+
+    Example:
+      >>> q, s = quantize(jnp.array([0.5, -3.0, 896.0]), E4M3)
+      >>> q.dtype, float(s), [float(v) for v in q.astype(jnp.float32) * s]
+      (dtype(float8_e4m3fn), 2.0, [0.5, -3.0, 896.0])
+    """
+    fmax = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    raw = jnp.where(ok, amax * (2.0 ** margin / fmax), 1.0)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(raw)))
+    q = jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(dtype)
+    return q, scale
+
+
+def _dims(dimension_numbers) -> tuple:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def _remaining(n: int, *taken: Sequence[int]) -> list[int]:
+    used = {d for t in taken for d in t}
+    return [d for d in range(n) if d not in used]
+
+
+def _transpose_lhs(g, lhs_ndim: int, rhs, dims, out_dtype, scale, *, swap=False):
+    """The cotangent of a dot_general's lhs: ``dot_general(g, rhs) * scale`` with the axes put
+    back (the transpose rule of ``lax.dot_general``, here with FP8 operands, HIGHEST precision
+    and the caller's output dtype, which ``jax.vjp`` of the FP8 dot could not take). The scale
+    multiplies the dot's own output, before the transpose: the pattern XLA fuses."""
+    (lc, rc), (lb, rb) = dims
+    l_kept = _remaining(lhs_ndim, lc, lb)
+    r_kept = _remaining(rhs.ndim, rc, rb)
+    nb = len(lb)
+    if swap:
+        ans_r = list(range(nb, nb + len(r_kept)))
+    else:
+        ans_r = list(range(nb + len(l_kept), nb + len(l_kept) + len(r_kept)))
+    ans_b = list(range(nb))
+    out = _dequant(lax.dot_general(g, rhs, ((ans_r, r_kept), (ans_b, list(rb))),
+                                   precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=out_dtype), scale, out_dtype)
+    lc_by_r = list(np.take(lc, np.argsort(rc))) if lc else []
+    return lax.transpose(out, tuple(int(a) for a in np.argsort(list(lb) + l_kept + lc_by_r)))
+
+
+def _dequant(y, scale, dtype):
+    return y * scale.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dot(lhs, rhs, dims, out_dtype, margin):
+    return _fp8_fwd(lhs, rhs, dims, out_dtype, margin)[0]
+
+
+def _fp8_fwd(lhs, rhs, dims, out_dtype, margin):
+    lq, ls = quantize(lhs, E4M3, margin)
+    rq, rs = quantize(rhs, E4M3, margin)
+    y = lax.dot_general(lq, rq, dims, precision=lax.Precision.DEFAULT,
+                        preferred_element_type=out_dtype)
+    zeros = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))  # carry the operand dtypes
+    return _dequant(y, ls * rs, out_dtype), (lq, rq, ls, rs, zeros)
+
+
+def _fp8_bwd(dims, out_dtype, margin, res, g):
+    lq, rq, ls, rs, (lz, rz) = res
+    gq, gs = quantize(g, E5M2, margin)
+    dl = _transpose_lhs(gq, lq.ndim, rq, dims, lz.dtype, gs * rs)
+    (lc, rc), (lb, rb) = dims
+    dr = _transpose_lhs(gq, rq.ndim, lq, ((rc, lc), (rb, lb)), rz.dtype, gs * ls, swap=True)
+    return dl, dr
+
+
+_fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, compute_dtype,
+                    margin: int = 0) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 operands, as a
+    ``jax.custom_vjp``: E4M3 operands with per-tensor current scales forward (DEFAULT
+    precision), the output gradient in E5M2 for dgrad and wgrad (HIGHEST precision); the
+    result in ``compute_dtype``, each operand's gradient in its own dtype. See the module
+    docstring for the recipe.
+
+    Args:
+      lhs, rhs: float operands (any float dtype; quantised from it).
+      dimension_numbers: as for ``lax.dot_general``.
+      compute_dtype: the output dtype (``preferred_element_type`` of the FP8 dot).
+      margin: ``2**margin`` headroom below the FP8 maximum.
+
+    Example:
+      >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
+      >>> y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), compute_dtype=jnp.bfloat16)
+      >>> y.dtype, float(y[0, 0])
+      (dtype(bfloat16), 16.0)
+    """
+    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+        raise ValueError(f"fp8_dot_general: margin must be an int >= 0 (headroom 2**margin), "
+                         f"got {margin!r}.")
+    return _fp8_dot(lhs, rhs, _dims(dimension_numbers), np.dtype(compute_dtype), margin)
+
+
+def _size(shape, dims) -> int:
+    return int(np.prod([shape[d] for d in dims], dtype=np.int64)) if dims else 1
+
+
+def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers, *,
+                 lhs_dtype=jnp.float32, rhs_dtype=jnp.float32, param: int | None = 1,
+                 small: tuple[int, int] = (1024, 4096)) -> str | None:
+    """Why this ``dot_general`` should not run in FP8, or None when it is eligible.
+
+    Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"batched"`` (batch
+    dimensions: attention's q @ k and weights @ v, which have no weight to scale once and are
+    best left to the fused attention), ``"unaligned"`` (the contracting size K or the
+    weight's output features N not a multiple of 16, torchao's rule: cuBLASLt's FP8 GEMM
+    needs aligned dims; XLA pads the rows M, which vary with the batch), ``"small"``
+    (K <= small[0] and N <= small[1], N the output features
+    auto-filter, where the cost of scaling outweighs the faster GEMM on an H100; the default is
+    theirs, ``(1024, 4096)``; ``(0, 0)`` lets every aligned matmul run in FP8).
+    """
+    if not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
+        return "not float"
+    (lc, rc), (lb, rb) = _dims(dimension_numbers)
+    if lb or rb:
+        return "batched"
+    k = _size(lhs_shape, lc)
+    m = _size(lhs_shape, _remaining(len(lhs_shape), lc))
+    n = _size(rhs_shape, _remaining(len(rhs_shape), rc))
+    if k % 16 or n % 16:
+        return "unaligned"
+    features = m if param == 0 else n
+    if k <= small[0] and features <= small[1]:
+        return "small"
+    return None
+
+
+#: The name scope that marks each matmul of an FP8 region with the rule's decision
+#: (``jaxamp_matmul<float8>``, ``jaxamp_matmul<small>``, ...): how the audit lists every
+#: matmul, also those of repeated layers that autocast evaluates once and replays.
+SCOPE = "jaxamp_matmul<{}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Matmuls:
+    """The engine rule (an :class:`jaxamp.OpRules` handler of ``dot_general``) that runs the
+    eligible matmuls of a ``matmul=float8`` region in FP8; in every other region it defers to
+    the built-in matmul rule. :data:`jaxamp.DEFAULT_OP_RULES` holds :data:`FP8_MATMULS`;
+    give other options with ``DEFAULT_OP_RULES.extend(handlers={"dot_general":
+    FP8Matmuls(small=(0, 0))})``.
+
+    Attributes:
+      small: ``(K, N)``: a matmul with contracting size <= K and output features <= N stays in
+        the compute dtype (:func:`fp8_eligible`).
+      keep_first_last: keep the first and the last matmul of the program that reads a param
+        (the input projection and the head feeding the loss) in the compute dtype, the
+        divergence reports of TE/Megatron users (``--first-last-layers-bf16``). A matmul inside
+        a ``scan``/``while`` body runs once per iteration, so it is never kept as first/last.
+      margin: headroom ``2**margin`` below the FP8 maximum (:func:`quantize`).
+    """
+
+    small: tuple[int, int] = (1024, 4096)
+    keep_first_last: bool = True
+    margin: int = 0
+
+    def __post_init__(self):
+        if (not isinstance(self.small, tuple) or len(self.small) != 2
+                or not all(isinstance(s, int) and s >= 0 for s in self.small)):
+            raise ValueError(f"FP8Matmuls: small must be a tuple (K, N) of ints >= 0, got "
+                             f"{self.small!r}. Example: FP8Matmuls(small=(0, 0)) runs every "
+                             "aligned matmul in FP8.")
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+            raise ValueError(f"FP8Matmuls: margin must be an int >= 0, got {self.margin!r}.")
+
+    def decide(self, call) -> str:
+        """``"float8"``, or why ``call``'s matmul stays in the compute dtype."""
+        eqn = call.eqn
+        if self.keep_first_last and call.position is not None:
+            return call.position  # "first" / "last"
+        lhs, rhs = eqn.invars
+        param = 1 if call.stored[1] else 0 if call.stored[0] else None
+        why = fp8_eligible(lhs.aval.shape, rhs.aval.shape, dot_dimension_numbers(eqn),
+                           lhs_dtype=lhs.aval.dtype, rhs_dtype=rhs.aval.dtype, param=param,
+                           small=self.small)
+        return "float8" if why is None else why
+
+    def __call__(self, call) -> list | None:
+        if getattr(call.policy, "matmul_dtype", None) is None or \
+                np.dtype(call.policy.matmul_dtype) != E4M3 or len(call.args) != 2:
+            return None
+        decision = self.decide(call)
+        with jax.named_scope(SCOPE.format(decision.replace(" ", "_"))):
+            if decision != "float8":
+                return call.default()
+            lhs, rhs = call.args  # a param in its stored dtype: quantised from it
+            return [fp8_dot_general(lhs, rhs, dot_dimension_numbers(call.eqn),
+                                    compute_dtype=call.compute_dtype, margin=self.margin)]
+
+
+#: The FP8 rule with its defaults (in :data:`jaxamp.DEFAULT_OP_RULES`).
+FP8_MATMULS = FP8Matmuls()
