@@ -4,16 +4,21 @@ The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
 
 1. the caller differentiates the *scaled* loss (:func:`scale_loss`), so float16 gradients do not
    underflow;
-2. ``update`` casts the gradients to float32 and divides them by the loss scale (``unscale``);
-3. takes their global norm once: it is the metric, the finite check and the clip's norm;
-4. clips the *unscaled* gradients with ``optax.clip_by_global_norm``'s rule (clipping scaled
-   ones would shrink the threshold by the scale);
-5. runs the inner optimizer under ``lax.cond`` on a finite norm only. A skipped step returns
-   updates of ``-0.0`` (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0`` included) and
-   the inner state unchanged, so ``optax.apply_updates`` leaves the params bit-identical and
-   schedules do not advance (``optax.apply_if_finite`` instead advances its inner state's
-   counters never, but applies a NaN update after ``max_consecutive_errors``);
-6. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
+2. ``update`` casts the gradients to float32 and takes their global norm once (the metric, the
+   finite check and the clip's norm). The norm is computed scaled, as robust norms are: the
+   leaves are multiplied by a power of two near ``1 / max |g|`` before the squares are summed in
+   float32, and the root divided by it, so finite gradients never give an infinite norm (a
+   plain float32 sum of squares overflows once an element passes ~1.8e19);
+3. ONE float32 scalar, ``1 / loss_scale * min(1, clip_norm / norm)``, unscales and clips: each
+   leaf is multiplied by it once (clipping the *unscaled* gradients, as
+   ``optax.clip_by_global_norm`` would);
+4. the inner optimizer always runs; a per-leaf select keeps the old optimizer state (its
+   counters included, so schedules do not advance) on a non-finite norm, and the returned
+   updates are ``-0.0`` there (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0``
+   included), so ``optax.apply_updates`` leaves the params bit-identical. No ``lax.cond``: the
+   selects fuse into the optimizer's own loops (``optax.apply_if_finite`` instead applies a NaN
+   update after ``max_consecutive_errors``);
+5. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
 
 A hand-written step needs three changes (see the README, "Your own train step")::
 
@@ -26,6 +31,7 @@ The transformation knows nothing about models, so a linen or an NNX step can use
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -161,40 +167,79 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
 
     def update_fn(updates, state, params=None, **extra_args):
         _check_state(tx, state, params)
-        ls = state.loss_scale
-        grads = ls.unscale(updates)  # float32, unscaled: safe to square and sum
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
-        if clip_norm is not None:
-            # optax.clip_by_global_norm's rule, on the norm taken once above (the metric and
-            # the finite check share it; recomputing it costs compile time).
-            factor = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-
-        def apply(operand):
-            g, inner = operand
-            new_updates, new_inner = inner_update(g, inner, params, **extra_args)
-            # float32 grads would promote e.g. a bfloat16 Adam moment to float32; the state
-            # keeps its dtypes (and lax.cond's branches their types).
-            new_inner = jax.tree.map(
-                lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
-                new_inner, inner)
-            return new_updates, new_inner
-
-        shapes = jax.eval_shape(apply, (grads, state.inner_state))[0]
-
-        def skip(operand):
-            # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
-            return (jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes),
-                    operand[1])
-
-        new_updates, new_inner = lax.cond(finite, apply, skip, (grads, state.inner_state))
-        return new_updates, AmpState(
-            loss_scale=ls.adjust(finite), inner_state=new_inner,
-            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-            grad_norm=grad_norm.astype(jnp.float32), grads_finite=finite)
+        new_updates, state, _ = amp_update(inner_update, clip_norm, updates, state, params,
+                                           extra_args)
+        # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
+        applied = state.grads_finite
+        return jax.tree.map(lambda u: jnp.where(applied, u, jnp.array(-0.0, u.dtype)),
+                            new_updates), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _max_abs(leaves: list[jax.Array]) -> jax.Array:
+    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(g)) for g in leaves])
+
+
+def _inverse_power_of_two(m: jax.Array) -> jax.Array:
+    """A float32 power of two ``r`` with ``m * r`` in ``[1, 2)`` for a normal ``m > 0``
+    (``2**127`` for ``m == 0`` or subnormal, ``2**-126`` above ``2**127``, so never 0 or inf).
+
+    Read from ``m``'s exponent bits: multiplying by a power of two is exact, so the scaled
+    norm equals the plain one whenever the plain one neither overflows nor underflows.
+    """
+    exponent = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23) & 0xFF
+    return lax.bitcast_convert_type(jnp.maximum(254 - exponent, 1) << 23, jnp.float32)
+
+
+def _scaled_norm(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(root, r)`` with ``root / r`` the global norm of the float32 ``leaves``: the squares
+    of ``g * r`` (``r`` a power of two near ``1 / max |g|``) summed in float32, so ``root``
+    is finite exactly when every element is (at most ``sqrt(4 * size)``)."""
+    if not leaves:
+        return jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
+    r = _inverse_power_of_two(_max_abs(leaves))
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g * r)) for g in leaves)), r
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) \
+        or isinstance(x, float)
+
+
+def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_args: dict,
+               loss_finite: jax.Array | bool = True) -> tuple[Any, AmpState, jax.Array]:
+    """The update of :func:`amp` without its checks and without masking the updates.
+
+    Returns ``(updates, state, grads_finite)``: the inner optimizer's updates of this step,
+    computed whether or not it is applied (the caller masks them, or selects new vs old
+    params, on ``state.grads_finite``), the new :class:`AmpState`, whose ``inner_state`` is
+    already the old one on a skipped step, and whether the gradients were finite. A step is
+    applied (``state.grads_finite``) when the gradients are finite and ``loss_finite``; the
+    loss scale follows the gradients alone (a non-finite loss with finite gradients is not an
+    overflow that a smaller scale would avoid).
+    """
+    ls = state.loss_scale
+    inv = (1.0 / ls.loss_scale).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32) if _is_float(g) else g,
+                         grads)
+    root, r = _scaled_norm([g for g in jax.tree.leaves(grads) if _is_float(g)])
+    grads_finite = jnp.isfinite(root)
+    grad_norm = root * (inv / r)  # unscaled (inv and r are powers of two for dynamic scales)
+    # One scalar unscales and clips: inv * min(1, clip / grad_norm), written so that it stays
+    # finite when the norm itself does not fit in float32 (a zero root gives inf -> inv).
+    factor = inv if clip_norm is None else jnp.minimum(inv, clip_norm * r / root)
+    grads = jax.tree.map(lambda g: g * factor if _is_float(g) else g, grads)
+    new_updates, new_inner = inner_update(grads, state.inner_state, params, **extra_args)
+    applied = grads_finite & loss_finite
+    # float32 grads would promote e.g. a bfloat16 Adam moment to float32: keep its dtype.
+    inner = jax.tree.map(
+        lambda new, old: jnp.where(applied, new.astype(old.dtype), old)
+        if hasattr(old, "dtype") else new, new_inner, state.inner_state)
+    return new_updates, AmpState(
+        loss_scale=ls.adjust(grads_finite), inner_state=inner,
+        skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
+        grad_norm=grad_norm.astype(jnp.float32), grads_finite=applied), grads_finite
 
 
 def _check_state(tx, state, params) -> None:
