@@ -5,10 +5,10 @@ The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
 1. the caller differentiates the *scaled* loss (:func:`scale_loss`), so float16 gradients do not
    underflow;
 2. ``update`` casts the gradients to float32 and takes their global norm once (the metric, the
-   finite check and the clip's norm). The norm is computed scaled, as robust norms are: the
-   leaves are multiplied by a power of two near ``1 / max |g|`` before the squares are summed in
-   float32, and the root divided by it, so finite gradients never give an infinite norm (a
-   plain float32 sum of squares overflows once an element passes ~1.8e19);
+   finite check and the clip's norm). It is computed scaled, as robust norms are: beside the
+   float32 sum of squares, the same pass sums the squares of the gradients times ``2**-64``,
+   which stands in when the plain sum overflows (an element above ~1.8e19 is enough), so finite
+   gradients never give an infinite norm;
 3. ONE float32 scalar, ``1 / loss_scale * min(1, clip_norm / norm)``, unscales and clips: each
    leaf is multiplied by it once (clipping the *unscaled* gradients, as
    ``optax.clip_by_global_norm`` would);
@@ -31,7 +31,6 @@ The transformation knows nothing about models, so a linen or an NNX step can use
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -177,29 +176,45 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _max_abs(leaves: list[jax.Array]) -> jax.Array:
-    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(g)) for g in leaves])
+#: The second sum of squares is of the gradients times 2**-64: it overflows only when the norm
+#: itself exceeds float32's largest value (~3.4e38), and the elements it loses to underflow
+#: (|g| < 2**-62) are below float32 precision next to the norms it stands in for (> 2**64).
+_DOWN_EXPONENT = 64
 
 
-def _inverse_power_of_two(m: jax.Array) -> jax.Array:
-    """A float32 power of two ``r`` with ``m * r`` in ``[1, 2)`` for a normal ``m > 0``
-    (``2**127`` for ``m == 0`` or subnormal, ``2**-126`` above ``2**127``, so never 0 or inf).
-
-    Read from ``m``'s exponent bits: multiplying by a power of two is exact, so the scaled
-    norm equals the plain one whenever the plain one neither overflows nor underflows.
-    """
-    exponent = lax.shift_right_logical(lax.bitcast_convert_type(m, jnp.int32), 23) & 0xFF
-    return lax.bitcast_convert_type(jnp.maximum(254 - exponent, 1) << 23, jnp.float32)
+def _down(g: jax.Array) -> jax.Array:
+    """``g * 2**-64``, exactly, by subtracting 64 from the exponent bits: XLA rewrites the
+    product of two multiplications by constants, ``(g*c) * (g*c)``, as ``(g*g) * (c*c)``,
+    which overflows exactly where this sum must not. Elements below ``2**-62`` become 0; inf
+    and nan stay."""
+    bits = lax.bitcast_convert_type(g, jnp.int32) - (_DOWN_EXPONENT << 23)
+    down = jnp.where(jnp.abs(g) >= 2.0 ** (2 - _DOWN_EXPONENT),
+                     lax.bitcast_convert_type(bits, jnp.float32), 0.0)
+    return jnp.where(jnp.isfinite(g), down, g)
 
 
 def _scaled_norm(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(root, r)`` with ``root / r`` the global norm of the float32 ``leaves``: the squares
-    of ``g * r`` (``r`` a power of two near ``1 / max |g|``) summed in float32, so ``root``
-    is finite exactly when every element is (at most ``sqrt(4 * size)``)."""
-    if not leaves:
-        return jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
-    r = _inverse_power_of_two(_max_abs(leaves))
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g * r)) for g in leaves)), r
+    """``(root, r)`` with ``root / r`` the global norm of the float32 ``leaves``, finite when
+    every element is finite (unless the norm exceeds float32's range), inf/nan otherwise.
+
+    One variadic reduction per leaf sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the
+    first is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it,
+    the second stands in (``r = 2**-64``). One pass over each leaf and one reduction in the
+    compiled program, where dividing by ``max |g|`` first takes two (measured on the bench
+    GPT: the train step's compile time 1.32x -> 1.69x the plain step's).
+    """
+    def sums(g):
+        zero = jnp.zeros((), jnp.float32)
+        d = _down(g)
+        return lax.reduce((g * g, d * d), (zero, zero),
+                          lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(g.ndim)))
+
+    pairs = [sums(g) for g in leaves]
+    low = sum((lo for lo, _ in pairs), jnp.zeros((), jnp.float32))
+    high = sum((hi for _, hi in pairs), jnp.zeros((), jnp.float32))
+    fits = jnp.isfinite(low)
+    return (jnp.sqrt(jnp.where(fits, low, high)),
+            jnp.where(fits, jnp.float32(1.0), jnp.float32(2.0**-_DOWN_EXPONENT)))
 
 
 def _is_float(x: Any) -> bool:
