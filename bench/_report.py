@@ -112,11 +112,14 @@ def tables(res: dict, peer: bool = True) -> list[tuple[str, list[str], list[list
                   f"{s['amp_step_cpu_time_ratio']:.3f}",
                   f"{s['baseline_compile_s']:.2f}", f"{s['amp_compile_s']:.2f}",
                   f"{s['amp_step_compile_ratio']:.3f}",
-                  f"{s['fusions_baseline']} / {s['fusions_amp']}"] for s in res["scaling"]]
+                  f"{s['fusions_baseline']} / {s['fusions_amp']}",
+                  f"{s.get('copies_baseline', '?')} / {s.get('copies_amp', '?')}",
+                  f"{s.get('conditionals_amp', '?')}"] for s in res["scaling"]]
         out.append((f"Scaling with depth (width {res['config']['d_model']}, float16 compute)",
                     ["layers", "params", "base ms", "AMP ms", "runtime ratio",
                      "per-repeat ratio", "CPU-time ratio", "base compile s", "AMP compile s",
-                     "compile ratio", "fusions base / AMP"],
+                     "compile ratio", "fusions base / AMP", "copies base / AMP",
+                     "AMP conditionals"],
                     srows))
     if res.get("throughput"):
         tp = res["throughput"]
