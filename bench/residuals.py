@@ -178,7 +178,9 @@ def measure_transformers(batch_size: int = 2, seq: int = 64) -> dict:
     out: dict = {"transformers_version": transformers.__version__}
     for name, m in models.items():
         def loss(p, b, m=m):
-            logits = m.module.apply({"params": p}, b["inputs"]).logits
+            ids = b["inputs"]
+            pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+            logits = m.module.apply({"params": p}, ids, jnp.ones_like(ids), pos).logits
             return jaxamp.softmax_cross_entropy(logits, b["targets"])
 
         runs = {pol: jax_residuals(jaxamp.autocast(loss, spec), m.params, batch)
