@@ -114,6 +114,7 @@ SCALING_KEYS = ("params", "amp_step_ms", "baseline_step_ms", "amp_step_runtime_r
 def scaling_row(layers: int, r: dict) -> dict:
     """One ``scaling`` entry from the ``measure_step`` result ``r`` at this depth."""
     s = {k: r[k] for k in SCALING_KEYS}
-    s["fusions_amp"] = r["hlo_ops"]["compiled_amp"]["fusion"]
-    s["fusions_baseline"] = r["hlo_ops"]["compiled_baseline"]["fusion"]
+    for op, name in (("fusion", "fusions"), ("copy", "copies"), ("conditional", "conditionals")):
+        s[f"{name}_amp"] = r["hlo_ops"]["compiled_amp"][op]
+        s[f"{name}_baseline"] = r["hlo_ops"]["compiled_baseline"][op]
     return {"layers": layers, **s}

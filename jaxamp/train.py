@@ -7,11 +7,12 @@ One step, in the order the methodology prescribes:
 2. the float32 loss is multiplied by the loss scale and differentiated (micro-batches
    accumulate float32 gradients under one scale; devices of a mesh each take their share);
 3. the update itself is :func:`jaxamp.amp`'s (one implementation of the recipe): the
-   gradients are cast to float32 and unscaled, their global norm taken once (metric, finite
-   check and clip), clipped after unscaling, and on a non-finite norm the update is skipped
-   (params and the whole optimizer state bit-identical, so schedules do not advance);
-4. the mutable collections (BatchNorm ``batch_stats``) take their new values on applied
-   steps only;
+   gradients are cast to float32, their global norm taken once (metric, finite check and
+   clip; computed scaled, so finite gradients never overflow it), one scalar unscales and
+   clips them, and on a non-finite norm or loss the update is skipped (params and the whole
+   optimizer state bit-identical, so schedules do not advance);
+4. params, optimizer state and the mutable collections (BatchNorm ``batch_stats``) take their
+   new values by a per-leaf select on applied steps only (no ``lax.cond``);
 5. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
 
 ``TrainState.step`` counts every step, skipped or not; the optimizer's own counter (which drives
@@ -48,7 +49,7 @@ from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
 from jaxamp.transform import (
     AmpState,
-    amp,
+    amp_update,
     check_clip_norm,
     check_loss_scale,
     check_opt_state,
@@ -56,11 +57,18 @@ from jaxamp.transform import (
     default_loss_scale,
 )
 
-__all__ = ["DEFAULT_POLICY", "TrainState", "default_loss_scale", "make_eval_step",
-           "make_train_step", "nnx_update"]
+__all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "TrainState",
+           "default_loss_scale", "make_eval_step", "make_train_step", "nnx_update"]
 
 #: The policy of a state created without ``policy=`` and of :func:`make_eval_step`.
 DEFAULT_POLICY = policy_spec.DEFAULT_POLICY
+
+#: Bits of ``metrics["skip_reason"]`` (0: the update was applied). Non-finite gradients are
+#: an overflow: the loss scale backs off. A non-finite loss with finite gradients (an inf
+#: through a term whose gradient is zero) skips the update, but the scale does not back off
+#: (no smaller scale would make that loss finite).
+SKIP_NONFINITE_GRADS = 1
+SKIP_NONFINITE_LOSS = 2
 
 
 def _positive_int(value: Any, name: str, where: str) -> int:
@@ -516,17 +524,18 @@ class _BoundApply:
         return out
 
 
-def _reduce_aux(stacked, per_example: Any, strided: bool = False):
-    """Micro-batch outputs ``[M, ...]`` -> one value per leaf; see ``make_train_step``."""
-    def leaf(x, per_ex):
-        if per_ex:  # per-example values: the micro-batches back in batch order
+def _reduce_aux(stacked, size: int, strided: bool = False):
+    """Micro-batch outputs ``[M, ...]`` -> one value per leaf; see ``make_train_step``. A leaf
+    whose leading axis (after ``M``) is the micro-batch ``size`` is per-example."""
+    def leaf(x):
+        if x.ndim >= 2 and x.shape[1] == size:  # per-example: back in batch order
             if strided:  # micro-batch m held rows m, m + M, m + 2M, ...
                 x = jnp.swapaxes(x, 0, 1)
             return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
         if jnp.issubdtype(x.dtype, jnp.floating):
             return jnp.mean(x, axis=0)
         return jnp.sum(x.astype(jnp.int32), axis=0)
-    return jax.tree.map(leaf, stacked, per_example)
+    return jax.tree.map(leaf, stacked)
 
 
 def make_train_step(model: Any = None, loss_fn: Callable | None = None,
@@ -598,9 +607,13 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
     Returns:
       The step (a :class:`TrainStep`). ``metrics`` holds float32/bool/int32 scalars:
       ``loss`` (unscaled), ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used
-      in this step), ``grads_finite``, ``skipped``, ``skipped_steps`` (running total),
+      in this step),
+      ``grads_finite``, ``loss_finite``, ``skipped`` (not finite gradients and loss),
+      ``skip_reason`` (int32 bits, 0 when applied: :data:`SKIP_NONFINITE_GRADS`,
+      :data:`SKIP_NONFINITE_LOSS`), ``skipped_steps`` (running total),
       ``loss_scale_at_min``, and ``aux`` with ``has_aux=True``. On a skipped step params,
-      optimizer state and collections come back bit-identical.
+      optimizer state and collections come back bit-identical; the loss scale backs off on
+      non-finite gradients only.
     """
     where = "make_train_step"
     _misplaced(where, misplaced, set())
@@ -664,8 +677,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             bound = _BoundApply(apply_fn, collections, names) if collections else apply_fn
             kw = {"rng": rng} if use_rng else {}
             out = user_loss(bound, params, batch, **kw)
-            if has_aux:
-                _check_loss_out(jax.tree.map(_spec, out), True, "step")
+            # checked while the step is traced (the loss is traced once), before compiling
+            _check_loss_out(jax.tree.map(_spec, out), has_aux, "step")
             loss, aux = out if has_aux else (out, None)
             _check_loss_is_array(loss, "step")
             updates = bound.updates if collections else {}
@@ -675,7 +688,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
     def step(state: TrainState, batch, shardings=None):
         pol, use_rng, loss_of = build(state)
-        check(state, batch, loss_of, use_rng)  # trace time: before compiling
+        check(state, batch)  # trace time: before compiling (the loss: as it is traced)
         amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides,
                             op_rules=op_rules, f32_weight_grads=f32_weight_grads)
         collections0 = state.collections
@@ -712,8 +725,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             carry0 = (zeros, jnp.zeros((), jnp.float32), collections)
             (grads, loss, coll), auxs = lax.scan(
                 body, carry0, (micro, jnp.arange(micro_batches)))
-            aux = None if auxs is None else _reduce_aux(auxs, per_example_aux,
-                                                        strided=mesh is not None)
+            aux = None if auxs is None else _reduce_aux(
+                auxs, micro_size(batch), strided=mesh is not None)
             return loss / micro_batches, aux, coll, grads
 
         def _split_micro(x):
@@ -726,7 +739,6 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             return lax.with_sharding_constraint(
                 x, NamedSharding(mesh, PartitionSpec(None, data_axis)))
 
-        per_example_aux = aux_layout(state, batch, loss_of, use_rng)
         key = _step_key(state) if use_rng else None
         if mesh is not None:  # the batch split over the data axis, whatever it arrived as
             batch = jax.tree.map(lambda x: lax.with_sharding_constraint(
@@ -734,24 +746,32 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         loss, aux, new_coll, scaled_grads = local(state.params, state.collections, batch,
                                                   state.loss_scale, key)
 
-        # The update: jaxamp.amp's recipe (unscale, f32, clip, skip, adjust), the one copy.
+        # The update: jaxamp.amp's recipe (unscale, f32, clip, skip, adjust), the one copy;
+        # params, optimizer state and collections take their new values by a per-leaf select.
         ls = state.loss_scale
-        amp_tx = amp(state.tx, loss_scale=ls, clip_norm=clip_norm)
-        updates, out = amp_tx.update(
-            scaled_grads, AmpState(ls, state.opt_state, state.skipped_steps,
-                                   jnp.zeros((), jnp.float32), jnp.ones((), bool)),
-            state.params)
-        finite = out.grads_finite
-        collections = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_coll,
-                                   state.collections)
-        new_state = state.replace(step=state.step + 1,
-                                  params=optax.apply_updates(state.params, updates),
-                                  opt_state=out.inner_state, loss_scale=out.loss_scale,
-                                  skipped_steps=out.skipped_steps, collections=collections)
+        loss_finite = jnp.isfinite(loss)
+        updates, out, grads_finite = amp_update(
+            optax.with_extra_args_support(state.tx).update, clip_norm, scaled_grads,
+            AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
+                     jnp.ones((), bool)), state.params, {}, loss_finite)
+        applied = out.grads_finite
+
+        def select(new, old):
+            return jnp.where(applied, new, old)
+
+        new_state = state.replace(
+            step=state.step + 1,
+            params=jax.tree.map(select, optax.apply_updates(state.params, updates),
+                                state.params),
+            opt_state=out.inner_state, loss_scale=out.loss_scale,
+            skipped_steps=out.skipped_steps,
+            collections=jax.tree.map(select, new_coll, state.collections))
         metrics = {
             "loss": loss, "grad_norm": out.grad_norm, "loss_scale": ls.loss_scale,
-            "grads_finite": finite, "skipped": ~finite, "skipped_steps": out.skipped_steps,
-            "loss_scale_at_min": out.loss_scale.at_min,
+            "grads_finite": grads_finite, "loss_finite": loss_finite, "skipped": ~applied,
+            "skip_reason": ((~grads_finite).astype(jnp.int32) * SKIP_NONFINITE_GRADS
+                            + (~loss_finite).astype(jnp.int32) * SKIP_NONFINITE_LOSS),
+            "skipped_steps": out.skipped_steps, "loss_scale_at_min": out.loss_scale.at_min,
         }
         if has_aux:
             metrics["aux"] = aux
@@ -771,32 +791,15 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                            pol.with_output_dtype(jnp.float32), overrides, op_rules,
                            f32_weight_grads, context)
 
-    def micro_spec(state, batch):
+    def micro_size(batch):
         size = _batch_size(batch, "step")
         if size % (micro_batches * n_shards):
             raise ValueError(
                 f"step: the batch size {size} must be divisible by micro_batches "
                 f"({micro_batches}) x data-parallel devices ({n_shards}).")
-        return size // micro_batches, jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((size // micro_batches,) + np.shape(x)[1:],
-                                           x.dtype), batch)
+        return size // micro_batches
 
-    def eval_loss(state, batch, loss_of, use_rng):
-        _, micro = micro_spec(state, batch)
-        key = jax.random.key(0) if state.rng is None else state.rng
-        return jax.eval_shape(
-            lambda p, c, b, k: loss_of(p, c, b, k if use_rng else None),
-            state.params, state.collections, micro, key)
-
-    def aux_layout(state, batch, loss_of, use_rng):
-        """Per aux leaf: whether it is per-example (leading axis = the micro-batch size)."""
-        if not has_aux:
-            return None
-        size, _ = micro_spec(state, batch)
-        _, aux, _ = eval_loss(state, batch, loss_of, use_rng)
-        return jax.tree.map(lambda a: len(a.shape) >= 1 and a.shape[0] == size, aux)
-
-    def check(state, batch, loss_of, use_rng):
+    def check(state, batch):
         if tx is not None and state.tx is not tx:
             raise ValueError("step: the state was created with a different optimizer than the "
                              "one given to make_train_step; pass the same tx to both (or omit "
@@ -805,8 +808,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         check_opt_state(state.tx, state.opt_state, state.params, "step")
         _check_not_amp(state.opt_state, "step")
         _check_float_params(state.params, "step")
-        loss, _, _ = eval_loss(state, batch, loss_of, use_rng)
-        _check_loss_out(loss, False, "step" if not has_aux else "step (loss_fn's loss)")
+        micro_size(batch)
 
     return TrainStep(step, donate, mesh, axis_rules, program)
 

@@ -4,16 +4,21 @@ The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
 
 1. the caller differentiates the *scaled* loss (:func:`scale_loss`), so float16 gradients do not
    underflow;
-2. ``update`` casts the gradients to float32 and divides them by the loss scale (``unscale``);
-3. takes their global norm once: it is the metric, the finite check and the clip's norm;
-4. clips the *unscaled* gradients with ``optax.clip_by_global_norm``'s rule (clipping scaled
-   ones would shrink the threshold by the scale);
-5. runs the inner optimizer under ``lax.cond`` on a finite norm only. A skipped step returns
-   updates of ``-0.0`` (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0`` included) and
-   the inner state unchanged, so ``optax.apply_updates`` leaves the params bit-identical and
-   schedules do not advance (``optax.apply_if_finite`` instead advances its inner state's
-   counters never, but applies a NaN update after ``max_consecutive_errors``);
-6. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
+2. ``update`` casts the gradients to float32 and takes their global norm once (the metric, the
+   finite check and the clip's norm). It is computed scaled, as robust norms are: beside the
+   float32 sum of squares, the same pass sums the squares of the gradients times ``2**-64``,
+   which stands in when the plain sum overflows (an element above ~1.8e19 is enough), so finite
+   gradients never give an infinite norm;
+3. ONE float32 scalar, ``1 / loss_scale * min(1, clip_norm / norm)``, unscales and clips: each
+   leaf is multiplied by it once (clipping the *unscaled* gradients, as
+   ``optax.clip_by_global_norm`` would);
+4. the inner optimizer always runs; a per-leaf select keeps the old optimizer state (its
+   counters included, so schedules do not advance) on a non-finite norm, and the returned
+   updates are ``-0.0`` there (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0``
+   included), so ``optax.apply_updates`` leaves the params bit-identical. No ``lax.cond``: the
+   selects fuse into the optimizer's own loops (``optax.apply_if_finite`` instead applies a NaN
+   update after ``max_consecutive_errors``);
+5. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
 
 A hand-written step needs three changes (see the README, "Your own train step")::
 
@@ -163,40 +168,95 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
 
     def update_fn(updates, state, params=None, **extra_args):
         _check_state(tx, state, params)
-        ls = state.loss_scale
-        grads = ls.unscale(updates)  # float32, unscaled: safe to square and sum
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
-        if clip_norm is not None:
-            # optax.clip_by_global_norm's rule, on the norm taken once above (the metric and
-            # the finite check share it; recomputing it costs compile time).
-            factor = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-
-        def apply(operand):
-            g, inner = operand
-            new_updates, new_inner = inner_update(g, inner, params, **extra_args)
-            # float32 grads would promote e.g. a bfloat16 Adam moment to float32; the state
-            # keeps its dtypes (and lax.cond's branches their types).
-            new_inner = jax.tree.map(
-                lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
-                new_inner, inner)
-            return new_updates, new_inner
-
-        shapes = jax.eval_shape(apply, (grads, state.inner_state))[0]
-
-        def skip(operand):
-            # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
-            return (jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes),
-                    operand[1])
-
-        new_updates, new_inner = lax.cond(finite, apply, skip, (grads, state.inner_state))
-        return new_updates, AmpState(
-            loss_scale=ls.adjust(finite), inner_state=new_inner,
-            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-            grad_norm=grad_norm.astype(jnp.float32), grads_finite=finite)
+        new_updates, state, _ = amp_update(inner_update, clip_norm, updates, state, params,
+                                           extra_args)
+        # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
+        applied = state.grads_finite
+        return jax.tree.map(lambda u: jnp.where(applied, u, jnp.array(-0.0, u.dtype)),
+                            new_updates), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+#: The second sum of squares is of the gradients times 2**-64: it overflows only when the norm
+#: itself exceeds float32's largest value (~3.4e38), and the elements it loses to underflow
+#: (|g| < 2**-62) are below float32 precision next to the norms it stands in for (> 2**64).
+_DOWN_EXPONENT = 64
+
+
+def _down(g: jax.Array) -> jax.Array:
+    """``g * 2**-64``, exactly, by subtracting 64 from the exponent bits: XLA rewrites the
+    product of two multiplications by constants, ``(g*c) * (g*c)``, as ``(g*g) * (c*c)``,
+    which overflows exactly where this sum must not. Elements below ``2**-62`` become 0; inf
+    and nan stay."""
+    bits = lax.bitcast_convert_type(g, jnp.int32) - (_DOWN_EXPONENT << 23)
+    down = jnp.where(jnp.abs(g) >= 2.0 ** (2 - _DOWN_EXPONENT),
+                     lax.bitcast_convert_type(bits, jnp.float32), 0.0)
+    return jnp.where(jnp.isfinite(g), down, g)
+
+
+def _scaled_norm(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(root, r)`` with ``root / r`` the global norm of the float32 ``leaves``, finite when
+    every element is finite (unless the norm exceeds float32's range), inf/nan otherwise.
+
+    One variadic reduction per leaf sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the
+    first is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it,
+    the second stands in (``r = 2**-64``). One pass over each leaf and one reduction in the
+    compiled program, where dividing by ``max |g|`` first takes two (measured on the bench
+    GPT: the train step's compile time 1.32x -> 1.69x the plain step's).
+    """
+    def sums(g):
+        zero = jnp.zeros((), jnp.float32)
+        d = _down(g)
+        return lax.reduce((g * g, d * d), (zero, zero),
+                          lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(g.ndim)))
+
+    pairs = [sums(g) for g in leaves]
+    low = sum((lo for lo, _ in pairs), jnp.zeros((), jnp.float32))
+    high = sum((hi for _, hi in pairs), jnp.zeros((), jnp.float32))
+    fits = jnp.isfinite(low)
+    return (jnp.sqrt(jnp.where(fits, low, high)),
+            jnp.where(fits, jnp.float32(1.0), jnp.float32(2.0**-_DOWN_EXPONENT)))
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) \
+        or isinstance(x, float)
+
+
+def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_args: dict,
+               loss_finite: jax.Array | bool = True) -> tuple[Any, AmpState, jax.Array]:
+    """The update of :func:`amp` without its checks and without masking the updates.
+
+    Returns ``(updates, state, grads_finite)``: the inner optimizer's updates of this step,
+    computed whether or not it is applied (the caller masks them, or selects new vs old
+    params, on ``state.grads_finite``), the new :class:`AmpState`, whose ``inner_state`` is
+    already the old one on a skipped step, and whether the gradients were finite. A step is
+    applied (``state.grads_finite``) when the gradients are finite and ``loss_finite``; the
+    loss scale follows the gradients alone (a non-finite loss with finite gradients is not an
+    overflow that a smaller scale would avoid).
+    """
+    ls = state.loss_scale
+    inv = (1.0 / ls.loss_scale).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32) if _is_float(g) else g,
+                         grads)
+    root, r = _scaled_norm([g for g in jax.tree.leaves(grads) if _is_float(g)])
+    grads_finite = jnp.isfinite(root)
+    grad_norm = root * (inv / r)  # unscaled (inv and r are powers of two for dynamic scales)
+    # One scalar unscales and clips: inv * min(1, clip / grad_norm), written so that it stays
+    # finite when the norm itself does not fit in float32 (a zero root gives inf -> inv).
+    factor = inv if clip_norm is None else jnp.minimum(inv, clip_norm * r / root)
+    grads = jax.tree.map(lambda g: g * factor if _is_float(g) else g, grads)
+    new_updates, new_inner = inner_update(grads, state.inner_state, params, **extra_args)
+    applied = grads_finite & loss_finite
+    # float32 grads would promote e.g. a bfloat16 Adam moment to float32: keep its dtype.
+    inner = jax.tree.map(
+        lambda new, old: jnp.where(applied, new.astype(old.dtype), old)
+        if hasattr(old, "dtype") else new, new_inner, state.inner_state)
+    return new_updates, AmpState(
+        loss_scale=ls.adjust(grads_finite), inner_state=inner,
+        skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
+        grad_norm=grad_norm.astype(jnp.float32), grads_finite=applied), grads_finite
 
 
 def _check_state(tx, state, params) -> None:

@@ -286,3 +286,32 @@ def test_readme_real_training_loop_snippet_runs():
     state, metrics = scope["state"], scope["metrics"]
     assert set(state.collections) == {"batch_stats"} and "acc" in metrics["aux"]
     assert int(state.step) == 1
+
+
+def test_finite_gradients_above_the_float32_norm_range_are_applied_and_clipped():
+    """Elements ~1e20 (their float32 sum of squares overflows): the norm is taken scaled, so
+    the step is applied and clipped, equal to the float64 NumPy recipe; a scalar leaf too
+    (XLA folds constant factors of a scalar product, the scaled sum must not be folded)."""
+    rng = np.random.default_rng(1)
+    grads = {"a": rng.normal(0, 1e20, (64, 3)).astype(np.float32),
+             "b": np.float32(-3e20), "c": rng.normal(0, 1.0, 5).astype(np.float32)}
+    params = {k: np.ones(np.shape(g), np.float32) for k, g in grads.items()}
+    scale = 2.0**8
+    tx = jaxamp.amp(optax.sgd(0.5), loss_scale=jaxamp.StaticLossScale(scale), clip_norm=2.0)
+    state = tx.init(params)
+    scaled = {k: jnp.asarray(g * np.float32(scale)) for k, g in grads.items()}
+    updates, state = jax.jit(tx.update)(scaled, state, params)
+    got = jax.tree.map(np.asarray, optax.apply_updates(params, updates))
+    g64 = {k: np.asarray(g, np.float64) for k, g in grads.items()}
+    norm = np.sqrt(sum(np.sum(g**2) for g in g64.values()))
+    assert bool(state.grads_finite) and int(state.skipped_steps) == 0
+    np.testing.assert_allclose(float(state.grad_norm), norm, rtol=1e-6)
+    for k in grads:
+        assert np.all(np.isfinite(got[k]))
+        np.testing.assert_allclose(got[k], 1.0 - 0.5 * g64[k] * 2.0 / norm, rtol=1e-6,
+                                   atol=1e-7)
+    # an inf among them is still a skip, bit for bit
+    scaled["b"] = jnp.float32(np.inf)
+    updates, state2 = jax.jit(tx.update)(scaled, state, params)
+    _assert_bits_equal(optax.apply_updates(params, updates), params)
+    assert not bool(state2.grads_finite) and float(state2.grad_norm) == np.inf

@@ -209,3 +209,26 @@ def test_gpu_targets_on_hopper(monkeypatch):
     assert t["bf16_mfu"]["met"] is False and t["bf16_mfu"]["status"] == "MISSED"
     res["peer"] = {"skipped": "torch not installed"}
     assert run.gpu_targets(res)["bf16_jaxamp_over_torch_amp"]["status"].startswith("pending")
+
+
+def test_residuals_by_dtype_and_op_tiny_gpt():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import residuals
+        from gpt import GPTConfig
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    res = residuals.measure_gpt(GPTConfig(layers=1, d_model=32, heads=2, seq=16), 2)
+    runs = res["jaxamp"]["runs"]
+    for name, r in runs.items():
+        assert sum(r["by_dtype"].values()) == r["bytes"] > 0, name
+        assert r["count"] > 0 and r["by_op"], name
+    assert runs["float32"]["float32_share"] > 0.9  # float32 run: (nearly) all float32
+    for low in ("float16", "bfloat16"):
+        assert runs[low]["by_dtype"].get(low, 0) > 0  # something saved in the low dtype
+        assert 0 < res["jaxamp"]["ratio_vs_float32"][low] < 1.0
+        assert res["handcast"]["runs"][low]["bytes"] > 0
+    if not HAS_TORCH:
+        assert res["torch"] == PEER_SKIPPED
+    else:
+        assert res["torch"]["runs"]["float16"]["by_dtype"].get("float16", 0) > 0

@@ -644,3 +644,99 @@ def test_data_parallel_aux_and_sgd_update_match_one_float32_device(tmp_path):
     assert out["loss_diff"] < 1e-5 and out["acc_diff"] < 1e-6
     assert out["per_example_shape"] == [16] and out["per_example_diff"] < 1e-5
     assert all(a == b for a, b in out["correct"])
+
+
+# ---- issue 24 / 27: the fused skip, the scaled norm, an inf loss -------------------------------
+
+
+class _Linear(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x @ self.param("w", lambda k: jnp.array([[0.5], [-1.0], [2.0]]))
+
+
+def test_step_stablehlo_has_no_conditional_and_selects_the_update():
+    model, params, batch = _setup()
+    tx = optax.adamw(optax.cosine_decay_schedule(1e-2, 100))
+    for micro in (1, 2):
+        state = jaxamp.TrainState.create(model, params, tx, policy=F16)
+        step = jaxamp.make_train_step(model, ce_loss, tx, clip_norm=1.0, micro_batches=micro)
+        text = step.lower(state, batch).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text, micro
+        # params (4 leaves), adam mu/nu (8) and count: each a select of new vs old
+        assert text.count("stablehlo.select") >= 13, micro
+
+
+@pytest.mark.parametrize("micro_batches,has_aux", [(1, False), (2, True)])
+def test_loss_is_traced_once(micro_batches, has_aux):
+    model, params, batch = _setup()
+    calls = []
+
+    def loss_fn(apply_fn, p, b):
+        calls.append(1)
+        loss = ce_loss(apply_fn, p, b)
+        return (loss, {"l": loss}) if has_aux else loss
+
+    tx = optax.sgd(0.1)
+    state = jaxamp.TrainState.create(model, params, tx, policy=F16)
+    step = jaxamp.make_train_step(model, loss_fn, tx, micro_batches=micro_batches,
+                                  has_aux=has_aux)
+    step.lower(state, batch)
+    assert len(calls) == 1
+
+
+def test_finite_gradients_whose_norm_overflows_float32_are_applied_and_clipped():
+    # loss = 1e20 * sum(x @ w): gradients ~1e21 per element, their float32 sum of squares
+    # overflows (> 3.4e38) though every gradient is finite.
+    model = _Linear()
+    x = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(apply_fn, p, b):
+        return 1e20 * jnp.sum(apply_fn({"params": p}, b["x"]))
+
+    want_g = 1e20 * np.asarray(x, np.float64).sum(0)[:, None]
+    w0 = np.asarray(params["w"], np.float64)
+    for clip, lr in ((1.0, 0.1), (None, 1e-21)):
+        state = jaxamp.TrainState.create(model, params, optax.sgd(lr), policy=F32)
+        step = jaxamp.make_train_step(model, loss_fn, clip_norm=clip)
+        state, m = step(state, {"x": x})
+        norm = np.linalg.norm(want_g)
+        assert bool(m["grads_finite"]) and not bool(m["skipped"]) and int(m["skip_reason"]) == 0
+        np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-6)
+        g = want_g * (min(1.0, clip / norm) if clip else 1.0)
+        got = np.asarray(state.params["w"])
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, w0 - lr * g, rtol=1e-6, atol=1e-6)
+        if clip:
+            np.testing.assert_allclose(np.linalg.norm(got - w0), lr * clip, rtol=1e-5)
+
+
+def test_inf_loss_with_finite_gradients_is_a_skipped_step_with_its_reason():
+    model, params, batch = _setup()
+    tx = optax.adamw(optax.cosine_decay_schedule(1e-2, 100))
+
+    def loss_fn(apply_fn, p, b):  # the inf term has zero gradient: grads stay finite
+        return ce_loss(apply_fn, p, b) - jax.lax.stop_gradient(jnp.mean(jnp.log(b["z"])))
+
+    state = jaxamp.TrainState.create(model, params, tx, policy=F16,
+                                     loss_scale=jaxamp.DynamicLossScale(2.0**10))
+    step = jaxamp.make_train_step(model, loss_fn)
+    ok, bad = {**batch, "z": jnp.ones(16)}, {**batch, "z": jnp.zeros(16)}  # loss + inf
+    state, m = step(state, ok)
+    assert int(m["skip_reason"]) == 0 and bool(m["loss_finite"])
+    before = _copy(state)
+    state, m = step(state, bad)
+    assert float(m["loss"]) == np.inf
+    assert not bool(m["loss_finite"]) and bool(m["grads_finite"]) and bool(m["skipped"])
+    assert int(m["skip_reason"]) == jaxamp.train.SKIP_NONFINITE_LOSS
+    assert int(m["skipped_steps"]) == 1 and np.isfinite(float(m["grad_norm"]))
+    assert _bits_equal(state.params, before.params)
+    assert _bits_equal(state.opt_state, before.opt_state)  # the schedule count too
+    assert float(state.loss_scale.loss_scale) == 2.0**10  # no back-off for a loss inf
+    state, m = step(state, _poison(ok))  # inf input: gradients and loss, the scale backs off
+    assert int(m["skip_reason"]) == (jaxamp.train.SKIP_NONFINITE_GRADS
+                                     | jaxamp.train.SKIP_NONFINITE_LOSS) == 3
+    assert float(state.loss_scale.loss_scale) == 2.0**9
+    state, m = step(state, ok)
+    assert int(m["skip_reason"]) == 0 and int(state.opt_state[0].count) == 2

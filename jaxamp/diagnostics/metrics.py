@@ -12,7 +12,10 @@ non-finite float is written as ``null``. The keys, what they mean and who reads 
 - ``loss_scale``: the loss scale the step used
 - ``grad_norm``: global norm of the unscaled float32 gradients (``null``: inf/nan)
 - ``grads_finite``: whether every gradient was finite
-- ``skipped``: whether the update was skipped (non-finite gradients)
+- ``skipped``: whether the update was skipped (non-finite gradients or loss)
+- ``loss_finite``: whether the loss was finite (optional)
+- ``skip_reason``: why it was skipped, int bits: 1 non-finite gradients, 2 non-finite loss
+  (0: applied; optional)
 - ``skipped_steps``: skipped steps so far
 - ``loss_scale_at_min``: whether the dynamic scale sits at its floor (optional)
 - ``tokens_per_s``: throughput of this step (optional)
@@ -64,11 +67,12 @@ __all__ = ["MAX_LINE_BYTES", "METRICS_FILE", "STEP_KEYS", "SUMMARY_FILE", "SUMMA
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 STEP_KEYS = ("step", "loss", "loss_scale", "grad_norm", "grads_finite", "skipped",
-             "skipped_steps", "loss_scale_at_min", "tokens_per_s", "val_loss")
+             "skipped_steps", "loss_scale_at_min", "loss_finite", "skip_reason",
+             "tokens_per_s", "val_loss")
 SUMMARY_KEYS = ("policy", "loss_scale_mode", "clip_norm", "min_loss_scale", "final_val_loss",
                 "memory_bytes", "memory_bytes_f32", "largest_f32_buffers", "backend")
 _FLOATS = ("loss", "loss_scale", "grad_norm")
-_BOOLS = ("grads_finite", "skipped", "loss_scale_at_min")
+_BOOLS = ("grads_finite", "skipped", "loss_scale_at_min", "loss_finite")
 
 
 class MetricsError(ValueError):
@@ -101,8 +105,9 @@ def step_record(step: int, metrics: Mapping[str, Any], **extra: Any) -> dict[str
     for key in _BOOLS:
         if key in metrics:
             row[key] = bool(metrics[key])
-    if "skipped_steps" in metrics:
-        row["skipped_steps"] = int(metrics["skipped_steps"])
+    for key in ("skipped_steps", "skip_reason"):
+        if key in metrics:
+            row[key] = int(metrics[key])
     row.update(extra)
     return strict(row)
 
