@@ -1,0 +1,187 @@
+"""Activation memory: the cheap code between two matmuls is recomputed in the backward pass.
+
+Reverse-mode AD keeps, for the backward pass, whatever each primitive's derivative reads.
+Evaluated primitive by primitive, a LayerNorm keeps three float32 ``[B, T, D]`` products, a
+softmax its float32 output next to the low-precision copy the next matmul keeps, a GELU
+several ``[B, T, 4D]`` intermediates, a dropout its mask. autocast therefore cuts each jaxpr
+it evaluates into *segments*: maximal runs of consecutive equations none of which is a matmul,
+a convolution, a collective, an effect or a higher-order primitive other than an inlined call
+or a ``custom_jvp`` function (softmax, ReLU) made of such equations. Each segment is evaluated
+as one ``jax.checkpoint`` whose policy saves only its row statistics (the float outputs of the
+reductions in it, ``checkpoint_name`` :data:`STAT`: a LayerNorm's mean and variance, a
+softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest from the
+segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
+after it keep their own low-precision inputs). The forward pass computes the same values in
+the same dtypes; only what is kept changes.
+
+Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
+module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
+shared evaluation), and everything under ``OpRules(recompute=False)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.extend.core as jcore
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxamp._compat import Tracer, sub_jaxprs
+from jaxamp._jaxpr import equations
+from jaxamp._sharing import Program
+from jaxamp._values import Value, is_float
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxamp._evaluator import Body, Evaluator
+
+__all__ = ["STAT", "Segment", "plan", "tag_statistics"]
+
+#: The ``checkpoint_name`` of the row statistics a segment keeps.
+STAT = "jaxamp_row_stat"
+_POLICY = jax.checkpoint_policies.save_only_these_names(STAT)
+
+#: Calls whose inside is recomputable when each of their equations is.
+_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call"})
+#: Never recomputed: communication (a collective run again in the backward costs a second
+#: exchange), effects and references, user-named residuals, barriers, and sub-computations
+#: that are costly or have their own derivative rules.
+_KEPT = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
+    "all_to_all", "ppermute", "ragged_all_to_all", "reduce_scatter", "axis_index", "pvary",
+    "device_put", "sharding_constraint", "optimization_barrier", "name", "after_all",
+    "create_token", "get", "swap", "empty2", "custom_lin", "custom_linear_solve",
+    "custom_vjp_call", "custom_vjp_call_jaxpr", "sort", "top_k", "approx_top_k",
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+    "scatter_min", "scatter-max", "scatter_max", "rng_bit_generator", "rng_uniform",
+    "select_and_scatter_add", "select_and_gather_add", "cholesky", "eig", "eigh", "lu", "qr",
+    "svd", "schur", "hessenberg", "triangular_solve", "tridiagonal_solve", "fft",
+})
+#: Reductions whose float outputs are row statistics (kept, not recomputed).
+_STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                         "argmin"})
+
+
+class Segment(NamedTuple):
+    """Equations ``start:end`` of a jaxpr: the vars they read from before (``inputs``) and
+    those read after them (``outputs``)."""
+
+    start: int
+    end: int
+    inputs: list
+    outputs: list
+
+
+def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
+    name = eqn.primitive.name
+    rules = ev.op_rules
+    if name in _KEPT or rules.classify(name) == "matmul" or rules.handler(name) is not None \
+            or not rules.known(name):
+        return False
+    subs = sub_jaxprs(eqn)
+    if not subs:
+        return True
+    if name not in _TRANSPARENT:
+        return False
+    return all(_program_recomputable(ev, s, memo) for s in subs)
+
+
+def _program_recomputable(ev: Evaluator, closed, memo: dict) -> bool:
+    key = id(closed)
+    if key not in memo:
+        memo[key] = (closed, all(_recomputable(ev, e, memo) for e in equations(closed)))
+    return memo[key][1]
+
+
+def _weight(ev: Evaluator, eqn) -> int:
+    """What recomputing ``eqn`` may save: arithmetic 1, a call (GELU, softmax) 2."""
+    name = eqn.primitive.name
+    if name in _TRANSPARENT:
+        return 2
+    return int(ev.op_rules.classify(name) in ("fp32", "promote"))
+
+
+def plan(ev: Evaluator, jaxpr, taken: dict) -> dict[int, Segment]:
+    """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
+    ``taken`` (start index -> run with ``.end``: shared module calls)."""
+    eqns = equations(jaxpr)
+    memo: dict = ev.recompute_memo
+    ok = [_recomputable(ev, e, memo) for e in eqns]
+    i, spans = 0, []
+    while i < len(eqns):
+        run = taken.get(i)
+        if run is not None:
+            i = run.end
+            continue
+        if not ok[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(eqns) and ok[j] and (j == i or j not in taken):
+            j += 1
+        if sum(_weight(ev, e) for e in eqns[i:j]) >= 2:
+            spans.append((i, j))
+        i = j
+    if not spans:
+        return {}
+    last_use: dict = {}
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                last_use[v] = k
+    for v in jaxpr.outvars:
+        if isinstance(v, jcore.Var):
+            last_use[v] = len(eqns)
+    out = {}
+    for start, end in spans:
+        made, inputs, seen = set(), [], set()
+        for eqn in eqns[start:end]:
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var) and v not in made and v not in seen:
+                    seen.add(v)
+                    inputs.append(v)
+            made.update(eqn.outvars)
+        outputs = [v for eqn in eqns[start:end] for v in eqn.outvars
+                   if not isinstance(v, jcore.DropVar) and last_use.get(v, -1) >= end]
+        if outputs:
+            out[start] = Segment(start, end, inputs, outputs)
+    return out
+
+
+def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+        ins: list[Value]) -> list[Value]:
+    """Segment ``seg`` of ``eqns`` evaluated under a ``jax.checkpoint`` that keeps only its
+    inputs and row statistics (in place, where no input is traced: nothing to differentiate)."""
+    out_wants = [v in wants for v in seg.outputs]
+    program = Program([], seg.inputs, seg.outputs, eqns[seg.start:seg.end], drop)
+    key = ("segment", id(eqns[seg.start]), seg.end - seg.start,
+           tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
+           tuple(out_wants))
+    known = ev.bodies.get(key)
+    if known is None or known[0] is not program.eqns[0]:
+        from jaxamp._evaluator import Body
+
+        known = ev.bodies[key] = (program.eqns[0], Body(ev, program, ins, base, out_wants))
+    body: Body = known[1]
+    traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
+    vals = [v.val for v in ins]
+
+    def fn(*xs):
+        full = list(vals)
+        for i, x in zip(traced, xs):
+            full[i] = x
+        return body.fn(*full)
+
+    with ev.in_segment():
+        if not traced:
+            return body.values(body.fn(*vals))
+        outs = jax.checkpoint(fn, policy=_POLICY)(*[vals[i] for i in traced])
+    return body.values(outs)
+
+
+def tag_statistics(eqn, outs: list[Value]) -> list[Value]:
+    """The float outputs of a reduction inside a segment, named :data:`STAT` (kept)."""
+    if eqn.primitive.name not in _STATISTICS:
+        return outs
+    return [Value(checkpoint_name(o.val, STAT), o.stored, o.const, o.region, splat=o.splat)
+            if is_float(o.dtype) and isinstance(o.val, Tracer) else o for o in outs]
