@@ -229,24 +229,30 @@ class Evaluator:
         def run_eqn(eqn, raw: list[Value]) -> list[Value]:
             return self.run_eqn(eqn, raw, base, wants, drop)
 
-        runs = None
-        if self.share and not isinstance(jaxpr, Program):
+        runs, segments = None, self.segments_on()
+        nodes: dict = {}
+        if (self.share or segments) and not isinstance(jaxpr, Program):
+            nodes = self.sharing.plan(jaxpr, wants, out_wants)
+        if self.share and nodes:
             runs = {start: Run(node.end, node.inputs, node.outputs, functools.partial(
                         self.run_node, equations(jaxpr), node, base, wants))
-                    for start, node in self.sharing.plan(jaxpr, wants, out_wants).items()}
-        if self.segments_on():
+                    for start, node in nodes.items()}
+        if segments:
+            # segments end where shared calls begin and end, shared or not (the same program)
             runs = dict(runs or {})
             eqns = equations(jaxpr)
-            for start, seg in self.segment_plan(jaxpr, runs).items():
+            for start, seg in self.segment_plan(jaxpr, runs, nodes).items():
                 runs[start] = Run(seg.end, seg.inputs, seg.outputs, functools.partial(
                     _recompute.run, self, eqns, seg, base, wants, drop))
         return evaluate(jaxpr, consts, args, run_eqn, literal, runs)
 
-    def segment_plan(self, jaxpr, taken: dict) -> dict:
+    def segment_plan(self, jaxpr, taken: dict, nodes: dict) -> dict:
         key = (id(jaxpr), tuple(sorted(taken)))
         known = self.segment_plans.get(key)
         if known is None or known[0] is not jaxpr:
-            known = self.segment_plans[key] = (jaxpr, _recompute.plan(self, jaxpr, taken))
+            cuts = {n.start for n in nodes.values()} | {n.end for n in nodes.values()}
+            known = self.segment_plans[key] = (jaxpr,
+                                               _recompute.plan(self, jaxpr, taken, cuts))
         return known[1]
 
     def run_node(self, eqns, node: Node, base, wants: set, ins: list[Value]) -> list[Value]:

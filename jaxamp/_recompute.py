@@ -101,9 +101,10 @@ def _weight(ev: Evaluator, eqn) -> int:
     return int(ev.op_rules.classify(name) in ("fp32", "promote"))
 
 
-def plan(ev: Evaluator, jaxpr, taken: dict) -> dict[int, Segment]:
+def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment]:
     """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
-    ``taken`` (start index -> run with ``.end``: shared module calls)."""
+    ``taken`` (start index -> run with ``.end``: shared module calls), none across an
+    index in ``cuts``."""
     eqns = equations(jaxpr)
     memo: dict = ev.recompute_memo
     ok = [_recomputable(ev, e, memo) for e in eqns]
@@ -117,7 +118,7 @@ def plan(ev: Evaluator, jaxpr, taken: dict) -> dict[int, Segment]:
             i += 1
             continue
         j = i
-        while j < len(eqns) and ok[j] and (j == i or j not in taken):
+        while j < len(eqns) and ok[j] and (j == i or (j not in taken and j not in cuts)):
             j += 1
         if sum(_weight(ev, e) for e in eqns[i:j]) >= 2:
             spans.append((i, j))
@@ -151,9 +152,13 @@ def plan(ev: Evaluator, jaxpr, taken: dict) -> dict[int, Segment]:
 def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         ins: list[Value]) -> list[Value]:
     """Segment ``seg`` of ``eqns`` evaluated under a ``jax.checkpoint`` that keeps only its
-    inputs and row statistics (in place, where no input is traced: nothing to differentiate)."""
+    inputs and row statistics (in place where no input is traced: nothing to differentiate)."""
     out_wants = [v in wants for v in seg.outputs]
     program = Program([], seg.inputs, seg.outputs, eqns[seg.start:seg.end], drop)
+    traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
+    if not traced:  # run eagerly: nothing to differentiate, the equations one by one
+        with ev.in_segment():
+            return ev.eval(program, None, ins, base, out_wants)
     key = ("segment", id(eqns[seg.start]), seg.end - seg.start,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
            tuple(out_wants))
@@ -163,7 +168,6 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
 
         known = ev.bodies[key] = (program.eqns[0], Body(ev, program, ins, base, out_wants))
     body: Body = known[1]
-    traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
     vals = [v.val for v in ins]
 
     def fn(*xs):
@@ -173,8 +177,6 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         return body.fn(*full)
 
     with ev.in_segment():
-        if not traced:
-            return body.values(body.fn(*vals))
         outs = jax.checkpoint(fn, policy=_POLICY)(*[vals[i] for i in traced])
     return body.values(outs)
 
