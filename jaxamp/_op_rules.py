@@ -20,7 +20,13 @@ import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import Tracer, bind_with_params, new_dtype, sub_jaxprs
+from jaxamp._compat import (
+    Tracer,
+    bind_with_params,
+    checkpoint_in_place,
+    new_dtype,
+    sub_jaxprs,
+)
 from jaxamp._values import (
     F32,
     F64,
@@ -131,10 +137,9 @@ def recompute_param_casts(eqn, ins: list[Value], site: Site, params, dtype,
     param operands (``wide``) are inside it, so the backward pass casts them again."""
     def run(*xs):
         return bind(eqn.primitive, [convert_dtype(x, dtype) if w else x
-                                     for x, w in zip(xs, wide)],
-                    params)
+                                     for x, w in zip(xs, wide)], params)
 
-    out = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(
+    out = checkpoint_in_place(run, jax.checkpoint_policies.nothing_saveable)(
         *[v.val if w else cast(v, dtype) for v, w in zip(ins, wide)])
     return results(eqn, out, site.region)
 

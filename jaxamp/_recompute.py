@@ -27,7 +27,7 @@ import jax
 import jax.extend.core as jcore
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxamp._compat import Tracer, sub_jaxprs
+from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
 from jaxamp._jaxpr import equations
 from jaxamp._sharing import Program
 from jaxamp._values import Value, is_float
@@ -177,7 +177,7 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         return body.fn(*full)
 
     with ev.in_segment():
-        outs = jax.checkpoint(fn, policy=_POLICY)(*[vals[i] for i in traced])
+        outs = checkpoint_in_place(fn, _POLICY)(*[vals[i] for i in traced])
     return body.values(outs)
 
 
