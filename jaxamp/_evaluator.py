@@ -242,8 +242,8 @@ class Evaluator:
             runs = dict(runs or {})
             eqns = equations(jaxpr)
             for start, seg in self.segment_plan(jaxpr, runs, nodes).items():
-                runs[start] = Run(seg.end, seg.inputs, seg.outputs, functools.partial(
-                    _recompute.run, self, eqns, seg, base, wants, drop))
+                runs[start] = Run(seg.end, seg.run_ins, seg.run_outs, functools.partial(
+                    _recompute.run_range, self, eqns, seg, base, wants, drop))
         return evaluate(jaxpr, consts, args, run_eqn, literal, runs)
 
     def segment_plan(self, jaxpr, taken: dict, nodes: dict) -> dict:

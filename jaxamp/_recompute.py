@@ -35,7 +35,7 @@ from jaxamp._values import Value, is_float
 if TYPE_CHECKING:  # pragma: no cover
     from jaxamp._evaluator import Body, Evaluator
 
-__all__ = ["STAT", "Segment", "plan", "tag_statistics"]
+__all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
 
 #: The ``checkpoint_name`` of the row statistics a segment keeps.
 STAT = "jaxamp_row_stat"
@@ -63,13 +63,19 @@ _STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 
 
 class Segment(NamedTuple):
-    """Equations ``start:end`` of a jaxpr: the vars they read from before (``inputs``) and
-    those read after them (``outputs``)."""
+    """Equations ``start:end`` of a jaxpr: the vars the recomputed ones read from before
+    (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
+    matmuls among them that read nothing the segment makes (the ``up`` projection traced
+    between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
+    ``run_outs``: the same for the whole range."""
 
     start: int
     end: int
     inputs: list
     outputs: list
+    hoisted: tuple
+    run_ins: list
+    run_outs: list
 
 
 def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
@@ -117,12 +123,23 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
         if not ok[i]:
             i += 1
             continue
-        j = i
-        while j < len(eqns) and ok[j] and (j == i or (j not in taken and j not in cuts)):
+        j, made, hoisted, last = i, set(), [], i
+        while j < len(eqns) and (j == i or (j not in taken and j not in cuts)):
+            eqn = eqns[j]
+            if ok[j]:
+                made.update(eqn.outvars)
+                last = j
+            elif ev.op_rules.classify(eqn.primitive.name) == "matmul" and not any(
+                    isinstance(v, jcore.Var) and v in made for v in eqn.invars):
+                hoisted.append(j)
+            else:
+                break
             j += 1
-        if sum(_weight(ev, e) for e in eqns[i:j]) >= 2:
-            spans.append((i, j))
-        i = j
+        end = last + 1
+        hoisted = tuple(h for h in hoisted if h < end)
+        if sum(_weight(ev, eqns[k]) for k in range(i, end) if k not in hoisted) >= 2:
+            spans.append((i, end, hoisted))
+        i = end
     if not spans:
         return {}
     last_use: dict = {}
@@ -133,20 +150,43 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
     for v in jaxpr.outvars:
         if isinstance(v, jcore.Var):
             last_use[v] = len(eqns)
-    out = {}
-    for start, end in spans:
-        made, inputs, seen = set(), [], set()
-        for eqn in eqns[start:end]:
-            for v in eqn.invars:
-                if isinstance(v, jcore.Var) and v not in made and v not in seen:
-                    seen.add(v)
+
+    def reads_and_later(ks, end):
+        made, inputs = set(), []
+        for k in ks:
+            for v in eqns[k].invars:
+                if isinstance(v, jcore.Var) and v not in made and v not in inputs:
                     inputs.append(v)
-            made.update(eqn.outvars)
-        outputs = [v for eqn in eqns[start:end] for v in eqn.outvars
-                   if not isinstance(v, jcore.DropVar) and last_use.get(v, -1) >= end]
+            made.update(eqns[k].outvars)
+        later = [v for k in ks for v in eqns[k].outvars
+                 if not isinstance(v, jcore.DropVar) and last_use.get(v, -1) >= end]
+        return inputs, later
+
+    out = {}
+    for start, end, hoisted in spans:
+        own = [k for k in range(start, end) if k not in hoisted]
+        inputs, outputs = reads_and_later(own, end)
+        run_ins, run_outs = reads_and_later([*hoisted, *own], end)
         if outputs:
-            out[start] = Segment(start, end, inputs, outputs)
+            out[start] = Segment(start, end, inputs, outputs, hoisted, run_ins, run_outs)
     return out
+
+
+def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+              ins: list[Value]) -> list[Value]:
+    """The equations of ``seg``'s range: its hoisted matmuls, then the segment (:func:`run`)."""
+    env = dict(zip(seg.run_ins, ins))
+
+    def read(v):
+        return Value(v.val, True, True, base) if isinstance(v, jcore.Literal) else env[v]
+
+    for k in seg.hoisted:
+        eqn = eqns[k]
+        env.update(zip(eqn.outvars, ev.run_eqn(eqn, [read(v) for v in eqn.invars], base,
+                                                wants, drop)))
+    env.update(zip(seg.outputs, run(ev, eqns, seg, base, wants, drop,
+                                    [read(v) for v in seg.inputs])))
+    return [env[v] for v in seg.run_outs]
 
 
 def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
@@ -154,12 +194,13 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     """Segment ``seg`` of ``eqns`` evaluated under a ``jax.checkpoint`` that keeps only its
     inputs and row statistics (in place where no input is traced: nothing to differentiate)."""
     out_wants = [v in wants for v in seg.outputs]
-    program = Program([], seg.inputs, seg.outputs, eqns[seg.start:seg.end], drop)
+    program = Program([], seg.inputs, seg.outputs, [eqns[k] for k in range(seg.start, seg.end)
+                                                   if k not in seg.hoisted], drop)
     traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
     if not traced:  # run eagerly: nothing to differentiate, the equations one by one
         with ev.in_segment():
             return ev.eval(program, None, ins, base, out_wants)
-    key = ("segment", id(eqns[seg.start]), seg.end - seg.start,
+    key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
            tuple(out_wants))
     known = ev.bodies.get(key)
