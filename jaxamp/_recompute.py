@@ -11,8 +11,12 @@ as one ``jax.checkpoint`` whose policy saves only its row statistics (the float 
 reductions in it, ``checkpoint_name`` :data:`STAT`: a LayerNorm's mean and variance, a
 softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest from the
 segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
-after it keep their own low-precision inputs). The forward pass computes the same values in
-the same dtypes; only what is kept changes.
+after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
+the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
+matmul is evaluated first, outside the checkpoint. The forward pass computes the same values
+in the same dtypes; only what is kept changes. (The matmul rule, likewise, casts a param
+operand inside a ``jax.checkpoint`` that keeps nothing: the backward casts it again instead
+of keeping its low copy; :func:`jaxamp._op_rules.recompute_param_casts`.)
 
 Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
 module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
