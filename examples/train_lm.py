@@ -107,10 +107,9 @@ def create_state(model, tx, s: Setup, *, abstract: bool = False):
 def make_step(model, tx, s: Setup, mesh=None):
     """``(state, batch) -> (state, metrics)``: casts, loss scaling, skipping non-finite updates,
     clipping the unscaled gradients, micro-batches, --mesh (lm_mesh.py)."""
-    return jaxamp.make_train_step(model, loss_fn, tx, policy=s.policy,
+    return jaxamp.make_train_step(model, loss_fn, tx, policy=s.policy, op_rules=s.op_rules,
                                   clip_norm=s.args.clip_norm or None,
-                                  micro_batches=s.args.micro_batches, op_rules=s.op_rules,
-                                  **lm_mesh.step_kwargs(mesh))
+                                  micro_batches=s.args.micro_batches, **lm_mesh.step_kwargs(mesh))
 
 
 # ---- main ------------------------------------------------------------------------------------

@@ -678,9 +678,10 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             kw = {"rng": rng} if use_rng else {}
             out = user_loss(bound, params, batch, **kw)
             # checked while the step is traced (the loss is traced once), before compiling
+            paired = has_aux and isinstance(out, tuple) and len(out) == 2
+            _check_loss_is_array(out[0] if paired else out, "step")
             _check_loss_out(jax.tree.map(_spec, out), has_aux, "step")
             loss, aux = out if has_aux else (out, None)
-            _check_loss_is_array(loss, "step")
             updates = bound.updates if collections else {}
             return loss, aux, {**collections, **updates}
 

@@ -185,10 +185,29 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     if not unscale:
         return []
     unscaled_outs = {e.outvars[0] for e, _ in unscale}
+    # 1 / scale: a scalar divided by a loss-scale candidate
+    recips = {e.outvars[0] for e, _ in g.leaves
+              if e.primitive.name == "div" and _shape(e.outvars[0]) == ()
+              and _scalar_key(through(e.invars[1]), g) in scalar_mul}
+    scalar_pairs = [e.invars for e, _ in g.leaves
+                    if e.primitive.name in ("mul", "min", "div") and len(e.invars) == 2
+                    and all(isinstance(v, jcore.Var) and _shape(v) == () for v in e.invars)]
+
+    def accounted(norm) -> bool:
+        """The norm meets 1 / scale as a scalar (``root * inv``, ``min(inv, clip / root)``):
+        the unscaled norm computed from scaled gradients, as jaxamp.amp computes it."""
+        out = norm.outvars[0]
+        for a, b in scalar_pairs:
+            for x, y in ((a, b), (b, a)):
+                ys = g.ancestors([y])
+                if out in g.ancestors([x]) and out not in ys and ys & recips:
+                    return True
+        return False
+
     found = []
     for n, stack, anc in norms:
-        if anc & unscaled_outs:
-            continue  # the norm reads unscaled gradients: correct order
+        if anc & unscaled_outs or accounted(n):
+            continue  # the norm reads unscaled gradients, or is unscaled itself
         module, _ = clean_path(stack)
         later = [e for e, x in unscale if n.outvars[0] in g.ancestors([x])]
         if later:
@@ -227,7 +246,9 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
        (``g * (1 / scale)``, as ``jaxamp`` loss scales do); values derived from a global norm
        are never taken for a loss scale (they are clip factors);
     3. a norm whose inputs include no unscaled value, while some unscaling is computed from
-       that norm, is ``clip_before_unscale``; a norm of scaled gradients that no unscaling
+       that norm, is ``clip_before_unscale``, unless the norm itself meets ``1 / scale`` as a
+       scalar (``norm * inv``, ``min(inv, clip / norm)``: the unscaled norm and clip factor
+       computed from scaled gradients, as :func:`jaxamp.amp` does); a norm of scaled gradients that no unscaling
        depends on is ``grad_norm_of_scaled_grads`` (e.g. a logged grad norm off by the scale).
 
     What it cannot detect: a loss scale that is never divided back out (nothing to pair the
