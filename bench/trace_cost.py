@@ -74,8 +74,9 @@ def hf_gpt2(layers: int, batch: int, seq: int):
     return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}, params, ids
 
 
-def nested(depth: int, width: int = 256):
-    """``checkpoint(scan(cond(inner)))`` nested ``depth`` deep around a tanh layer."""
+def nested_loss(depth: int):
+    """``(p, x) -> scalar``: ``checkpoint(scan(cond(inner)))`` nested ``depth`` deep around a
+    tanh layer (``tests/test_engine_rules.py`` counts its evaluations)."""
     def inner(x, w):
         return jnp.tanh(x @ w) * 0.5 + x
 
@@ -86,10 +87,12 @@ def nested(depth: int, width: int = 256):
                 return lax.cond(c.sum() > 0, lambda c: g(c, w), lambda c: c * 0.5, c), None
             return jax.checkpoint(lambda x: lax.scan(body, x, None, length=2)[0])(x)
         f = level
+    return lambda p, x: f(x, p["w"]).sum()
 
-    def plain(p, x):
-        return f(x, p["w"]).sum()
 
+def nested(depth: int, width: int = 256):
+    """The plain and autocast ``value_and_grad`` of :func:`nested_loss` and abstract inputs."""
+    plain = nested_loss(depth)
     amp = jaxamp.autocast(plain, F16_POLICY)
     params = {"w": jax.ShapeDtypeStruct((width, width), jnp.float32)}
     x = jax.ShapeDtypeStruct((8, width), jnp.float32)

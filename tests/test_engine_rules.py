@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import re
+import sys
 import threading
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -22,6 +24,9 @@ import jaxamp
 from jaxamp import _attention, _evaluator, engine
 from jaxamp import nnx_frontend as _nnx
 from jaxamp._jaxpr import iter_eqns, lossy_round_trips
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import trace_cost  # noqa: E402
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -251,17 +256,7 @@ def test_a_handler_rewrites_one_primitive_and_can_defer():
 
 
 def _nested(depth):
-    def inner(x, w):
-        return jnp.tanh(x @ w) * 0.5 + x
-
-    f = inner
-    for _ in range(depth):
-        def level(x, w, g=f):
-            def body(c, _):
-                return lax.cond(c.sum() > 0, lambda c: g(c, w), lambda c: c * 0.5, c), None
-            return jax.checkpoint(lambda x: lax.scan(body, x, None, length=2)[0])(x)
-        f = level
-    return lambda p, x: f(x, p["w"]).sum()
+    return trace_cost.nested_loss(depth)  # bench/trace_cost.py times the same functions
 
 
 @pytest.fixture
