@@ -33,12 +33,9 @@ def _module_path(eqn) -> str:
     return re.sub("/?" + REGION_MARKER.pattern, "", stack)
 
 
-OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
-
-
-def _forward_and_grad(policy, overrides=None, train=True, op_rules=jaxamp.DEFAULT_OP_RULES):
+def _forward_and_grad(policy, overrides=None, train=True):
     model, variables, ids = init_testnet()
-    fwd = jaxamp.autocast(model.apply, policy, overrides=overrides, op_rules=op_rules)
+    fwd = jaxamp.autocast(model.apply, policy, overrides=overrides)
 
     def forward(v, ids):
         return fwd(v, ids, train=train, mutable=["batch_stats"])
@@ -87,11 +84,7 @@ def test_precision_partition_forward_and_backward(compute):
     # No value goes f32 -> low -> f32. (In the backward, the cotangent of a low-precision
     # value is low precision by construction; only forward values are checked there.)
     assert lossy_round_trips(fwd_jaxpr) == []
-    # (With recompute, the backward recomputes forward values inside checkpoints whose
-    # transposed equations do not carry "transpose": read the program without them; the
-    # recomputed equations are the forward's, checked above.)
-    *_, off_grad = _forward_and_grad(POLICIES[compute], op_rules=OFF)
-    assert [e for e in lossy_round_trips(off_grad)
+    assert [e for e in lossy_round_trips(grad_jaxpr)
             if "transpose" not in str(e.source_info.name_stack)] == []
     value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"], ids)
     assert value.dtype == jnp.float32
@@ -102,8 +95,7 @@ def test_precision_partition_forward_and_backward(compute):
 
 
 def test_params_stay_f32_and_tables_are_not_cast_whole():
-    # the equations as the engine places them (recompute would put them in a checkpoint)
-    model, variables, ids, forward, _, fwd_jaxpr, _ = _forward_and_grad(F16, op_rules=OFF)
+    model, variables, ids, forward, _, fwd_jaxpr, _ = _forward_and_grad(F16)
     table = variables["params"]["embed"]["embedding"]
     leaves = jax.tree.leaves((variables, ids))
     table_var = fwd_jaxpr.jaxpr.invars[next(i for i, x in enumerate(leaves) if x is table)]
