@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 from test_example import (  # noqa: F401 - compilation_cache: the module's autouse fixture
     EXAMPLES,
