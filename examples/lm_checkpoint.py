@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -260,22 +261,38 @@ class SaveError(OSError):
         self.step = step
 
 
+def _unretrieved_task_error(record: logging.LogRecord) -> bool:
+    """asyncio's report of a task whose exception nobody awaited (logged when the task is
+    garbage-collected, possibly long after the save returned)."""
+    return record.name == "asyncio" and record.getMessage().startswith(
+        "Task exception was never retrieved")
+
+
 @contextlib.contextmanager
 def _orbax_log_held():
     """Holds what orbax logs during a save (its threads log the failure of a write with a
     traceback, through absl): dropped if the save fails (the failure is reported as one
-    line), logged as usual once it succeeds."""
+    line), logged as usual once it succeeds.
+
+    Newer orbax also leaves the failed write coroutines' tasks unretrieved: asyncio logs each
+    with its traceback when the task is collected, which can be after the save raised (it
+    depends on when the garbage collector runs). After a failed save those reports are
+    dropped for the rest of the process: they repeat the error already reported."""
     held: list[logging.LogRecord] = []
 
     def hold(record):
         held.append(record)
         return False
 
-    loggers = [logging.getLogger(), logging.getLogger("absl")]
+    loggers = [logging.getLogger(), logging.getLogger("absl"), logging.getLogger("asyncio")]
     for lg in loggers:
         lg.addFilter(hold)
     try:
         yield
+    except BaseException:
+        logging.getLogger("asyncio").addFilter(lambda r: not _unretrieved_task_error(r))
+        gc.collect()  # collect the failed tasks now, while their reports are held
+        raise
     finally:
         for lg in loggers:
             lg.removeFilter(hold)
