@@ -1,0 +1,234 @@
+"""Activation memory: the cheap code between two matmuls is recomputed in the backward pass.
+
+Reverse-mode AD keeps, for the backward pass, whatever each primitive's derivative reads.
+Evaluated primitive by primitive, a LayerNorm keeps three float32 ``[B, T, D]`` products, a
+softmax its float32 output next to the low-precision copy the next matmul keeps, a GELU
+several ``[B, T, 4D]`` intermediates, a dropout its mask. autocast therefore cuts each jaxpr
+it evaluates into *segments*: maximal runs of consecutive equations none of which is a matmul,
+a convolution, a collective, an effect or a higher-order primitive other than an inlined call
+or a ``custom_jvp`` function (softmax, ReLU) made of such equations. Each segment is evaluated
+as one ``jax.checkpoint`` whose policy saves only its row statistics (the float outputs of the
+reductions in it, ``checkpoint_name`` :data:`STAT`: a LayerNorm's mean and variance, a
+softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest from the
+segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
+after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
+the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
+matmul is evaluated first, outside the checkpoint. The forward pass computes the same values
+in the same dtypes; only what is kept changes. (The matmul rule, likewise, casts a param
+operand inside a ``jax.checkpoint`` that keeps nothing: the backward casts it again instead
+of keeping its low copy; :func:`jaxamp._op_rules.recompute_param_casts`.)
+
+Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
+module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
+shared evaluation), and everything under ``OpRules(recompute=False)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.extend.core as jcore
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
+from jaxamp._jaxpr import equations
+from jaxamp._sharing import Program
+from jaxamp._values import Value, is_float
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxamp._evaluator import Body, Evaluator
+
+__all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
+
+#: The ``checkpoint_name`` of the row statistics a segment keeps.
+STAT = "jaxamp_row_stat"
+_POLICY = jax.checkpoint_policies.save_only_these_names(STAT)
+
+#: Calls whose inside is recomputable when each of their equations is.
+_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call"})
+#: Never recomputed: communication (a collective run again in the backward costs a second
+#: exchange), effects and references, user-named residuals, barriers, and sub-computations
+#: that are costly or have their own derivative rules.
+_KEPT = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
+    "all_to_all", "ppermute", "ragged_all_to_all", "reduce_scatter", "axis_index", "pvary",
+    "device_put", "sharding_constraint", "optimization_barrier", "name", "after_all",
+    "create_token", "get", "swap", "empty2", "custom_lin", "custom_linear_solve",
+    "custom_vjp_call", "custom_vjp_call_jaxpr", "sort", "top_k", "approx_top_k",
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+    "scatter_min", "scatter-max", "scatter_max", "rng_bit_generator", "rng_uniform",
+    "select_and_scatter_add", "select_and_gather_add", "cholesky", "eig", "eigh", "lu", "qr",
+    "svd", "schur", "hessenberg", "triangular_solve", "tridiagonal_solve", "fft",
+})
+#: Reductions whose float outputs are row statistics (kept, not recomputed).
+_STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                         "argmin"})
+
+
+class Segment(NamedTuple):
+    """Equations ``start:end`` of a jaxpr: the vars the recomputed ones read from before
+    (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
+    matmuls among them that read nothing the segment makes (the ``up`` projection traced
+    between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
+    ``run_outs``: the same for the whole range."""
+
+    start: int
+    end: int
+    inputs: list
+    outputs: list
+    hoisted: tuple
+    run_ins: list
+    run_outs: list
+
+
+def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
+    name = eqn.primitive.name
+    rules = ev.op_rules
+    if name in _KEPT or rules.classify(name) == "matmul" or rules.handler(name) is not None \
+            or not rules.known(name):
+        return False
+    subs = sub_jaxprs(eqn)
+    if not subs:
+        return True
+    if name not in _TRANSPARENT:
+        return False
+    return all(_program_recomputable(ev, s, memo) for s in subs)
+
+
+def _program_recomputable(ev: Evaluator, closed, memo: dict) -> bool:
+    key = id(closed)
+    if key not in memo:
+        memo[key] = (closed, all(_recomputable(ev, e, memo) for e in equations(closed)))
+    return memo[key][1]
+
+
+def _weight(ev: Evaluator, eqn) -> int:
+    """What recomputing ``eqn`` may save: arithmetic 1, a call (GELU, softmax) 2."""
+    name = eqn.primitive.name
+    if name in _TRANSPARENT:
+        return 2
+    return int(ev.op_rules.classify(name) in ("fp32", "promote"))
+
+
+def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment]:
+    """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
+    ``taken`` (start index -> run with ``.end``: shared module calls), none across an
+    index in ``cuts``."""
+    eqns = equations(jaxpr)
+    memo: dict = ev.recompute_memo
+    ok = [_recomputable(ev, e, memo) for e in eqns]
+    i, spans = 0, []
+    while i < len(eqns):
+        run = taken.get(i)
+        if run is not None:
+            i = run.end
+            continue
+        if not ok[i]:
+            i += 1
+            continue
+        j, made, hoisted, last = i, set(), [], i
+        while j < len(eqns) and (j == i or (j not in taken and j not in cuts)):
+            eqn = eqns[j]
+            if ok[j]:
+                made.update(eqn.outvars)
+                last = j
+            elif ev.op_rules.classify(eqn.primitive.name) == "matmul" and not any(
+                    isinstance(v, jcore.Var) and v in made for v in eqn.invars):
+                hoisted.append(j)
+            else:
+                break
+            j += 1
+        end = last + 1
+        hoisted = tuple(h for h in hoisted if h < end)
+        if sum(_weight(ev, eqns[k]) for k in range(i, end) if k not in hoisted) >= 2:
+            spans.append((i, end, hoisted))
+        i = end
+    if not spans:
+        return {}
+    last_use: dict = {}
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                last_use[v] = k
+    for v in jaxpr.outvars:
+        if isinstance(v, jcore.Var):
+            last_use[v] = len(eqns)
+
+    def reads_and_later(ks, end):
+        made, inputs = set(), []
+        for k in ks:
+            for v in eqns[k].invars:
+                if isinstance(v, jcore.Var) and v not in made and v not in inputs:
+                    inputs.append(v)
+            made.update(eqns[k].outvars)
+        later = [v for k in ks for v in eqns[k].outvars
+                 if not isinstance(v, jcore.DropVar) and last_use.get(v, -1) >= end]
+        return inputs, later
+
+    out = {}
+    for start, end, hoisted in spans:
+        own = [k for k in range(start, end) if k not in hoisted]
+        inputs, outputs = reads_and_later(own, end)
+        run_ins, run_outs = reads_and_later([*hoisted, *own], end)
+        if outputs:
+            out[start] = Segment(start, end, inputs, outputs, hoisted, run_ins, run_outs)
+    return out
+
+
+def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+              ins: list[Value]) -> list[Value]:
+    """The equations of ``seg``'s range: its hoisted matmuls, then the segment (:func:`run`)."""
+    env = dict(zip(seg.run_ins, ins))
+
+    def read(v):
+        return Value(v.val, True, True, base) if isinstance(v, jcore.Literal) else env[v]
+
+    for k in seg.hoisted:
+        eqn = eqns[k]
+        env.update(zip(eqn.outvars, ev.run_eqn(eqn, [read(v) for v in eqn.invars], base,
+                                                wants, drop)))
+    env.update(zip(seg.outputs, run(ev, eqns, seg, base, wants, drop,
+                                    [read(v) for v in seg.inputs])))
+    return [env[v] for v in seg.run_outs]
+
+
+def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+        ins: list[Value]) -> list[Value]:
+    """Segment ``seg`` of ``eqns`` evaluated under a ``jax.checkpoint`` that keeps only its
+    inputs and row statistics (in place where no input is traced: nothing to differentiate)."""
+    out_wants = [v in wants for v in seg.outputs]
+    program = Program([], seg.inputs, seg.outputs, [eqns[k] for k in range(seg.start, seg.end)
+                                                   if k not in seg.hoisted], drop)
+    traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
+    if not traced:  # run eagerly: nothing to differentiate, the equations one by one
+        with ev.in_segment():
+            return ev.eval(program, None, ins, base, out_wants)
+    key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
+           tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
+           tuple(out_wants))
+    known = ev.bodies.get(key)
+    if known is None or known[0] is not program.eqns[0]:
+        from jaxamp._evaluator import Body
+
+        known = ev.bodies[key] = (program.eqns[0], Body(ev, program, ins, base, out_wants))
+    body: Body = known[1]
+    vals = [v.val for v in ins]
+
+    def fn(*xs):
+        full = list(vals)
+        for i, x in zip(traced, xs):
+            full[i] = x
+        return body.fn(*full)
+
+    with ev.in_segment():
+        outs = checkpoint_in_place(fn, _POLICY)(*[vals[i] for i in traced])
+    return body.values(outs)
+
+
+def tag_statistics(eqn, outs: list[Value]) -> list[Value]:
+    """The float outputs of a reduction inside a segment, named :data:`STAT` (kept)."""
+    if eqn.primitive.name not in _STATISTICS:
+        return outs
+    return [Value(checkpoint_name(o.val, STAT), o.stored, o.const, o.region, splat=o.splat)
+            if is_float(o.dtype) and isinstance(o.val, Tracer) else o for o in outs]
