@@ -14,9 +14,10 @@ segment's inputs, which are the low-precision outputs of the matmuls before it (
 after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
 matmul is evaluated first, outside the checkpoint. The forward pass computes the same values
-in the same dtypes; only what is kept changes. (The matmul rule, likewise, casts a param
-operand inside a ``jax.checkpoint`` that keeps nothing: the backward casts it again instead
-of keeping its low copy; :func:`jaxamp._op_rules.recompute_param_casts`.)
+in the same dtypes; only what is kept changes (a low-precision input is read rounded, through
+an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). (The matmul rule,
+likewise, casts a param operand inside a ``jax.checkpoint`` that keeps nothing: the backward
+casts it again instead of keeping its low copy; :func:`jaxamp._op_rules.recompute_param_casts`.)
 
 Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
 module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.extend.core as jcore
+import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
@@ -217,13 +220,28 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
 
     def fn(*xs):
         full = list(vals)
-        for i, x in zip(traced, xs):
+        for i, x in zip(traced, _rounded(xs)):
             full[i] = x
         return body.fn(*full)
 
     with ev.in_segment():
         outs = checkpoint_in_place(fn, _POLICY)(*[vals[i] for i in traced])
     return body.values(outs)
+
+
+def _rounded(xs: tuple) -> list:
+    """``xs`` with each low-precision float (bfloat16, float16, FP8) read through an
+    ``optimization_barrier``: XLA otherwise feeds the forward's consumers the unrounded
+    float32 value of a bfloat16 matmul output (``xla_allow_excess_precision``), while the
+    backward recomputes from the rounded residual. A kept row max taken of the unrounded
+    logits can then lie below the recomputed ones by half an ulp (2**-9 of them: exp(g - max)
+    overflows to inf, and inf * 0 is NaN, once the logits pass about 45000)."""
+    low = [i for i, x in enumerate(xs)
+           if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4]
+    out = list(xs)
+    for i, x in zip(low, lax.optimization_barrier([xs[i] for i in low]) if low else ()):
+        out[i] = x
+    return out
 
 
 def tag_statistics(eqn, outs: list[Value]) -> list[Value]:

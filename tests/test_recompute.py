@@ -63,6 +63,24 @@ def test_recompute_changes_no_forward_value_and_gradients_only_by_rounding(small
     assert float(eager_on) == float(eager_off)
 
 
+def test_the_kept_softmax_max_is_of_the_logits_the_backward_recomputes():
+    # Under jit XLA feeds the forward softmax the unrounded float32 value of the bfloat16
+    # matmul output (excess precision), the backward recomputes from the rounded residual:
+    # a kept max of the unrounded logits lies up to 128 below the recomputed ones at ~50000,
+    # exp(g - max) overflows and the gradient is NaN. Recompute off keeps the softmax output.
+    # The reference: the gradient evaluated op by op (no excess precision: bfloat16 logits).
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    w = 2500.0 * jax.random.normal(jax.random.key(1), (64, 64))  # logits ~ +-50000
+
+    def loss(w, x):
+        return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * x)
+
+    grad = jax.grad(jaxamp.autocast(loss, BF16))
+    on, ref = jax.jit(grad)(w, x), grad(w, x)
+    assert np.isfinite(ref).all() and np.isfinite(on).all(), int((~np.isfinite(on)).sum())
+    np.testing.assert_array_equal(on, ref)  # CPU: bit for bit
+
+
 def test_a_users_checkpoint_policy_wins_inside_its_scope():
     x = jnp.linspace(-2.0, 2.0, 4 * 64).reshape(4, 64)
     w = jnp.full((64, 64), 0.01)
