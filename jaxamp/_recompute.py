@@ -35,7 +35,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
-from jaxamp._jaxpr import equations
+from jaxamp._jaxpr import equations, span_io, spans
 from jaxamp._sharing import Program
 from jaxamp._values import Value, is_float
 
@@ -121,61 +121,20 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
     eqns = equations(jaxpr)
     memo: dict = ev.recompute_memo
     ok = [_recomputable(ev, e, memo) for e in eqns]
-    i, spans = 0, []
-    while i < len(eqns):
-        run = taken.get(i)
-        if run is not None:
-            i = run.end
-            continue
-        if not ok[i]:
-            i += 1
-            continue
-        j, made, hoisted, last = i, set(), [], i
-        while j < len(eqns) and (j == i or (j not in taken and j not in cuts)):
-            eqn = eqns[j]
-            if ok[j]:
-                made.update(eqn.outvars)
-                last = j
-            elif ev.op_rules.classify(eqn.primitive.name) == "matmul" and not any(
-                    isinstance(v, jcore.Var) and v in made for v in eqn.invars):
-                hoisted.append(j)
-            else:
-                break
-            j += 1
-        end = last + 1
-        hoisted = tuple(h for h in hoisted if h < end)
-        if sum(_weight(ev, eqns[k]) for k in range(i, end) if k not in hoisted) >= 2:
-            spans.append((i, end, hoisted))
-        i = end
-    if not spans:
-        return {}
-    last_use: dict = {}
-    for k, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                last_use[v] = k
-    for v in jaxpr.outvars:
-        if isinstance(v, jcore.Var):
-            last_use[v] = len(eqns)
-
-    def reads_and_later(ks, end):
-        made, inputs = set(), []
-        for k in ks:
-            for v in eqns[k].invars:
-                if isinstance(v, jcore.Var) and v not in made and v not in inputs:
-                    inputs.append(v)
-            made.update(eqns[k].outvars)
-        later = [v for k in ks for v in eqns[k].outvars
-                 if not isinstance(v, jcore.DropVar) and last_use.get(v, -1) >= end]
-        return inputs, later
-
+    for start, run in taken.items():  # a shared call's equations are its own
+        ok[start:run.end] = [False] * (run.end - start)
     out = {}
-    for start, end, hoisted in spans:
-        own = [k for k in range(start, end) if k not in hoisted]
-        inputs, outputs = reads_and_later(own, end)
-        run_ins, run_outs = reads_and_later([*hoisted, *own], end)
+    for span in spans(jaxpr, ok,
+                      lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
+                      lambda k: k in taken or k in cuts):
+        own = [k for k in range(span.start, span.end) if k not in span.skipped]
+        if sum(_weight(ev, eqns[k]) for k in own) < 2:
+            continue
+        inputs, outputs = span_io(jaxpr, own, span.end)
+        run_ins, run_outs = span_io(jaxpr, [*span.skipped, *own], span.end)
         if outputs:
-            out[start] = Segment(start, end, inputs, outputs, hoisted, run_ins, run_outs)
+            out[span.start] = Segment(span.start, span.end, inputs, outputs, span.skipped,
+                                      run_ins, run_outs)
     return out
 
 
@@ -210,11 +169,12 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
            tuple(out_wants))
+    first = eqns[seg.start]  # never skipped: a segment starts at one of its own
     known = ev.bodies.get(key)
-    if known is None or known[0] is not program.eqns[0]:
+    if known is None or known[0] is not first:
         from jaxamp._evaluator import Body
 
-        known = ev.bodies[key] = (program.eqns[0], Body(ev, program, ins, base, out_wants))
+        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants))
     body: Body = known[1]
     vals = [v.val for v in ins]
 
