@@ -9,6 +9,8 @@ audit all read programs through the functions here (no other module reads ``.eqn
   and which caller variable each of their inputs and outputs stands for;
 * :func:`walk` visits every equation of a jaxpr and of its sub-programs, in execution order,
   with its full name stack (the audit's records, the step audit's dataflow graph);
+* :func:`readers` follows a var into the sub-programs it is passed to;
+* :func:`transposed_equations` says which of them run in a transpose (the backward pass);
 * :func:`iter_jaxprs`/:func:`iter_eqns` list them without order or mapping (tests, benchmarks);
 * :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses;
 * :func:`spans` finds runs of consecutive equations (autocast's recompute segments) and
@@ -52,9 +54,11 @@ __all__ = [
     "lossy_round_trips",
     "name_stack",
     "param_matmuls",
+    "readers",
     "span_io",
     "spans",
     "sub_programs",
+    "transposed_equations",
     "walk",
 ]
 
@@ -304,6 +308,43 @@ def walk(j: Any, leaf: Callable[[Any, str], None], *,
             walk(sub.jaxpr, leaf, enter=enter, leave=leave, prefix=stack)
         if leave is not None:
             leave(eqn, subs, stack)
+
+
+def readers(j: Any, var) -> list:
+    """The first-order equations that read ``var`` (a var of ``j``), followed into the
+    sub-programs it is passed to (a recompute segment's checkpoint, a jit), in order."""
+    found = []
+    for eqn in as_jaxpr(j).eqns:
+        if not any(v is var for v in eqn.invars):
+            continue
+        subs = sub_programs(eqn)
+        if not subs:
+            found.append(eqn)
+        for sub in subs:
+            for inner, outer in zip(sub.jaxpr.invars, sub.ins):
+                if outer is var:
+                    found += readers(sub.jaxpr, inner)
+    return found
+
+
+def transposed_equations(j: Any) -> set[int]:
+    """``id`` of each equation of ``j`` (sub-programs included) that runs in a transpose: its
+    full name stack (the callers' included) names a ``transpose`` transform. A transposed
+    ``jax.checkpoint`` body keeps its forward names (JAX transposes it with the transform
+    stack off): only the checkpoint equation around it says ``transpose``, so its own stack
+    does not; the forward equations it replays are counted too."""
+    found: set[int] = set()
+
+    def leaf(eqn, stack):
+        if "transpose(" in stack:
+            found.add(id(eqn))
+
+    def enter(eqn, sub, stack):
+        if "transpose(" in stack:
+            found.add(id(eqn))
+
+    walk(j, leaf, enter=enter)
+    return found
 
 
 def iter_jaxprs(j: Any) -> Iterator[jcore.Jaxpr]:
