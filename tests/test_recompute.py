@@ -103,3 +103,25 @@ def test_recompute_switch_is_checked():
     assert not OFF.recompute and OFF.extend(fp32={"tanh"}).recompute is False
     with pytest.raises(TypeError, match="recompute= must be True or False"):
         jaxamp.DEFAULT_OP_RULES.extend(recompute="no")
+
+
+def test_the_diagnostics_read_the_program_with_recompute_off(small_gpt):
+    from jaxamp._jaxpr import iter_eqns
+    from jaxamp.diagnostics._trace import trace_model
+
+    loss, params, batch = small_gpt
+
+    def checkpoints(jaxpr):
+        return sum(e.primitive.name in ("remat", "remat2", "checkpoint")
+                   for e in iter_eqns(jaxpr))
+
+    # the default rules put the segments (and the param casts) in checkpoints ...
+    default = jax.make_jaxpr(jax.grad(jaxamp.autocast(loss, BF16)))(params, batch)
+    assert checkpoints(default) > 10
+    # ... the audit's trace of the same function under the same rules has none; it keeps
+    # the rules it was given (what it checks the program against)
+    t = trace_model(loss, (params, batch), policy=BF16, overrides=None,
+                    op_rules=jaxamp.DEFAULT_OP_RULES, argnums=0)
+    assert checkpoints(t.jaxpr) == 0 and t.op_rules.recompute
+    report = jaxamp.audit(loss, params, batch, policy=BF16)
+    assert not [f for f in report.findings if "remat" in f.detail or "checkpoint" in f.detail]
