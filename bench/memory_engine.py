@@ -36,7 +36,10 @@ POLICIES = {
     "float16": "params=float32,compute=float16,output=float32",
     "bfloat16": "params=float32,compute=bfloat16,output=float32",
 }
-OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+try:
+    OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+except (TypeError, ValueError):  # a jaxamp from before recompute (``--only temp-default``): no switch
+    OFF = None
 
 
 def saved_residuals(loss, params, *args) -> dict[str, int]:
@@ -127,8 +130,9 @@ def corpus_models():
     return out
 
 
-def f32_step_temp(recompute: bool) -> int | None:
-    """XLA's compiled temp bytes of the bench GPT's float32-policy train step."""
+def f32_step_temp(recompute: bool | None) -> int | None:
+    """XLA's compiled temp bytes of the bench GPT's float32-policy train step (recompute
+    None: the imported jaxamp's default rules, for a jaxamp from before the switch)."""
     import optax
     from gpt import GPT, GPTConfig, init, lm_loss, make_batch
 
@@ -136,7 +140,7 @@ def f32_step_temp(recompute: bool) -> int | None:
     model = GPT(cfg)
     tx = optax.adamw(1e-3)
     state = jaxamp.TrainState.create(model, init(model, cfg), tx, policy="float32")
-    rules = jaxamp.DEFAULT_OP_RULES if recompute else OFF
+    rules = jaxamp.DEFAULT_OP_RULES if recompute in (True, None) else OFF
     step = jaxamp.make_train_step(model, lm_loss, tx, policy="float32", op_rules=rules)
     ma = step.lower(state, make_batch(cfg, 8)).compile().memory_analysis()
     return None if ma is None else int(ma.temp_size_in_bytes)
@@ -155,7 +159,11 @@ def report(models: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt", "hf", "corpus", "temp"], action="append")
+    parser.add_argument("--only", choices=["gpt", "hf", "corpus", "temp", "temp-default"],
+                        action="append",
+                        help="temp-default: only the float32-policy step's temp bytes under "
+                             "the imported jaxamp's default rules (run it with PYTHONPATH at "
+                             "a checkout from before recompute to get the baseline)")
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
     only = set(a.only or ["gpt", "hf", "corpus", "temp"])
@@ -167,6 +175,11 @@ def main() -> int:
     if "corpus" in only:
         models.update(corpus_models())
     out = {"jax": jax.__version__, "models": report(models)}
+    if "temp-default" in only:
+        temp = f32_step_temp(None)
+        out["f32_step_temp_bytes"] = {"default": temp}
+        print(f"float32-policy step temp bytes (XLA:{jax.default_backend()}), default rules "
+              f"of jaxamp at {Path(jaxamp.__file__).parent}: {temp}")
     if "temp" in only:
         on, off = f32_step_temp(True), f32_step_temp(False)
         out["f32_step_temp_bytes"] = {"on": on, "off": off}
