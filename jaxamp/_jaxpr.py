@@ -54,6 +54,7 @@ __all__ = [
     "lossy_round_trips",
     "name_stack",
     "param_matmuls",
+    "producers",
     "readers",
     "span_io",
     "spans",
@@ -139,6 +140,12 @@ def consumers(j: Any) -> dict[Any, list]:
             if isinstance(v, jcore.Var):
                 uses.setdefault(v, []).append(eqn)
     return uses
+
+
+def producers(j: Any) -> dict[Any, Any]:
+    """Each var an equation of ``j`` makes (not in its sub-programs) -> that equation."""
+    return {v: eqn for eqn in as_jaxpr(j).eqns for v in eqn.outvars
+            if not isinstance(v, jcore.DropVar)}
 
 
 def all_consumers_accept(j: Any, accept: Callable[[Any, set], bool], seeds: Sequence[bool]

@@ -35,7 +35,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
-from jaxamp._jaxpr import equations, span_io, spans
+from jaxamp._jaxpr import equations, producers, span_io, spans
 from jaxamp._sharing import Program
 from jaxamp._values import Value, is_float
 
@@ -114,6 +114,46 @@ def _weight(ev: Evaluator, eqn) -> int:
     return int(ev.op_rules.classify(name) in ("fp32", "promote"))
 
 
+#: A segment's first equation left out of it when it adds a matmul's output to another array:
+#: a residual stream's ``x + h``. Inside, the checkpoint would keep both operands to
+#: recompute the sum; outside, the add keeps nothing and the segment keeps the sum, which
+#: the next segment keeps anyway (the stream's next residual add reads it). Only when both
+#: operands have the sum's shape: then the sum is no bigger than either (whatever dtypes the
+#: engine gives them), while a broadcast operand (an attention mask bias ``[B, 1, T, T]``)
+#: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
+#: recomputes those from the table, keeping nothing.)
+_LEADING_SUMS = frozenset({"add", "add_any", "sub"})
+#: A segment's last equation left out of it when its derivative reads only its output
+#: (``1 - tanh(x)**2``): that output is the next matmul's input, kept by the matmul anyway;
+#: inside, the checkpoint would keep the op's input as well (an MLP head's ``tanh(Dense)``).
+#: Not when it is in the float32 class: its float32 output would be kept next to the
+#: matmul's low copy.
+_TRAILING_SELF_DERIVED = frozenset({"tanh"})
+
+
+def _trimmed(ev: Evaluator, eqns, made: dict, span):
+    """``span`` without a leading sum with a matmul's output and trailing self-derived ops
+    (``made``: var -> the equation that made it)."""
+    start, end = span.start, span.end
+    first = eqns[start]
+    if first.primitive.name in _LEADING_SUMS and len(first.invars) == 2 and all(
+            isinstance(v, jcore.Var) and v.aval.shape == first.outvars[0].aval.shape
+            for v in first.invars) and any(
+            v in made and ev.op_rules.classify(made[v].primitive.name) == "matmul"
+            for v in first.invars):
+        start += 1
+        while start < end and start in span.skipped:
+            start += 1
+    while end - 1 > start and end - 1 not in span.skipped \
+            and eqns[end - 1].primitive.name in _TRAILING_SELF_DERIVED \
+            and ev.op_rules.classify(eqns[end - 1].primitive.name) != "fp32":
+        end -= 1
+    if (start, end) == (span.start, span.end):
+        return span
+    return span._replace(start=start, end=end,
+                         skipped=tuple(k for k in span.skipped if start < k < end))
+
+
 def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment]:
     """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
     ``taken`` (start index -> run with ``.end``: shared module calls), none across an
@@ -123,11 +163,14 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
     ok = [_recomputable(ev, e, memo) for e in eqns]
     for start, run in taken.items():  # a shared call's equations are its own
         ok[start:run.end] = [False] * (run.end - start)
-    out = {}
+    out, made = {}, producers(jaxpr)
     for span in spans(jaxpr, ok,
                       lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
                       lambda k: k in taken or k in cuts):
+        span = _trimmed(ev, eqns, made, span)
         own = [k for k in range(span.start, span.end) if k not in span.skipped]
+        if not own:
+            continue
         if sum(_weight(ev, eqns[k]) for k in own) < 2:
             continue
         inputs, outputs = span_io(jaxpr, own, span.end)
