@@ -123,17 +123,9 @@ def _weight(ev: Evaluator, eqn) -> int:
 #: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
 #: recomputes those from the table, keeping nothing.)
 _LEADING_SUMS = frozenset({"add", "add_any", "sub"})
-#: A segment's last equation left out of it when its derivative reads only its output
-#: (``1 - tanh(x)**2``): that output is the next matmul's input, kept by the matmul anyway;
-#: inside, the checkpoint would keep the op's input as well (an MLP head's ``tanh(Dense)``).
-#: Not when it is in the float32 class: its float32 output would be kept next to the
-#: matmul's low copy.
-_TRAILING_SELF_DERIVED = frozenset({"tanh"})
-
-
 def _trimmed(ev: Evaluator, eqns, made: dict, span):
-    """``span`` without a leading sum with a matmul's output and trailing self-derived ops
-    (``made``: var -> the equation that made it)."""
+    """``span`` without a leading sum with a matmul's output (``made``: var -> the equation
+    that made it)."""
     start, end = span.start, span.end
     first = eqns[start]
     if first.primitive.name in _LEADING_SUMS and len(first.invars) == 2 and all(
@@ -144,10 +136,6 @@ def _trimmed(ev: Evaluator, eqns, made: dict, span):
         start += 1
         while start < end and start in span.skipped:
             start += 1
-    while end - 1 > start and end - 1 not in span.skipped \
-            and eqns[end - 1].primitive.name in _TRAILING_SELF_DERIVED \
-            and ev.op_rules.classify(eqns[end - 1].primitive.name) != "fp32":
-        end -= 1
     if (start, end) == (span.start, span.end):
         return span
     return span._replace(start=start, end=end,
