@@ -48,6 +48,8 @@ __all__ = [
     "shard_map_again",
     "shard_map_jaxpr",
     "source_context",
+    "unnamed_scope",
+    "checkpoint_in_place",
     "sub_jaxprs",
     "while_params",
 ]
@@ -266,6 +268,36 @@ def source_context(eqn, drop: str | None = None, keep: str | None = None):
         return source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
     except Exception:  # pragma: no cover - internal API moved: paths are lost, nothing else
         return contextlib.nullcontext()
+
+
+def unnamed_scope():
+    """A context with an empty name stack: what is traced inside a ``jax.checkpoint`` body
+    records its stack relative to the checkpoint equation (which has the caller's)."""
+    try:
+        return source_info_util.reset_name_stack()
+    except Exception:  # pragma: no cover - internal API moved: paths are lost, nothing else
+        return contextlib.nullcontext()
+
+
+def checkpoint_in_place(fn, policy):
+    """``jax.checkpoint(fn, policy=policy)`` bound with an empty name stack, ``fn`` traced
+    under the caller's: JAX's partial evaluation of a checkpoint bound under a name stack
+    repeats that stack in the backward equations it makes (``a/b/a/b``)."""
+    info = source_info_util.current()
+
+    def inner(*xs):
+        try:
+            scope = source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+        except Exception:  # pragma: no cover - internal API moved: paths are lost
+            scope = contextlib.nullcontext()
+        with scope:
+            return fn(*xs)
+
+    def call(*xs):
+        with unnamed_scope():
+            return jax.checkpoint(inner, policy=policy)(*xs)
+
+    return call
 
 
 def dce_jaxpr(jaxpr: jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[bool]]:

@@ -84,9 +84,10 @@ def attention(ev: Evaluator, ins, site: Site, index: int) -> list[Value] | None:
 
 def remat(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     p = remat_params(eqn)
-    body = ev.body(p.jaxpr, ins, site.region)
-    outs = jax.checkpoint(body.fn, prevent_cse=p.prevent_cse, policy=p.policy)(
-        *[v.val for v in ins])
+    with ev.in_user_remat():  # the user's policy decides what its body keeps
+        body = ev.body(p.jaxpr, ins, site.region)
+        outs = jax.checkpoint(body.fn, prevent_cse=p.prevent_cse, policy=p.policy)(
+            *[v.val for v in ins])
     return body.values(outs)
 
 

@@ -18,6 +18,7 @@ Transformer) share one evaluation (:mod:`jaxamp._sharing`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import jax.extend.core as jcore
 import jmp
 import numpy as np
 
-from jaxamp import _sharing
+from jaxamp import _recompute, _sharing
 from jaxamp._compat import Tracer, inline_jit, jit_inlines, open_jaxpr, source_context
 from jaxamp._control import HIGHER_ORDER, INLINE
 from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate, name_stack
@@ -109,6 +110,32 @@ class Evaluator:
         self.share = share  # evaluate repeated module calls once (see jaxamp._sharing)
         # id(eqn) -> "first"/"last": the first and last matmul reading a param (RuleCall.position)
         self.matmul_ends: dict[int, str] = {}
+        # recompute segments (jaxamp._recompute): off inside a segment and a user's remat
+        self.segment_depth = 0
+        self.remat_depth = 0
+        self.recompute_memo: dict = {}  # id(sub-program) -> (it, recomputable)
+        self.segment_plans: dict = {}  # id(jaxpr) -> (jaxpr, taken starts, segments)
+
+    @contextlib.contextmanager
+    def in_segment(self):
+        """Evaluating a recompute segment: no segments inside it, its statistics named."""
+        self.segment_depth += 1
+        try:
+            yield
+        finally:
+            self.segment_depth -= 1
+
+    @contextlib.contextmanager
+    def in_user_remat(self):
+        """Evaluating a user's ``jax.checkpoint`` body: its policy decides what is kept."""
+        self.remat_depth += 1
+        try:
+            yield
+        finally:
+            self.remat_depth -= 1
+
+    def segments_on(self) -> bool:
+        return self.op_rules.recompute and not self.segment_depth and not self.remat_depth
 
     # ---- regions -------------------------------------------------------------------------
     def policy(self, region: tuple[int, ...]) -> jmp.Policy:
@@ -216,12 +243,31 @@ class Evaluator:
         def run_eqn(eqn, raw: list[Value]) -> list[Value]:
             return self.run_eqn(eqn, raw, base, wants, drop)
 
-        runs = None
-        if self.share and not isinstance(jaxpr, Program):
+        runs, segments = None, self.segments_on()
+        nodes: dict = {}
+        if (self.share or segments) and not isinstance(jaxpr, Program):
+            nodes = self.sharing.plan(jaxpr, wants, out_wants)
+        if self.share and nodes:
             runs = {start: Run(node.end, node.inputs, node.outputs, functools.partial(
                         self.run_node, equations(jaxpr), node, base, wants))
-                    for start, node in self.sharing.plan(jaxpr, wants, out_wants).items()}
+                    for start, node in nodes.items()}
+        if segments:
+            # segments end where shared calls begin and end, shared or not (the same program)
+            runs = dict(runs or {})
+            eqns = equations(jaxpr)
+            for start, seg in self.segment_plan(jaxpr, runs, nodes).items():
+                runs[start] = Run(seg.end, seg.run_ins, seg.run_outs, functools.partial(
+                    _recompute.run_range, self, eqns, seg, base, wants, drop))
         return evaluate(jaxpr, consts, args, run_eqn, literal, runs)
+
+    def segment_plan(self, jaxpr, taken: dict, nodes: dict) -> dict:
+        key = (id(jaxpr), tuple(sorted(taken)))
+        known = self.segment_plans.get(key)
+        if known is None or known[0] is not jaxpr:
+            cuts = {n.start for n in nodes.values()} | {n.end for n in nodes.values()}
+            known = self.segment_plans[key] = (jaxpr,
+                                               _recompute.plan(self, jaxpr, taken, cuts))
+        return known[1]
 
     def run_node(self, eqns, node: Node, base, wants: set, ins: list[Value]) -> list[Value]:
         """A module call whose structure repeats: one :class:`Body` per (structure, what is
@@ -263,7 +309,10 @@ class Evaluator:
             ins = [self.operand(v, region, f32_use) for v in raw]
         site = Site(region, [o in wants for o in eqn.outvars])
         with source_context(eqn, drop=drop):
-            return self.dispatch(eqn, ins, site)
+            outs = self.dispatch(eqn, ins, site)
+        if self.segment_depth and not self.remat_depth:
+            outs = _recompute.tag_statistics(eqn, outs)
+        return outs
 
     def dispatch(self, eqn, ins: list[Value], site: Site) -> list[Value]:
         """The rule for ``eqn``: a user's handler, else its higher-order rule, else its op
@@ -294,7 +343,8 @@ class Evaluator:
             dtypes = [m.dtype for m in metas]
         key = (self.sharing.program_key(closed),
                tuple((m.stored, m.const, m.region, m.splat, d) for m, d in zip(metas, dtypes)),
-               region, None if out_wants is None else tuple(out_wants))
+               region, None if out_wants is None else tuple(out_wants),
+               self.segment_depth > 0, self.remat_depth > 0)
         body = self.bodies.get(key)
         if body is None:
             body = self.bodies[key] = Body(self, closed, metas, region, out_wants)

@@ -9,8 +9,12 @@ audit all read programs through the functions here (no other module reads ``.eqn
   and which caller variable each of their inputs and outputs stands for;
 * :func:`walk` visits every equation of a jaxpr and of its sub-programs, in execution order,
   with its full name stack (the audit's records, the step audit's dataflow graph);
+* :func:`readers` follows a var into the sub-programs it is passed to;
+* :func:`transposed_equations` says which of them run in a transpose (the backward pass);
 * :func:`iter_jaxprs`/:func:`iter_eqns` list them without order or mapping (tests, benchmarks);
 * :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses;
+* :func:`spans` finds runs of consecutive equations (autocast's recompute segments) and
+  :func:`span_io` what such a run reads from before it and what is read after it;
 * :func:`param_matmuls` lists the matmuls that read a program input (a param), in order (the
   first and last matmul that the FP8 rule keeps in the compute dtype).
 """
@@ -35,6 +39,7 @@ from jaxamp._compat import (
 __all__ = [
     "LOW_PRECISION",
     "Run",
+    "Span",
     "Sub",
     "all_consumers_accept",
     "as_jaxpr",
@@ -49,7 +54,12 @@ __all__ = [
     "lossy_round_trips",
     "name_stack",
     "param_matmuls",
+    "producers",
+    "readers",
+    "span_io",
+    "spans",
     "sub_programs",
+    "transposed_equations",
     "walk",
 ]
 
@@ -132,6 +142,12 @@ def consumers(j: Any) -> dict[Any, list]:
     return uses
 
 
+def producers(j: Any) -> dict[Any, Any]:
+    """Each var an equation of ``j`` makes (not in its sub-programs) -> that equation."""
+    return {v: eqn for eqn in as_jaxpr(j).eqns for v in eqn.outvars
+            if not isinstance(v, jcore.DropVar)}
+
+
 def all_consumers_accept(j: Any, accept: Callable[[Any, set], bool], seeds: Sequence[bool]
                          ) -> set:
     """Vars of ``j`` whose every consumer equation satisfies ``accept(eqn, found)``, found
@@ -149,6 +165,67 @@ def all_consumers_accept(j: Any, accept: Callable[[Any, set], bool], seeds: Sequ
             if eqn_uses and all(accept(u, found) for u in eqn_uses):
                 found.add(out)
     return found
+
+
+class Span(NamedTuple):
+    """Equations ``start:end`` of a jaxpr found by :func:`spans`; ``skipped``: the indices
+    among them that do not belong to the run (read nothing it made; run before it)."""
+
+    start: int
+    end: int
+    skipped: tuple
+
+
+def spans(j: Any, member: Sequence[bool], skippable: Callable[[Any], bool],
+          stops: Callable[[int], bool]) -> list[Span]:
+    """Maximal runs of consecutive equations of ``j`` whose ``member`` flag is set, each
+    starting at a member and ending at its last member. A run goes past an equation for which
+    ``skippable(eqn)`` holds when it reads no var the run made (it is listed in ``skipped``),
+    and never past an index for which ``stops(index)`` holds (a run may start at one); a run
+    ends at any other non-member. ``stops(i)`` is also asked before a run starts at ``i``:
+    a True there does not block the start. Indices that are not members are not in runs."""
+    eqns = as_jaxpr(j).eqns
+    found, i = [], 0
+    while i < len(eqns):
+        if not member[i]:
+            i += 1
+            continue
+        k, made, skipped, last = i, set(), [], i
+        while k < len(eqns) and (k == i or not stops(k)):
+            eqn = eqns[k]
+            if member[k]:
+                made.update(eqn.outvars)
+                last = k
+            elif skippable(eqn) and not any(
+                    isinstance(v, jcore.Var) and v in made for v in eqn.invars):
+                skipped.append(k)
+            else:
+                break
+            k += 1
+        found.append(Span(i, last + 1, tuple(s for s in skipped if s <= last)))
+        i = last + 1
+    return found
+
+
+def span_io(j: Any, indices: Sequence[int], end: int) -> tuple[list, list]:
+    """``(inputs, outputs)`` of equations ``indices`` of ``j`` (in order, all before ``end``):
+    the vars they read that none of them made (in first-read order), and the vars they make
+    that an equation from ``end`` on, or an output of ``j``, reads."""
+    jaxpr = as_jaxpr(j)
+    eqns = jaxpr.eqns
+    later: set = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    for eqn in eqns[end:]:
+        later.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    made, inputs, seen = set(), [], set()
+    for k in indices:
+        for v in eqns[k].invars:
+            if isinstance(v, jcore.Var) and v not in made and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+        made.update(eqns[k].outvars)
+    outputs = [v for k in indices for v in eqns[k].outvars
+               if not isinstance(v, jcore.DropVar) and v in later]
+    return inputs, outputs
 
 
 # ---- the sub-programs of an equation --------------------------------------------------------
@@ -238,6 +315,43 @@ def walk(j: Any, leaf: Callable[[Any, str], None], *,
             walk(sub.jaxpr, leaf, enter=enter, leave=leave, prefix=stack)
         if leave is not None:
             leave(eqn, subs, stack)
+
+
+def readers(j: Any, var) -> list:
+    """The first-order equations that read ``var`` (a var of ``j``), followed into the
+    sub-programs it is passed to (a recompute segment's checkpoint, a jit), in order."""
+    found = []
+    for eqn in as_jaxpr(j).eqns:
+        if not any(v is var for v in eqn.invars):
+            continue
+        subs = sub_programs(eqn)
+        if not subs:
+            found.append(eqn)
+        for sub in subs:
+            for inner, outer in zip(sub.jaxpr.invars, sub.ins):
+                if outer is var:
+                    found += readers(sub.jaxpr, inner)
+    return found
+
+
+def transposed_equations(j: Any) -> set[int]:
+    """``id`` of each equation of ``j`` (sub-programs included) that runs in a transpose: its
+    full name stack (the callers' included) names a ``transpose`` transform. A transposed
+    ``jax.checkpoint`` body keeps its forward names (JAX transposes it with the transform
+    stack off): only the checkpoint equation around it says ``transpose``, so its own stack
+    does not; the forward equations it replays are counted too."""
+    found: set[int] = set()
+
+    def leaf(eqn, stack):
+        if "transpose(" in stack:
+            found.add(id(eqn))
+
+    def enter(eqn, sub, stack):
+        if "transpose(" in stack:
+            found.add(id(eqn))
+
+    walk(j, leaf, enter=enter)
+    return found
 
 
 def iter_jaxprs(j: Any) -> Iterator[jcore.Jaxpr]:

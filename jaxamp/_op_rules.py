@@ -14,12 +14,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import Tracer, bind_with_params, new_dtype, sub_jaxprs
+from jaxamp._compat import (
+    Tracer,
+    bind_with_params,
+    checkpoint_in_place,
+    new_dtype,
+    sub_jaxprs,
+)
 from jaxamp._values import (
     F32,
     F64,
@@ -31,6 +38,7 @@ from jaxamp._values import (
     is_float,
     widest,
 )
+from jaxamp._values import convert as convert_dtype
 from jaxamp._wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -112,7 +120,28 @@ def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
             out = conv_f32_kernel_grads(eqn.primitive, params, cast(ins[0], dtype),
                                         ins[1].val, dtype)
             return [Value(out, False, False, site.region)]
+    # A param as the function got it (region (): no op made it here; a transposed kernel
+    # is not one, and keeping it in float32 would cost more than its low copy)
+    given = tuple(w and v.region == () for v, w in zip(ins, wide))
+    if ev.segments_on() and dtype != F32 and any(given) \
+            and any(isinstance(v.val, Tracer) for v in ins):
+        # its low-precision copy is made again in the backward pass from the param (kept
+        # anyway), not kept as a residual (jaxamp._recompute)
+        return recompute_param_casts(eqn, ins, site, params, dtype, given)
     return bind_eqn(eqn, [cast(v, dtype) for v in ins], site, params=params)
+
+
+def recompute_param_casts(eqn, ins: list[Value], site: Site, params, dtype,
+                          wide: tuple[bool, ...]) -> list[Value]:
+    """``eqn`` in ``dtype`` under a ``jax.checkpoint`` that keeps nothing: the casts of its
+    param operands (``wide``) are inside it, so the backward pass casts them again."""
+    def run(*xs):
+        return bind(eqn.primitive, [convert_dtype(x, dtype) if w else x
+                                     for x, w in zip(xs, wide)], params)
+
+    out = checkpoint_in_place(run, jax.checkpoint_policies.nothing_saveable)(
+        *[v.val if w else cast(v, dtype) for v, w in zip(ins, wide)])
+    return results(eqn, out, site.region)
 
 
 def fp32(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:

@@ -174,6 +174,12 @@ class OpRules:
       handlers: ``(primitive name, handler)`` pairs: a handler takes a
         :class:`jaxamp.RuleCall` and returns the equation's outputs (a list of arrays), or
         None to leave the equation to its op class. Give them as a dict to :meth:`extend`.
+      recompute: whether the cheap code between two matmuls (normalisations, softmax,
+        activation functions, bias adds, dropout masks) is recomputed in the backward pass
+        from its inputs instead of keeping its (often float32) intermediates as residuals
+        (:mod:`jaxamp._recompute`); the forward's values are the same either way. False
+        keeps every intermediate JAX's autodiff saves (``extend(recompute=False)``). Inside a
+        user's ``jax.checkpoint`` its own policy decides.
 
     Example:
       >>> rules = DEFAULT_OP_RULES.extend(fp32={"tanh"})   # run tanh in float32 too
@@ -190,14 +196,21 @@ class OpRules:
     as_traced: frozenset[str] = AS_TRACED_PRIMITIVES
     custom_vjp_as_traced: frozenset[str] = frozenset()
     handlers: tuple[tuple[str, Callable], ...] = ()
+    recompute: bool = True
 
     def extend(self, *, handlers: Mapping[str, Callable] | None = None,
-               **lists: Iterable[str]) -> OpRules:
+               recompute: bool | None = None, **lists: Iterable[str]) -> OpRules:
         """Returns rules with primitives moved into the named lists (and out of the others);
         ``custom_vjp_as_traced=`` adds function names to that list; ``handlers=`` maps
-        primitive names to handlers (replacing an earlier handler of the same primitive)."""
+        primitive names to handlers (replacing an earlier handler of the same primitive);
+        ``recompute=`` sets :attr:`recompute`."""
+        if recompute is None:
+            recompute = self.recompute
+        elif not isinstance(recompute, bool):
+            raise TypeError(f"OpRules.extend: recompute= must be True or False, got "
+                            f"{recompute!r}. Write recompute=False to keep every residual.")
         fields = {f.name: set(getattr(self, f.name)) for f in dataclasses.fields(self)
-                  if f.name != "handlers"}
+                  if f.name not in ("handlers", "recompute")}
         own = dict(self.handlers)
         if handlers is not None:
             if not isinstance(handlers, Mapping) or not all(
@@ -224,7 +237,7 @@ class OpRules:
                     other.discard(name)
                 fields[key].add(name)
         return OpRules(**{k: frozenset(v) for k, v in fields.items()},
-                       handlers=tuple(sorted(own.items())))
+                       handlers=tuple(sorted(own.items())), recompute=recompute)
 
     def runs_custom_vjp_as_traced(self, name: str) -> bool:
         """Whether the ``custom_vjp`` function called ``name`` runs exactly as traced."""

@@ -13,7 +13,13 @@ import pytest
 from models import HandAttention, init_testnet
 
 import jaxamp
-from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp._jaxpr import (
+    duplicate_casts,
+    iter_eqns,
+    lossy_round_trips,
+    readers,
+    transposed_equations,
+)
 from jaxamp.engine import REGION_MARKER
 
 F16 = "params=float32,compute=float16,output=float32"
@@ -33,9 +39,12 @@ def _module_path(eqn) -> str:
     return re.sub("/?" + REGION_MARKER.pattern, "", stack)
 
 
-def _forward_and_grad(policy, overrides=None, train=True):
+OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+
+
+def _forward_and_grad(policy, overrides=None, train=True, op_rules=jaxamp.DEFAULT_OP_RULES):
     model, variables, ids = init_testnet()
-    fwd = jaxamp.autocast(model.apply, policy, overrides=overrides)
+    fwd = jaxamp.autocast(model.apply, policy, overrides=overrides, op_rules=op_rules)
 
     def forward(v, ids):
         return fwd(v, ids, train=train, mutable=["batch_stats"])
@@ -84,7 +93,14 @@ def test_precision_partition_forward_and_backward(compute):
     # No value goes f32 -> low -> f32. (In the backward, the cotangent of a low-precision
     # value is low precision by construction; only forward values are checked there.)
     assert lossy_round_trips(fwd_jaxpr) == []
-    assert [e for e in lossy_round_trips(grad_jaxpr)
+    # The backward is what runs in a transpose, by the full name stack: with recompute its
+    # segments are transposed checkpoints, whose own equations keep their forward names (the
+    # forward equations they replay are the forward's, checked above).
+    back = transposed_equations(grad_jaxpr)
+    assert back and not transposed_equations(fwd_jaxpr)
+    assert [e for e in lossy_round_trips(grad_jaxpr) if id(e) not in back] == []
+    *_, off_grad = _forward_and_grad(POLICIES[compute], op_rules=OFF)
+    assert [e for e in lossy_round_trips(off_grad)
             if "transpose" not in str(e.source_info.name_stack)] == []
     value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"], ids)
     assert value.dtype == jnp.float32
@@ -95,7 +111,8 @@ def test_precision_partition_forward_and_backward(compute):
 
 
 def test_params_stay_f32_and_tables_are_not_cast_whole():
-    model, variables, ids, forward, _, fwd_jaxpr, _ = _forward_and_grad(F16)
+    # the equations as the engine places them (recompute would put them in a checkpoint)
+    model, variables, ids, forward, _, fwd_jaxpr, _ = _forward_and_grad(F16, op_rules=OFF)
     table = variables["params"]["embed"]["embedding"]
     leaves = jax.tree.leaves((variables, ids))
     table_var = fwd_jaxpr.jaxpr.invars[next(i for i, x in enumerate(leaves) if x is table)]
@@ -113,6 +130,10 @@ def test_params_stay_f32_and_tables_are_not_cast_whole():
     # token ids are never cast to float
     assert not [e for e in iter_eqns(fwd_jaxpr) if ids_var in e.invars
                 and e.primitive.name == "convert_element_type"]
+    # with recompute (the default) too, followed into the segment that holds the gather
+    *_, default_fwd, _ = _forward_and_grad(F16)
+    assert [e.primitive.name for e in readers(default_fwd, default_fwd.jaxpr.invars[
+        next(i for i, x in enumerate(leaves) if x is table)])] == ["gather"]
 
 
 def _matmul_dtypes_by_module(jaxpr):

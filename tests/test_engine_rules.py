@@ -290,14 +290,24 @@ def test_nested_control_flow_is_evaluated_a_bounded_number_of_times(evaluations)
 def test_repeated_layers_are_evaluated_once_and_give_the_same_program(evaluations,
                                                                       monkeypatch):
     model, variables, ids = _stack()
+    # the evaluation counts below are those of sharing alone (recompute segments are
+    # programs of their own, one per segment when unshared); with them too, no jaxpr is
+    # evaluated twice
+    off = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
 
-    def program():  # a fresh function each time: make_jaxpr caches traces per function
-        fwd = jaxamp.autocast(model.apply, F16)
+    def program(rules=off):  # a fresh function each time: make_jaxpr caches traces per function
+        fwd = jaxamp.autocast(model.apply, F16, op_rules=rules)
         return fwd, jax.make_jaxpr(jax.value_and_grad(lambda v: fwd(v, ids).sum()))(variables)
 
+    _, shared_on = program(jaxamp.DEFAULT_OP_RULES)
+    assert set(evaluations.values()) == {1}
+    evaluations.clear()
     fwd, shared = program()
     bodies = dict(evaluations)
     monkeypatch.setattr(engine, "SHARE_REPEATED_CALLS", False)
+    evaluations.clear()
+    _, plain = program()
+    assert str(shared_on) != str(plain)
     evaluations.clear()
     _, plain = program()
     # no jaxpr is evaluated twice; unshared, only the top one and gelu's / the norm's inner

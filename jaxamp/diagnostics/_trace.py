@@ -451,7 +451,10 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
         with recording(recorder):
             return fn(*a)
 
-    amp = autocast(recorded, pol, overrides=overrides, op_rules=op_rules,
+    # Read with recompute off: recompute changes what the backward keeps, not the dtype any op
+    # runs in, and its checkpoints would show replayed forward ops as backward ones.
+    amp = autocast(recorded, pol, overrides=overrides,
+                   op_rules=op_rules.extend(recompute=False),
                    f32_weight_grads=f32_weight_grads)
     grad = argnums is not None and _has_float(args[argnums])
 

@@ -1,0 +1,243 @@
+"""Activation memory: the cheap code between two matmuls is recomputed in the backward pass.
+
+Reverse-mode AD keeps, for the backward pass, whatever each primitive's derivative reads.
+Evaluated primitive by primitive, a LayerNorm keeps three float32 ``[B, T, D]`` products, a
+softmax its float32 output next to the low-precision copy the next matmul keeps, a GELU
+several ``[B, T, 4D]`` intermediates, a dropout its mask. autocast therefore cuts each jaxpr
+it evaluates into *segments*: maximal runs of consecutive equations none of which is a matmul,
+a convolution, a collective, an effect or a higher-order primitive other than an inlined call
+or a ``custom_jvp`` function (softmax, ReLU) made of such equations. Each segment is evaluated
+as one ``jax.checkpoint`` whose policy saves only its row statistics (the float outputs of the
+reductions in it, ``checkpoint_name`` :data:`STAT`: a LayerNorm's mean and variance, a
+softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest from the
+segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
+after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
+the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
+matmul is evaluated first, outside the checkpoint. The forward pass computes the same values
+in the same dtypes; only what is kept changes (a low-precision input is read rounded, through
+an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). (The matmul rule,
+likewise, casts a param operand inside a ``jax.checkpoint`` that keeps nothing: the backward
+casts it again instead of keeping its low copy; :func:`jaxamp._op_rules.recompute_param_casts`.)
+
+Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
+module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
+shared evaluation), and everything under ``OpRules(recompute=False)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
+from jaxamp._jaxpr import equations, producers, span_io, spans
+from jaxamp._sharing import Program
+from jaxamp._values import Value, is_float
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxamp._evaluator import Body, Evaluator
+
+__all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
+
+#: The ``checkpoint_name`` of the row statistics a segment keeps.
+STAT = "jaxamp_row_stat"
+_POLICY = jax.checkpoint_policies.save_only_these_names(STAT)
+
+#: Calls whose inside is recomputable when each of their equations is.
+_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call"})
+#: Never recomputed: communication (a collective run again in the backward costs a second
+#: exchange), effects and references, user-named residuals, barriers, and sub-computations
+#: that are costly or have their own derivative rules.
+_KEPT = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
+    "all_to_all", "ppermute", "ragged_all_to_all", "reduce_scatter", "axis_index", "pvary",
+    "device_put", "sharding_constraint", "optimization_barrier", "name", "after_all",
+    "create_token", "get", "swap", "empty2", "custom_lin", "custom_linear_solve",
+    "custom_vjp_call", "custom_vjp_call_jaxpr", "sort", "top_k", "approx_top_k",
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+    "scatter_min", "scatter-max", "scatter_max", "rng_bit_generator", "rng_uniform",
+    "select_and_scatter_add", "select_and_gather_add", "cholesky", "eig", "eigh", "lu", "qr",
+    "svd", "schur", "hessenberg", "triangular_solve", "tridiagonal_solve", "fft",
+})
+#: Reductions whose float outputs are row statistics (kept, not recomputed).
+_STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                         "argmin"})
+
+
+class Segment(NamedTuple):
+    """Equations ``start:end`` of a jaxpr: the vars the recomputed ones read from before
+    (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
+    matmuls among them that read nothing the segment makes (the ``up`` projection traced
+    between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
+    ``run_outs``: the same for the whole range."""
+
+    start: int
+    end: int
+    inputs: list
+    outputs: list
+    hoisted: tuple
+    run_ins: list
+    run_outs: list
+
+
+def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
+    name = eqn.primitive.name
+    rules = ev.op_rules
+    if name in _KEPT or rules.classify(name) == "matmul" or rules.handler(name) is not None \
+            or not rules.known(name):
+        return False
+    subs = sub_jaxprs(eqn)
+    if not subs:
+        return True
+    if name not in _TRANSPARENT:
+        return False
+    return all(_program_recomputable(ev, s, memo) for s in subs)
+
+
+def _program_recomputable(ev: Evaluator, closed, memo: dict) -> bool:
+    key = id(closed)
+    if key not in memo:
+        memo[key] = (closed, all(_recomputable(ev, e, memo) for e in equations(closed)))
+    return memo[key][1]
+
+
+def _weight(ev: Evaluator, eqn) -> int:
+    """What recomputing ``eqn`` may save: arithmetic 1, a call (GELU, softmax) 2."""
+    name = eqn.primitive.name
+    if name in _TRANSPARENT:
+        return 2
+    return int(ev.op_rules.classify(name) in ("fp32", "promote"))
+
+
+#: A segment's first equation left out of it when it adds a matmul's output to another array:
+#: a residual stream's ``x + h``. Inside, the checkpoint would keep both operands to
+#: recompute the sum; outside, the add keeps nothing and the segment keeps the sum, which
+#: the next segment keeps anyway (the stream's next residual add reads it). Only when both
+#: operands have the sum's shape: then the sum is no bigger than either (whatever dtypes the
+#: engine gives them), while a broadcast operand (an attention mask bias ``[B, 1, T, T]``)
+#: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
+#: recomputes those from the table, keeping nothing.)
+_LEADING_SUMS = frozenset({"add", "add_any", "sub"})
+def _trimmed(ev: Evaluator, eqns, made: dict, span):
+    """``span`` without a leading sum with a matmul's output (``made``: var -> the equation
+    that made it)."""
+    start, end = span.start, span.end
+    first = eqns[start]
+    if first.primitive.name in _LEADING_SUMS and len(first.invars) == 2 and all(
+            isinstance(v, jcore.Var) and v.aval.shape == first.outvars[0].aval.shape
+            for v in first.invars) and any(
+            v in made and ev.op_rules.classify(made[v].primitive.name) == "matmul"
+            for v in first.invars):
+        start += 1
+        while start < end and start in span.skipped:
+            start += 1
+    if (start, end) == (span.start, span.end):
+        return span
+    return span._replace(start=start, end=end,
+                         skipped=tuple(k for k in span.skipped if start < k < end))
+
+
+def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment]:
+    """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
+    ``taken`` (start index -> run with ``.end``: shared module calls), none across an
+    index in ``cuts``."""
+    eqns = equations(jaxpr)
+    memo: dict = ev.recompute_memo
+    ok = [_recomputable(ev, e, memo) for e in eqns]
+    for start, run in taken.items():  # a shared call's equations are its own
+        ok[start:run.end] = [False] * (run.end - start)
+    out, made = {}, producers(jaxpr)
+    for span in spans(jaxpr, ok,
+                      lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
+                      lambda k: k in taken or k in cuts):
+        span = _trimmed(ev, eqns, made, span)
+        own = [k for k in range(span.start, span.end) if k not in span.skipped]
+        if not own:
+            continue
+        if sum(_weight(ev, eqns[k]) for k in own) < 2:
+            continue
+        inputs, outputs = span_io(jaxpr, own, span.end)
+        run_ins, run_outs = span_io(jaxpr, [*span.skipped, *own], span.end)
+        if outputs:
+            out[span.start] = Segment(span.start, span.end, inputs, outputs, span.skipped,
+                                      run_ins, run_outs)
+    return out
+
+
+def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+              ins: list[Value]) -> list[Value]:
+    """The equations of ``seg``'s range: its hoisted matmuls, then the segment (:func:`run`)."""
+    env = dict(zip(seg.run_ins, ins))
+
+    def read(v):
+        return Value(v.val, True, True, base) if isinstance(v, jcore.Literal) else env[v]
+
+    for k in seg.hoisted:
+        eqn = eqns[k]
+        env.update(zip(eqn.outvars, ev.run_eqn(eqn, [read(v) for v in eqn.invars], base,
+                                                wants, drop)))
+    env.update(zip(seg.outputs, run(ev, eqns, seg, base, wants, drop,
+                                    [read(v) for v in seg.inputs])))
+    return [env[v] for v in seg.run_outs]
+
+
+def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+        ins: list[Value]) -> list[Value]:
+    """Segment ``seg`` of ``eqns`` evaluated under a ``jax.checkpoint`` that keeps only its
+    inputs and row statistics (in place where no input is traced: nothing to differentiate)."""
+    out_wants = [v in wants for v in seg.outputs]
+    program = Program([], seg.inputs, seg.outputs, [eqns[k] for k in range(seg.start, seg.end)
+                                                   if k not in seg.hoisted], drop)
+    traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
+    if not traced:  # run eagerly: nothing to differentiate, the equations one by one
+        with ev.in_segment():
+            return ev.eval(program, None, ins, base, out_wants)
+    key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
+           tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
+           tuple(out_wants))
+    first = eqns[seg.start]  # never skipped: a segment starts at one of its own
+    known = ev.bodies.get(key)
+    if known is None or known[0] is not first:
+        from jaxamp._evaluator import Body
+
+        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants))
+    body: Body = known[1]
+    vals = [v.val for v in ins]
+
+    def fn(*xs):
+        full = list(vals)
+        for i, x in zip(traced, _rounded(xs)):
+            full[i] = x
+        return body.fn(*full)
+
+    with ev.in_segment():
+        outs = checkpoint_in_place(fn, _POLICY)(*[vals[i] for i in traced])
+    return body.values(outs)
+
+
+def _rounded(xs: tuple) -> list:
+    """``xs`` with each low-precision float (bfloat16, float16, FP8) read through an
+    ``optimization_barrier``: XLA otherwise feeds the forward's consumers the unrounded
+    float32 value of a bfloat16 matmul output (``xla_allow_excess_precision``), while the
+    backward recomputes from the rounded residual. A kept row max taken of the unrounded
+    logits can then lie below the recomputed ones by half an ulp (2**-9 of them: exp(g - max)
+    overflows to inf, and inf * 0 is NaN, once the logits pass about 45000)."""
+    low = [i for i, x in enumerate(xs)
+           if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4]
+    out = list(xs)
+    for i, x in zip(low, lax.optimization_barrier([xs[i] for i in low]) if low else ()):
+        out[i] = x
+    return out
+
+
+def tag_statistics(eqn, outs: list[Value]) -> list[Value]:
+    """The float outputs of a reduction inside a segment, named :data:`STAT` (kept)."""
+    if eqn.primitive.name not in _STATISTICS:
+        return outs
+    return [Value(checkpoint_name(o.val, STAT), o.stored, o.const, o.region, splat=o.splat)
+            if is_float(o.dtype) and isinstance(o.val, Tracer) else o for o in outs]

@@ -1,0 +1,145 @@
+"""Activation memory (GitHub issue #24): the residuals autocast's programs keep for the backward
+pass, by dtype (``bench/memory_engine.py``'s count), with recompute segments on and off."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from gpt import GPT, GPTConfig, init, lm_loss, make_batch  # noqa: E402
+from memory_engine import OFF, saved_residuals, summary  # noqa: E402
+
+BF16 = "params=float32,compute=bfloat16,output=float32"
+F16 = "params=float32,compute=float16,output=float32"
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    cfg = GPTConfig(layers=2, d_model=32, heads=2, seq=32, vocab=64)
+    model = GPT(cfg)
+    return (lambda p, b: lm_loss(model.apply, p, b)), init(model, cfg), make_batch(cfg, 4)
+
+
+@pytest.mark.parametrize("policy", [BF16, F16])
+def test_low_precision_keeps_a_third_of_float32s_residuals(small_gpt, policy):
+    loss, params, batch = small_gpt
+    f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
+                                     params, batch))
+    on, f32_share = summary(saved_residuals(jaxamp.autocast(loss, policy), params, batch))
+    off, off_share = summary(saved_residuals(jaxamp.autocast(loss, policy, op_rules=OFF),
+                                             params, batch))
+    assert on / f32 <= 0.35 and f32_share <= 0.10, (on / f32, f32_share)
+    # the switch keeps what JAX's autodiff saves primitive by primitive (float32 LayerNorm
+    # products, softmax outputs, GELU intermediates)
+    assert off / f32 > 0.6 and off_share > 0.3, (off / f32, off_share)
+
+
+def test_recompute_changes_no_forward_value_and_gradients_only_by_rounding(small_gpt):
+    loss, params, batch = small_gpt
+    for policy, tol in (("float32", 1e-5), (BF16, None)):
+        on = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, policy)))(params, batch)
+        off = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, policy, op_rules=OFF)))(
+            params, batch)
+        np.testing.assert_allclose(on[0], off[0], rtol=1e-6)
+        a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(g[1])]) for g in (on, off))
+        if tol is not None:
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
+            r = b  # the float32 gradients
+        else:  # as close to float32 as without recompute (bfloat16's rounding)
+            cos = [float(x @ r / np.linalg.norm(x) / np.linalg.norm(r)) for x in (a, b)]
+            assert cos[0] > 0.999 and abs(cos[0] - cos[1]) < 1e-4, cos
+    # outside any transformation the segments run in place: the forward is bit for bit
+    eager_on = jaxamp.autocast(loss, BF16)(params, batch)
+    eager_off = jaxamp.autocast(loss, BF16, op_rules=OFF)(params, batch)
+    assert float(eager_on) == float(eager_off)
+
+
+def test_the_kept_softmax_max_is_of_the_logits_the_backward_recomputes():
+    # Under jit XLA feeds the forward softmax the unrounded float32 value of the bfloat16
+    # matmul output (excess precision), the backward recomputes from the rounded residual:
+    # a kept max of the unrounded logits lies up to 128 below the recomputed ones at ~50000,
+    # exp(g - max) overflows and the gradient is NaN. Recompute off keeps the softmax output.
+    # The reference: the gradient evaluated op by op (no excess precision: bfloat16 logits).
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    w = 2500.0 * jax.random.normal(jax.random.key(1), (64, 64))  # logits ~ +-50000
+
+    def loss(w, x):
+        return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * x)
+
+    grad = jax.grad(jaxamp.autocast(loss, BF16))
+    on, ref = jax.jit(grad)(w, x), grad(w, x)
+    assert np.isfinite(ref).all() and np.isfinite(on).all(), int((~np.isfinite(on)).sum())
+    np.testing.assert_array_equal(on, ref)  # CPU: bit for bit
+
+
+def test_a_users_checkpoint_policy_wins_inside_its_scope():
+    x = jnp.linspace(-2.0, 2.0, 4 * 64).reshape(4, 64)
+    w = jnp.full((64, 64), 0.01)
+
+    def block(w, x):
+        h = jax.nn.gelu(x @ w)
+        return jnp.sum(jax.nn.softmax(h * 3.0) ** 2)
+
+    saving = jax.checkpoint(block, policy=jax.checkpoint_policies.everything_saveable)
+    plain_on = summary(saved_residuals(jaxamp.autocast(block, BF16), w, x))[0]
+    plain_off = summary(saved_residuals(jaxamp.autocast(block, BF16, op_rules=OFF), w, x))[0]
+    assert plain_on < plain_off  # outside a checkpoint, the segment keeps less
+    kept_on = saved_residuals(jaxamp.autocast(saving, BF16), w, x)
+    kept_off = saved_residuals(jaxamp.autocast(saving, BF16, op_rules=OFF), w, x)
+    assert kept_on == kept_off and summary(kept_on)[0] > plain_on
+
+
+def test_recompute_switch_is_checked():
+    assert jaxamp.DEFAULT_OP_RULES.recompute
+    assert not OFF.recompute and OFF.extend(fp32={"tanh"}).recompute is False
+    with pytest.raises(TypeError, match="recompute= must be True or False"):
+        jaxamp.DEFAULT_OP_RULES.extend(recompute="no")
+
+
+def test_the_diagnostics_read_the_program_with_recompute_off(small_gpt):
+    from jaxamp._jaxpr import iter_eqns
+    from jaxamp.diagnostics._trace import trace_model
+
+    loss, params, batch = small_gpt
+
+    def checkpoints(jaxpr):
+        return sum(e.primitive.name in ("remat", "remat2", "checkpoint")
+                   for e in iter_eqns(jaxpr))
+
+    # the default rules put the segments (and the param casts) in checkpoints ...
+    default = jax.make_jaxpr(jax.grad(jaxamp.autocast(loss, BF16)))(params, batch)
+    assert checkpoints(default) > 10
+    # ... the audit's trace of the same function under the same rules has none; it keeps
+    # the rules it was given (what it checks the program against)
+    t = trace_model(loss, (params, batch), policy=BF16, overrides=None,
+                    op_rules=jaxamp.DEFAULT_OP_RULES, argnums=0)
+    assert checkpoints(t.jaxpr) == 0 and t.op_rules.recompute
+    report = jaxamp.audit(loss, params, batch, policy=BF16)
+    assert not [f for f in report.findings if "remat" in f.detail or "checkpoint" in f.detail]
+
+
+def test_a_residual_sum_is_kept_once_not_as_its_two_operands():
+    # corpus T5: the residual stream x (its float32 embedding rows, at first) plus the
+    # attention's output projection. A segment starting at that sum would keep both operands;
+    # it starts after it and keeps the sum (0.407x of float32's residuals before, 0.366x now)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from corpus_models import t5
+
+    case = t5()
+
+    def loss(p, b):
+        return case.loss(case.model.apply, p, b)
+
+    f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
+                                     case.params, case.batch))
+    on, share = summary(saved_residuals(jaxamp.autocast(loss, F16), case.params, case.batch))
+    assert on / f32 <= 0.37 and share <= 0.10, (on / f32, share)
