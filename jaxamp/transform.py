@@ -173,7 +173,7 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
                                            extra_args)
         # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
         applied = state.grads_finite
-        return jax.tree.map(lambda u: jnp.where(applied, u, jnp.array(-0.0, u.dtype)),
+        return jax.tree.map(lambda u: select(applied, u, jnp.full(u.shape, -0.0, u.dtype)),
                             new_updates), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -198,6 +198,11 @@ def _down_exact(g: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(g), down, g)
 
 
+def _add_pairs(a, b):
+    """The reducer of the norm's sums (one function, so JAX traces it once)."""
+    return a[0] + b[0], a[1] + b[1]
+
+
 def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``,
     ``total`` finite when every element is finite (unless the norm exceeds float32's range),
@@ -214,12 +219,17 @@ def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     def sums(g):
         zero = jnp.zeros((), jnp.float32)
         d = _down_exact(g) if g.size == 1 else g * _DOWN
-        return lax.reduce((g * g, d * d), (zero, zero),
-                          lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(g.ndim)))
+        return lax.reduce((g * g, d * d), (zero, zero), _add_pairs, tuple(range(g.ndim)))
 
+    if not leaves:
+        return jnp.zeros((), jnp.float32), jnp.float32(1.0)
     pairs = [sums(g) for g in leaves]
-    low = sum((lo for lo, _ in pairs), jnp.zeros((), jnp.float32))
-    high = sum((hi for _, hi in pairs), jnp.zeros((), jnp.float32))
+    # The per-leaf sums added by one more reduction (not a chain of scalar additions): XLA
+    # computes it once, where it copied a chain into each of its scalar consumers.
+    zero = jnp.zeros((), jnp.float32)
+    low, high = lax.reduce((jnp.stack([lo for lo, _ in pairs]),
+                            jnp.stack([hi for _, hi in pairs])), (zero, zero),
+                           _add_pairs, (0,))
     fits = jnp.isfinite(low)
     return (jnp.where(fits, low, high),
             jnp.where(fits, jnp.float32(1.0), jnp.float32(2.0**-_DOWN_EXPONENT)))
@@ -260,7 +270,7 @@ def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_ar
     grads = jax.tree.map(lambda g: g * factor if _is_float(g) else g, grads)
     # Whether the step applies, as the finiteness of one square root (computed once, where an
     # ``isfinite(root) & isfinite(loss)`` was recomputed in each of the update's fusions).
-    applied = jnp.isfinite(jnp.sqrt(jnp.where(loss_finite, total, jnp.float32(np.nan))))
+    applied = jnp.isfinite(jnp.sqrt(jnp.where(loss_finite, root, jnp.float32(np.nan))))
     new_updates, inner = _inner_update_selected(inner_update, applied, grads, state.inner_state,
                                                 params, extra_args)
     return new_updates, AmpState(
@@ -293,7 +303,7 @@ def _inner_update_selected(inner_update, applied, grads, inner_state, params,
     def reroute(new, old):
         if not (hasattr(old, "dtype") and np.shape(old) == new.shape):
             return None
-        return lambda v: jnp.where(applied, v, jnp.asarray(old).astype(v.dtype))
+        return lambda v: select(applied, v, jnp.asarray(old).astype(v.dtype))
 
     n_state = len(outs_shape := jax.tree.leaves(out_shape[1]))
     fns = [None] * n_state if not same_tree else \
@@ -311,7 +321,16 @@ def _inner_update_selected(inner_update, applied, grads, inner_state, params,
 
 
 def _select(applied, new, old):
-    return jnp.where(applied, new.astype(old.dtype), old) if hasattr(old, "dtype") else new
+    return select(applied, new.astype(old.dtype), old) if hasattr(old, "dtype") else new
+
+
+def select(pred: jax.Array, new: Any, old: Any) -> jax.Array:
+    """``new`` where the scalar ``pred``, else ``old``: one ``select`` (``lax.select``
+    when the two agree in shape and dtype, which costs less to trace than ``jnp.where``)."""
+    if isinstance(new, jax.Array | Tracer) and isinstance(old, jax.Array | Tracer) \
+            and new.shape == old.shape and new.dtype == old.dtype:
+        return lax.select(pred, new, old)
+    return jnp.where(pred, new, old)
 
 
 def _check_state(tx, state, params) -> None:
