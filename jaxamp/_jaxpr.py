@@ -4,6 +4,8 @@ audit all read programs through the functions here (no other module reads ``.eqn
 * :func:`evaluate` runs a jaxpr's equations in order through a caller's per-equation function
   (the environment of values, literals, outputs): autocast's re-evaluation and the overflow
   locator's recording interpreter are both this loop with their own equation handler;
+  :func:`evaluate_rerouted` is the same loop binding each equation as it is, with chosen
+  outputs replaced where later equations read them (the AMP update's skip select);
 * :func:`sub_programs` says what an equation's sub-programs are (``pjit``/``closed_call``/
   ``remat``/``custom_jvp``/``custom_vjp`` bodies, ``scan``/``while`` bodies, ``cond`` branches)
   and which caller variable each of their inputs and outputs stands for;
@@ -28,6 +30,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jaxamp._compat import (
+    bind_with_params,
     cond_params,
     named_sub_jaxprs,
     new_dtype,
@@ -48,6 +51,7 @@ __all__ = [
     "duplicate_casts",
     "equations",
     "evaluate",
+    "evaluate_rerouted",
     "iter_eqns",
     "iter_jaxprs",
     "jaxpr_of",
@@ -130,6 +134,37 @@ def evaluate(j: Any, consts: Sequence[Any] | None, args: Sequence[Any],
         write(eqn.outvars, run_eqn(eqn, [read(v) for v in eqn.invars]))
         i += 1
     return [read(v) for v in jaxpr.outvars]
+
+
+def evaluate_rerouted(j: Any, args: Sequence[Any],
+                      reroute: Sequence[Callable[[Any], Any] | None]) -> tuple[list, list[bool]]:
+    """Runs the closed jaxpr ``j`` on ``args`` (every equation bound as it is), except that
+    the value of output ``k`` is replaced by ``reroute[k](value)`` as soon as an equation of
+    ``j`` computes it: the equations after it, and the output itself, read the replacement.
+
+    Returns ``(outputs, rerouted)``; ``rerouted[k]`` says whether output ``k`` was replaced
+    (not when ``reroute[k]`` is None, nor when the output is an input or a literal of ``j``).
+    Equations inside the sub-program (``pjit``, ...) that computes an output still read the
+    value as computed.
+    """
+    jaxpr = as_jaxpr(j)
+    first: dict[Any, Callable] = {}
+    for var, fn in zip(jaxpr.outvars, reroute):
+        if fn is not None and isinstance(var, jcore.Var):
+            first.setdefault(var, fn)
+    done: set = set()
+
+    def run_eqn(eqn, vals):
+        outs = bind_with_params(eqn, vals)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        for i, var in enumerate(eqn.outvars):
+            if var in first and var not in done:
+                outs[i] = first[var](outs[i])
+                done.add(var)
+        return outs
+
+    outs = evaluate(j, None, args, run_eqn)
+    return outs, [isinstance(v, jcore.Var) and v in done for v in jaxpr.outvars]
 
 
 def consumers(j: Any) -> dict[Any, list]:

@@ -56,6 +56,7 @@ from jaxamp.transform import (
     copy_tree,
     default_loss_scale,
 )
+from jaxamp.transform import select as _select_leaf
 
 __all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "TrainState",
            "default_loss_scale", "make_eval_step", "make_train_step", "nnx_update"]
@@ -758,7 +759,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         applied = out.grads_finite
 
         def select(new, old):
-            return jnp.where(applied, new, old)
+            return _select_leaf(applied, new, old)
 
         new_state = state.replace(
             step=state.step + 1,

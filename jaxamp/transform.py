@@ -42,6 +42,7 @@ import optax
 from jax import lax
 
 from jaxamp import policy_spec
+from jaxamp._jaxpr import evaluate_rerouted
 from jaxamp._compat import Tracer
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import get_policy
@@ -172,7 +173,7 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
                                            extra_args)
         # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
         applied = state.grads_finite
-        return jax.tree.map(lambda u: jnp.where(applied, u, jnp.array(-0.0, u.dtype)),
+        return jax.tree.map(lambda u: select(applied, u, jnp.full(u.shape, -0.0, u.dtype)),
                             new_updates), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -180,42 +181,57 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
 
 #: The second sum of squares is of the gradients times 2**-64: it overflows only when the norm
 #: itself exceeds float32's largest value (~3.4e38), and the elements it loses to underflow
-#: (|g| < 2**-62) are below float32 precision next to the norms it stands in for (> 2**64).
+#: (|g| < ~2**-10) are below float32 precision next to the norms it stands in for (> 2**64).
 _DOWN_EXPONENT = 64
+_DOWN = np.float32(2.0**-_DOWN_EXPONENT)
 
 
-def _down(g: jax.Array) -> jax.Array:
-    """``g * 2**-64``, exactly, by subtracting 64 from the exponent bits: XLA rewrites the
-    product of two multiplications by constants, ``(g*c) * (g*c)``, as ``(g*g) * (c*c)``,
-    which overflows exactly where this sum must not. Elements below ``2**-62`` become 0; inf
-    and nan stay."""
+def _down_exact(g: jax.Array) -> jax.Array:
+    """``g * 2**-64`` by subtracting 64 from the exponent bits, for one-element leaves: XLA:CPU
+    folds the constant factors of a scalar product, ``(g*c) * (g*c)`` into ``(g*g) * (c*c)``,
+    which overflows exactly where this sum must not (it leaves arrays of two or more elements
+    alone, whose plain product ``g * c`` the other leaves use). Elements below ``2**-62``
+    become 0; inf and nan stay."""
     bits = lax.bitcast_convert_type(g, jnp.int32) - (_DOWN_EXPONENT << 23)
     down = jnp.where(jnp.abs(g) >= 2.0 ** (2 - _DOWN_EXPONENT),
                      lax.bitcast_convert_type(bits, jnp.float32), 0.0)
     return jnp.where(jnp.isfinite(g), down, g)
 
 
-def _scaled_norm(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(root, r)`` with ``root / r`` the global norm of the float32 ``leaves``, finite when
-    every element is finite (unless the norm exceeds float32's range), inf/nan otherwise.
+def _add_pairs(a, b):
+    """The reducer of the norm's sums (one function, so JAX traces it once)."""
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``,
+    ``total`` finite when every element is finite (unless the norm exceeds float32's range),
+    inf/nan otherwise.
 
     One variadic reduction per leaf sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the
     first is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it,
     the second stands in (``r = 2**-64``). One pass over each leaf and one reduction in the
-    compiled program, where dividing by ``max |g|`` first takes two (measured on the bench
-    GPT: the train step's compile time 1.32x -> 1.69x the plain step's).
+    compiled program, three elementwise ops more than a plain sum of squares (dividing by
+    ``max |g|`` first takes two reductions; measured on the bench GPT: the train step's compile
+    time 1.32x -> 1.69x the plain step's). A non-finite element makes both sums non-finite:
+    the finite check needs no pass of its own.
     """
     def sums(g):
         zero = jnp.zeros((), jnp.float32)
-        d = _down(g)
-        return lax.reduce((g * g, d * d), (zero, zero),
-                          lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(g.ndim)))
+        d = _down_exact(g) if g.size == 1 else g * _DOWN
+        return lax.reduce((g * g, d * d), (zero, zero), _add_pairs, tuple(range(g.ndim)))
 
+    if not leaves:
+        return jnp.zeros((), jnp.float32), jnp.float32(1.0)
     pairs = [sums(g) for g in leaves]
-    low = sum((lo for lo, _ in pairs), jnp.zeros((), jnp.float32))
-    high = sum((hi for _, hi in pairs), jnp.zeros((), jnp.float32))
+    # The per-leaf sums added by one more reduction (not a chain of scalar additions): XLA
+    # computes it once, where it copied a chain into each of its scalar consumers.
+    zero = jnp.zeros((), jnp.float32)
+    low, high = lax.reduce((jnp.stack([lo for lo, _ in pairs]),
+                            jnp.stack([hi for _, hi in pairs])), (zero, zero),
+                           _add_pairs, (0,))
     fits = jnp.isfinite(low)
-    return (jnp.sqrt(jnp.where(fits, low, high)),
+    return (jnp.where(fits, low, high),
             jnp.where(fits, jnp.float32(1.0), jnp.float32(2.0**-_DOWN_EXPONENT)))
 
 
@@ -237,26 +253,84 @@ def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_ar
     overflow that a smaller scale would avoid).
     """
     ls = state.loss_scale
+    scale = jnp.asarray(ls.loss_scale, jnp.float32)
     inv = (1.0 / ls.loss_scale).astype(jnp.float32)
     grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32) if _is_float(g) else g,
                          grads)
-    root, r = _scaled_norm([g for g in jax.tree.leaves(grads) if _is_float(g)])
+    total, r = _scaled_sums([g for g in jax.tree.leaves(grads) if _is_float(g)])
+    root = jnp.sqrt(total)
     grads_finite = jnp.isfinite(root)
     grad_norm = root * (inv / r)  # unscaled (inv and r are powers of two for dynamic scales)
-    # One scalar unscales and clips: inv * min(1, clip / grad_norm), written so that it stays
-    # finite when the norm itself does not fit in float32 (a zero root gives inf -> inv).
-    factor = inv if clip_norm is None else jnp.minimum(inv, clip_norm * r / root)
+    # One scalar unscales and clips: inv * min(1, clip / grad_norm) = 1 / max(scale, root /
+    # (clip * r)), finite when the norm itself does not fit in float32 (a zero root gives
+    # inv). Each leaf multiplies by it once. Ending in a division, it is computed once: XLA
+    # copies a cheap scalar expression (a min) into every fusion that reads it.
+    factor = inv if clip_norm is None else \
+        1.0 / jnp.maximum(scale, root / (jnp.asarray(clip_norm, jnp.float32) * r))
     grads = jax.tree.map(lambda g: g * factor if _is_float(g) else g, grads)
-    new_updates, new_inner = inner_update(grads, state.inner_state, params, **extra_args)
-    applied = grads_finite & loss_finite
-    # float32 grads would promote e.g. a bfloat16 Adam moment to float32: keep its dtype.
-    inner = jax.tree.map(
-        lambda new, old: jnp.where(applied, new.astype(old.dtype), old)
-        if hasattr(old, "dtype") else new, new_inner, state.inner_state)
+    # Whether the step applies, as the finiteness of one square root (computed once, where an
+    # ``isfinite(root) & isfinite(loss)`` was recomputed in each of the update's fusions).
+    applied = jnp.isfinite(jnp.sqrt(jnp.where(loss_finite, root, jnp.float32(np.nan))))
+    new_updates, inner = _inner_update_selected(inner_update, applied, grads, state.inner_state,
+                                                params, extra_args)
     return new_updates, AmpState(
         loss_scale=ls.adjust(grads_finite), inner_state=inner,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
         grad_norm=grad_norm.astype(jnp.float32), grads_finite=applied), grads_finite
+
+
+def _inner_update_selected(inner_update, applied, grads, inner_state, params,
+                           extra_args: dict) -> tuple[Any, Any]:
+    """``(updates, state)`` of ``inner_update``, the state's leaves selected: new where
+    ``applied``, else the old ones (bit for bit, counters included).
+
+    The updates are computed from the *selected* state: where the optimizer's update reads a
+    leaf of its new state (Adam's moments, its count), it reads ``where(applied, new, old)``
+    instead. That changes nothing where ``applied`` (the same bits) and only updates the caller
+    masks where not, and it lets XLA compute each new leaf once: with the updates reading the
+    unselected value, XLA:CPU fused the moment update into both the select and the param
+    update (twice the optimizer's instructions) and copied every donated moment buffer so the
+    param update could still read the old one.
+    """
+    old_leaves, old_tree = jax.tree.flatten(inner_state)
+    closed, out_shape = jax.make_jaxpr(
+        lambda g, s, p: inner_update(g, s, p, **extra_args), return_shape=True)(
+            grads, inner_state, params)
+    out_tree = jax.tree.structure(out_shape)
+    n_upd = len(jax.tree.leaves(out_shape[0]))
+    same_tree = jax.tree.structure(out_shape[1]) == old_tree
+
+    def reroute(new, old):
+        if not (hasattr(old, "dtype") and np.shape(old) == new.shape):
+            return None
+        return lambda v: select(applied, v, jnp.asarray(old).astype(v.dtype))
+
+    n_state = len(outs_shape := jax.tree.leaves(out_shape[1]))
+    fns = [None] * n_state if not same_tree else \
+        [reroute(n, o) for n, o in zip(outs_shape, old_leaves)]
+    outs, rerouted = evaluate_rerouted(
+        closed, jax.tree.leaves((grads, inner_state, params)), [None] * n_upd + fns)
+    updates, new_state = jax.tree.unflatten(out_tree, outs)
+    if not same_tree:  # the select raises on the mismatch, as it did before
+        return updates, jax.tree.map(lambda n, o: _select(applied, n, o), new_state,
+                                     inner_state)
+    # float32 grads would promote e.g. a bfloat16 Adam moment to float32: keep its dtype.
+    leaves = [new if done and new.dtype == old.dtype else _select(applied, new, old)
+              for new, old, done in zip(outs[n_upd:], old_leaves, rerouted[n_upd:])]
+    return updates, jax.tree.unflatten(old_tree, leaves)
+
+
+def _select(applied, new, old):
+    return select(applied, new.astype(old.dtype), old) if hasattr(old, "dtype") else new
+
+
+def select(pred: jax.Array, new: Any, old: Any) -> jax.Array:
+    """``new`` where the scalar ``pred``, else ``old``: one ``select`` (``lax.select``
+    when the two agree in shape and dtype, which costs less to trace than ``jnp.where``)."""
+    if isinstance(new, jax.Array | Tracer) and isinstance(old, jax.Array | Tracer) \
+            and new.shape == old.shape and new.dtype == old.dtype:
+        return lax.select(pred, new, old)
+    return jnp.where(pred, new, old)
 
 
 def _check_state(tx, state, params) -> None:
