@@ -221,7 +221,13 @@ def test_audit_step_flags_clipping_scaled_gradients(step_setup):
         norm = optax.tree.norm(grads)
         return jax.tree.map(lambda g: g / 1024.0, grads), norm
 
+    def skips_on_a_scaled_norm(params, x):  # a finite check reads the scaled norm: fine
+        grads = jax.grad(lambda p: amp(p, x) * 1024.0)(params)
+        ok = jnp.isfinite(optax.tree.norm(grads))
+        return jax.tree.map(lambda g: jnp.where(ok, g / 1024.0, 0.0), grads)
+
     ls, opt_state = jaxamp.DynamicLossScale(), tx.init(params)
+    assert jaxamp.audit_step(skips_on_a_scaled_norm, params, x).findings == []
     bad = jaxamp.audit_step(clip_then_unscale, params, opt_state, x, ls)
     assert [f.kind for f in bad.findings] == ["clip_before_unscale"]
     assert "unscale first" in bad.findings[0].detail.lower()
@@ -230,13 +236,14 @@ def test_audit_step_flags_clipping_scaled_gradients(step_setup):
         "grad_norm_of_scaled_grads"]
 
 
-def test_audit_step_passes_jaxamps_own_step(step_setup):
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_audit_step_passes_jaxamps_own_step(step_setup, clip_norm):
     model, params, x, _ = step_setup
     tx = optax.adam(1e-3)
     state = jaxamp.TrainState.create(model, params, tx, loss_scale=jaxamp.DynamicLossScale())
     step = jaxamp.make_train_step(model, lambda apply, p, b: jnp.mean(apply({"params": p},
                                                                             b["x"]) ** 2),
-                                  tx, policy=F16, clip_norm=1.0)
+                                  tx, policy=F16, clip_norm=clip_norm)
     report = jaxamp.audit_step(step, state, {"x": x}, params=state.params,
                                opt_state=state.opt_state)
     assert report.findings == []

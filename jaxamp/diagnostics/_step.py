@@ -135,6 +135,23 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
             if any(g.producer.get(v) is not None and g.producer[v].primitive.name == "reduce_sum"
                    for v in anc):
                 norms.append((eqn, stack, anc))
+    # A norm read only by a finite check (``isfinite(sqrt(total))`` gating the step) does not
+    # depend on the scale: scaled or not, it is finite exactly when the gradients are.
+    readers: dict = {}
+    for eqn, _ in g.leaves:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                readers.setdefault(v, []).append(eqn)
+
+    def finite_check_only(v) -> bool:
+        uses = readers.get(v, [])
+        return bool(uses) and all(
+            e.primitive.name == "is_finite"
+            or (e.primitive.name in ("convert_element_type", "copy", "copy_p")
+                and finite_check_only(e.outvars[0]))
+            for e in uses)
+
+    norms = [n for n in norms if not finite_check_only(n[0].outvars[0])]
     if not norms:
         return []
     norm_desc: set = set()  # everything computed from a norm (clip factors)
@@ -245,7 +262,9 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
        a non-scalar value, directly (``g / scale``) or through a reciprocal
        (``g * (1 / scale)``, as ``jaxamp`` loss scales do); values derived from a global norm
        are never taken for a loss scale (they are clip factors);
-    3. a norm whose inputs include no unscaled value, while some unscaling is computed from
+    3. a norm read only by a finite check (``isfinite``) is left out: it is finite exactly
+       when the gradients are, scaled or not;
+    4. a norm whose inputs include no unscaled value, while some unscaling is computed from
        that norm, is ``clip_before_unscale``, unless the norm itself meets ``1 / scale`` as a
        scalar (``norm * inv``, ``min(inv, clip / norm)``: the unscaled norm and clip factor
        computed from scaled gradients, as :func:`jaxamp.amp` does); a norm of scaled gradients that no unscaling
