@@ -162,9 +162,9 @@ _Not yet run._
 * **Step runtime.** Per parameter leaf, the AMP step adds one (variadic) reduction for the
   global norm (also the finite check and the clip's norm), one multiply by the scalar that
   unscales and clips, and a select of new vs old values for the params and each optimizer-state
-  leaf (skipped steps leave them bit-identical; no `lax.cond`). XLA:CPU duplicates the
-  optimizer's elementwise moment update into the state select and the param update, and then
-  copies the donated moment buffers (the "copies" column). The
+  leaf (skipped steps leave them bit-identical; no `lax.cond`). The optimizer's updates read
+  its selected state, so XLA computes each new moment once and updates the donated buffers in
+  place (no copies; `bench/step_counts.py`). The
   measured cost sits around the 3% target at every depth; on a shared 2-core machine the
   spread between repeats (per-repeat IQR about +-5%) is larger than the effect, so read the
   runtime ratio, the per-repeat median, min/min and CPU-time ratios together.

@@ -232,3 +232,19 @@ def test_residuals_by_dtype_and_op_tiny_gpt():
         assert res["torch"] == PEER_SKIPPED
     else:
         assert res["torch"]["runs"]["float16"]["by_dtype"].get("float16", 0) > 0
+
+
+def test_step_counts_tiny_gpt():
+    """bench/step_counts.py on a 1-layer GPT: the AMP step compiles with no conditional (the
+    skip is a select) and no more copies than the plain step (the optimizer's moments update
+    their donated buffers in place), its extra work a bounded share of the fused instructions."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import step_counts
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    row = step_counts.counts(1, d_model=32, heads=2, seq=16, batch=2)
+    assert row["conditional_amp"] == 0
+    assert row["copy_amp"] <= row["copy_baseline"], row
+    assert row["fusion_amp"] > row["fusion_baseline"] > 0
+    assert 1.0 < row["instructions_in_fusions_amp"] / row["instructions_in_fusions_baseline"] < 1.6
