@@ -226,8 +226,16 @@ def test_audit_step_flags_clipping_scaled_gradients(step_setup):
         ok = jnp.isfinite(optax.tree.norm(grads))
         return jax.tree.map(lambda g: jnp.where(ok, g / 1024.0, 0.0), grads)
 
+    def skips_on_and_logs_a_scaled_norm(params, x):  # the logged norm is off by the scale
+        grads = jax.grad(lambda p: amp(p, x) * 1024.0)(params)
+        norm = optax.tree.norm(grads)
+        return jax.tree.map(lambda g: jnp.where(jnp.isfinite(norm), g / 1024.0, 0.0),
+                            grads), norm
+
     ls, opt_state = jaxamp.DynamicLossScale(), tx.init(params)
     assert jaxamp.audit_step(skips_on_a_scaled_norm, params, x).findings == []
+    assert [f.kind for f in jaxamp.audit_step(skips_on_and_logs_a_scaled_norm, params,
+                                              x).findings] == ["grad_norm_of_scaled_grads"]
     bad = jaxamp.audit_step(clip_then_unscale, params, opt_state, x, ls)
     assert [f.kind for f in bad.findings] == ["clip_before_unscale"]
     assert "unscale first" in bad.findings[0].detail.lower()

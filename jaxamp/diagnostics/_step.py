@@ -137,19 +137,27 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 norms.append((eqn, stack, anc))
     # A norm read only by a finite check (``isfinite(sqrt(total))`` gating the step) does not
     # depend on the scale: scaled or not, it is finite exactly when the gradients are.
-    readers: dict = {}
-    for eqn, _ in g.leaves:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                readers.setdefault(v, []).append(eqn)
+    # Readers are followed through g.preds (into sub-jaxprs and out of them); a program output
+    # (a logged norm) is a reader that is no finite check.
+    succs: dict = {}
+    for dst, srcs in g.preds.items():
+        for v in srcs:
+            succs.setdefault(v, set()).add(dst)
+    returned = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
 
     def finite_check_only(v) -> bool:
-        uses = readers.get(v, [])
-        return bool(uses) and all(
-            e.primitive.name == "is_finite"
-            or (e.primitive.name in ("convert_element_type", "copy", "copy_p")
-                and finite_check_only(e.outvars[0]))
-            for e in uses)
+        after = succs.get(v, set())
+        if v in returned or not after:
+            return False
+        for s in after:
+            e = g.producer.get(s)
+            if e is not None and e.primitive.name == "is_finite":
+                continue
+            if (e is None or e.primitive.name in ("convert_element_type", "copy", "copy_p")) \
+                    and finite_check_only(s):
+                continue  # a cast, a copy, or the var a sub-jaxpr binds it to
+            return False
+        return True
 
     norms = [n for n in norms if not finite_check_only(n[0].outvars[0])]
     if not norms:
