@@ -1,17 +1,13 @@
 """The values autocast's evaluator passes around, and the casts between them.
 
 A :class:`Value` is an array under re-evaluation plus what autocast knows about it (stored or an
-activation, constant, the module region that made it, the casts already made of it). The
-helpers here bind primitives and casts through cached, inlined ``jax.jit`` calls while tracing
-(:func:`bind`, :func:`convert`): under autodiff JAX then linearizes each (primitive, params,
-input types) once instead of once per equation, as it does for ``jnp``'s own jitted operators,
-and the program is the same (the calls are inlined at trace time).
+activation, constant, the module region that made it, the casts already made of it), and the
+helpers here bind primitives and casts (:func:`bind`, :func:`convert`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import Tracer, inline_jit, jit_inlines
+from jaxamp._compat import Tracer
 
 __all__ = ["F32", "Value", "bind", "cast", "convert", "dtype_of", "is_float", "spec", "widest"]
 
@@ -100,59 +96,24 @@ def saturating(x, dtype: np.dtype):
                       dtype)
 
 
-def _hashable_params(params: Mapping[str, Any]):
-    try:
-        key = tuple(params.items())
-        hash(key)
-        return key
-    except TypeError:
-        return None
-
-
-@functools.lru_cache(maxsize=8192)
-def _jitted_bind(prim, params_key):
-    """``prim.bind`` with these params as an inlined ``jax.jit`` call
-    (:func:`jaxamp._compat.inline_jit`). Used only where JAX inlines such calls at trace time
-    (:func:`jaxamp._compat.jit_inlines`)."""
-    params = dict(params_key)
-
-    def bound(*vals):
-        return prim.bind(*vals, **params)
-
-    bound.__name__ = prim.name
-    return inline_jit(bound)
-
-
 def bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
-    """``prim.bind(*vals, **params)``; through a cached jitted call when tracing."""
-    if jit_inlines() and any(isinstance(x, Tracer) for x in vals):
-        key = _hashable_params(params)
-        if key is not None:
-            return _jitted_bind(prim, key)(*vals)
+    """``prim.bind(*vals, **params)``.
+
+    Bound directly, not through a cached jitted call per (primitive, params): sub-programs and
+    repeated module calls are cached jitted bodies already (:class:`jaxamp._evaluator.Body`),
+    and a jitted call per primitive cost more to trace than the linearizations it saved
+    (``bench/trace_cost.py``: transformers' GPT-2 at 12 layers 1.17-1.19x plain with it,
+    0.95-0.99x without; the nested control flow at depth 1 1.36-1.44x vs 1.27-1.28x)."""
     return prim.bind(*vals, **params)
 
 
-@functools.lru_cache(maxsize=64)
-def _jitted_convert(dtype: np.dtype):
-    return inline_jit(functools.partial(lax.convert_element_type, new_dtype=dtype))
-
-
 def convert(x, dtype):
-    """``lax.convert_element_type(x, dtype)``; a cached jitted call when tracing."""
-    if jit_inlines() and isinstance(x, Tracer):
-        return _jitted_convert(np.dtype(dtype))(x)
+    """``lax.convert_element_type(x, dtype)``."""
     return lax.convert_element_type(x, dtype)
 
 
-@functools.lru_cache(maxsize=1024)
-def _jitted_broadcast_convert(shape: tuple[int, ...], dtype: np.dtype):
-    return inline_jit(lambda x: lax.convert_element_type(jnp.broadcast_to(x, shape), dtype))
-
-
 def broadcast_convert(x, shape, dtype):
-    """``x`` broadcast to ``shape``, then cast (a cached jitted call when tracing)."""
-    if jit_inlines() and isinstance(x, Tracer):
-        return _jitted_broadcast_convert(tuple(shape), dtype)(x)
+    """``x`` broadcast to ``shape``, then cast."""
     return lax.convert_element_type(jnp.broadcast_to(x, shape), dtype)
 
 

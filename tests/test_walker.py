@@ -122,8 +122,9 @@ def test_walk_maps_sub_program_inputs_to_caller_vars():
 
 
 def test_rebinding_leaves_no_call_per_primitive(mlp):
-    """autocast binds primitives through cached jitted calls where JAX inlines them
-    (``_compat.jit_inlines``): the program autocast produces has no call per primitive."""
+    """autocast evaluates sub-programs and repeated module calls as cached jitted bodies
+    where JAX inlines them (``_compat.jit_inlines``): the program it produces has no call
+    left of them."""
     model, params, x = mlp
     amp = jaxamp.autocast(lambda p, x: jnp.sum(model.apply(p, x)), F16)
     for closed in (jax.make_jaxpr(amp)(params, x),
@@ -132,11 +133,11 @@ def test_rebinding_leaves_no_call_per_primitive(mlp):
         assert not calls, [e.params.get("name") for e in calls]
 
 
-def test_rebinding_reuses_linearizations_on_every_supported_jax():
-    """The cached jitted bind is on for each jax this project supports (jax 0.12 through
-    ``jax.Inline.JAX_EARLY``): without it, every equation is linearized on its own under
-    ``jax.grad`` and autocast's trace costs 1.44x plain at 12 layers instead of 1.17x
-    (BENCHMARKS.md, "Trace + lower cost by depth")."""
+def test_cached_bodies_are_inlined_on_every_supported_jax():
+    """Cached jitted bodies are on for each jax this project supports (jax 0.12 through
+    ``jax.Inline.JAX_EARLY``): without them a body would be evaluated once for its output
+    dtypes and again when called, and repeated layers once each (BENCHMARKS.md, "The engine
+    as a table of rules")."""
     from jaxamp._compat import jit_inlines
 
     assert jit_inlines(), jax.__version__
