@@ -12,7 +12,9 @@ Abstract params (``jax.ShapeDtypeStruct``): tracing and lowering do not touch th
 fresh ``jax.jit(...).trace`` and ``.lower()`` of both variants, interleaved (order flipped every
 repeat) after ``jax.clear_caches()``; the table reports medians and the median per-repeat ratio,
 of wall-clock time and of process CPU time (trace and lower are single-threaded Python, so CPU
-time is the figure least disturbed by other processes on a shared machine).
+time is the figure least disturbed by other processes on a shared machine). "calls ratio":
+the Python function calls of one more trace + lower of each (cProfile's count), which is the
+same on every run: the work done, free of the machine's noise.
 
     python bench/trace_cost.py --layers 2 6 12 --repeats 5
     python bench/trace_cost.py --model hf-gpt2 --layers 12 --repeats 7
@@ -22,8 +24,10 @@ time is the figure least disturbed by other processes on a shared machine).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import time
 
@@ -119,6 +123,18 @@ def time_once(fn, params, batch) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, c2 - c0
 
 
+def call_count(fn, params, batch) -> int:
+    """Python function calls (cProfile's count) of a fresh ``jax.jit(fn)`` trace + lower: the
+    same on every run, so a ratio of two is free of the machine's noise."""
+    jax.clear_caches()
+    gc.collect()
+    prof = cProfile.Profile()
+    prof.enable()
+    jax.jit(fn).trace(params, batch).lower()
+    prof.disable()
+    return pstats.Stats(prof).total_calls
+
+
 def measure(cfg: GPTConfig, batch: int, repeats: int) -> dict:
     model, params, b = specs(cfg, batch)
     return {"layers": cfg.layers, **compare(builders(model), params, b, repeats)}
@@ -137,7 +153,10 @@ def compare(fns: dict, params, b, repeats: int) -> dict:
             samples[name]["cpu"].append(cpu)
     med = statistics.median
     tot = {k: [a + c for a, c in zip(v["trace"], v["lower"])] for k, v in samples.items()}
+    calls = {name: call_count(fns[name], params, b) for name in names}
     return {
+        "plain_calls": calls["plain"], "autocast_calls": calls["autocast"],
+        "calls_ratio": calls["autocast"] / calls["plain"],
         "plain_s": med(tot["plain"]), "autocast_s": med(tot["autocast"]),
         "plain_trace_s": med(samples["plain"]["trace"]),
         "plain_lower_s": med(samples["plain"]["lower"]),
@@ -166,8 +185,9 @@ def main() -> None:
     if a.model == "nested":
         return main_nested(a)
     rows = []
-    print("| layers | plain s (trace+lower) | autocast s (trace+lower) | ratio | CPU-time ratio |")
-    print("|---|---|---|---|---|")
+    print("| layers | plain s (trace+lower) | autocast s (trace+lower) | ratio | CPU-time ratio | "
+          "calls ratio |")
+    print("|---|---|---|---|---|---|")
     for n in a.layers:
         if a.model == "hf-gpt2":
             fns, params, ids = hf_gpt2(n, a.batch, a.seq)
@@ -180,23 +200,24 @@ def main() -> None:
         print(f"| {n} | {row['plain_s']:.2f} ({row['plain_trace_s']:.2f}+"
               f"{row['plain_lower_s']:.2f}) | {row['autocast_s']:.2f} "
               f"({row['autocast_trace_s']:.2f}+{row['autocast_lower_s']:.2f}) | "
-              f"{row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x |", flush=True)
+              f"{row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | {row['calls_ratio']:.3f}x |",
+              flush=True)
     print(json.dumps({"jax": jax.__version__, "model": a.model, "rows": rows}))
 
 
 def main_nested(a) -> None:
     rows = []
     print("| depth | evaluations of the busiest jaxpr | plain s | autocast s | ratio | "
-          "CPU-time ratio |")
-    print("|---|---|---|---|---|---|")
+          "CPU-time ratio | calls ratio |")
+    print("|---|---|---|---|---|---|---|")
     for depth in a.depth:
         fns, params, x = nested(depth)
         row = {"depth": depth, "evaluations": evaluations(fns["autocast"], params, x),
                **compare(fns, params, x, a.repeats)}
         rows.append(row)
         print(f"| {depth} | {row['evaluations']} | {row['plain_s']:.3f} | "
-              f"{row['autocast_s']:.3f} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x |",
-              flush=True)
+              f"{row['autocast_s']:.3f} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
+              f"{row['calls_ratio']:.3f}x |", flush=True)
     print(json.dumps({"jax": jax.__version__, "model": "nested", "rows": rows}))
 
 

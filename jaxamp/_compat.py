@@ -335,7 +335,8 @@ def inline_jit(fun):
 @functools.cache
 def jit_inlines() -> bool:
     """Whether :func:`inline_jit` calls are inlined into the jaxpr that calls them, under
-    autodiff too (checked once; if not, autocast binds primitives directly)."""
+    autodiff too (checked once; if not, autocast calls its cached bodies unjitted, and a body
+    is evaluated once per use)."""
     try:
         f = inline_jit(lambda x: x + 1)
         for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):

@@ -248,3 +248,22 @@ def test_step_counts_tiny_gpt():
     assert row["copy_amp"] <= row["copy_baseline"], row
     assert row["fusion_amp"] > row["fusion_baseline"] > 0
     assert 1.0 < row["instructions_in_fusions_amp"] / row["instructions_in_fusions_baseline"] < 1.6
+
+
+def test_nested_trace_cost_in_python_calls():
+    """bench/trace_cost.py's deterministic measure: the Python function calls of tracing and
+    lowering ``value_and_grad`` of ``checkpoint(scan(cond(...)))`` nested 1 and 3 deep, under
+    autocast against plain (issue 23's target, 1.3x, is for time; the calls are what the two
+    do, free of the machine's noise). A cached jitted call per re-bound primitive, measured
+    and removed, read 1.29x at depth 1 on jax 0.12; the engine without it 1.19-1.22x."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import trace_cost
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    for depth in (1, 3):
+        fns, params, x = trace_cost.nested(depth)
+        for fn in fns.values():  # first use: imports, first-call caches
+            trace_cost.call_count(fn, params, x)
+        calls = {k: trace_cost.call_count(fn, params, x) for k, fn in fns.items()}
+        assert calls["autocast"] < 1.26 * calls["plain"], (depth, calls)
