@@ -13,12 +13,12 @@ fresh ``jax.jit(...).trace`` and ``.lower()`` of both variants, interleaved (ord
 repeat) after ``jax.clear_caches()``; the table reports medians and the median per-repeat ratio,
 of wall-clock time and of process CPU time (trace and lower are single-threaded Python, so CPU
 time is the figure least disturbed by other processes on a shared machine). "calls ratio":
-the Python function calls of one more trace + lower of each (cProfile's count), which is the
-same on every run: the work done, free of the machine's noise.
+the Python function calls of one more trace + lower of each (cProfile's count), the same on
+every run to a few calls in 10^5: the work done, free of the machine's noise.
 
     python bench/trace_cost.py --layers 2 6 12 --repeats 5
     python bench/trace_cost.py --model hf-gpt2 --layers 12 --repeats 7
-    python bench/trace_cost.py --model nested --depth 1 2 3 4 --repeats 9
+    python bench/trace_cost.py --model nested --depth 1 2 3 4 --repeats 25
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def time_once(fn, params, batch) -> tuple[float, float, float]:
 
 def call_count(fn, params, batch) -> int:
     """Python function calls (cProfile's count) of a fresh ``jax.jit(fn)`` trace + lower: the
-    same on every run, so a ratio of two is free of the machine's noise."""
+    same on every run (after a first one has filled the caches of first use), so a ratio of
+    two is free of the machine's noise."""
     jax.clear_caches()
     gc.collect()
     prof = cProfile.Profile()

@@ -102,8 +102,9 @@ def bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
     Bound directly, not through a cached jitted call per (primitive, params): sub-programs and
     repeated module calls are cached jitted bodies already (:class:`jaxamp._evaluator.Body`),
     and a jitted call per primitive cost more to trace than the linearizations it saved
-    (``bench/trace_cost.py``: transformers' GPT-2 at 12 layers 1.17-1.19x plain with it,
-    0.95-0.99x without; the nested control flow at depth 1 1.36-1.44x vs 1.27-1.28x)."""
+    (``bench/trace_cost.py``, trace + lower of ``value_and_grad`` against plain:
+    transformers' GPT-2 at 12 layers 1.17-1.19x with it, 0.83-1.06x without; the nested
+    control flow at depth 1 1.32-1.34x and 1.24-1.28x; BENCHMARKS.md)."""
     return prim.bind(*vals, **params)
 
 
