@@ -141,8 +141,27 @@ def _fp8_bwd(dims, out_dtype, margin, res, g):
 _fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
 
 
+def _chunked(lhs, rhs, dims, out_dtype, margin, shards, side):
+    """The FP8 dot with one scale per chunk of operand ``side``'s leading dimension (see
+    :func:`fp8_dot_general`): the scalar-scale dot vmapped over the chunks, the other operand
+    shared. Forward and dgrad dequantise each chunk's rows by its own scale; the wgrad is one
+    FP8 dot per chunk (a batch dimension), dequantised per chunk and summed by vmap's transpose
+    of the shared operand: the sum over the batch the weight gradient takes anyway (the
+    data-parallel gradient all-reduce on a mesh)."""
+    x = (lhs, rhs)[side]
+    rows = x.shape[0]
+    chunks = x.reshape(shards, rows // shards, *x.shape[1:])
+    (lc, _), _ = dims
+    # where the chunked dimension lands in the output: lhs free dims come first
+    at = 0 if side == 0 else lhs.ndim - len(lc)
+    y = jax.vmap(lambda a, b: _fp8_dot(a, b, dims, out_dtype, margin),
+                 in_axes=(0, None) if side == 0 else (None, 0), out_axes=at)(
+        *((chunks, rhs) if side == 0 else (lhs, chunks)))
+    return y.reshape(*y.shape[:at], rows, *y.shape[at + 2:])
+
+
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, compute_dtype,
-                    margin: int = 0) -> jax.Array:
+                    margin: int = 0, shards: int = 1, activation: int = 0) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 operands, as a
     ``jax.custom_vjp``: E4M3 operands with per-tensor current scales forward (DEFAULT
     precision), the output gradient in E5M2 for dgrad and wgrad (HIGHEST precision); the
@@ -154,6 +173,14 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
       dimension_numbers: as for ``lax.dot_general``.
       compute_dtype: the output dtype (``preferred_element_type`` of the FP8 dot).
       margin: ``2**margin`` headroom below the FP8 maximum.
+      shards: take the activation's scale (and its output gradient's) per chunk of its
+        leading dimension, ``shards`` chunks, instead of per tensor: on a mesh whose data axis
+        has ``shards`` devices each device scales its own rows, so the amax needs no
+        collective (as each rank of PyTorch's DDP scales its own tensor). Used when that
+        dimension is a free (non-contracting) dimension that ``shards`` divides and there are
+        no batch dimensions; otherwise (and with 1) the scale is per tensor.
+      activation: which operand is the activation (0: ``lhs``, 1: ``rhs``) for ``shards``;
+        the other (the weight) keeps one scale.
 
     Example:
       >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
@@ -164,7 +191,19 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"fp8_dot_general: margin must be an int >= 0 (headroom 2**margin), "
                          f"got {margin!r}.")
-    return _fp8_dot(lhs, rhs, _dims(dimension_numbers), np.dtype(compute_dtype), margin)
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ValueError(f"fp8_dot_general: shards must be an int >= 1 (the devices of the "
+                         f"data axis; 1: per-tensor scales), got {shards!r}.")
+    if activation not in (0, 1):
+        raise ValueError(f"fp8_dot_general: activation must be 0 (lhs) or 1 (rhs), got "
+                         f"{activation!r}.")
+    dims = _dims(dimension_numbers)
+    (lc, rc), (lb, _) = dims
+    x = (lhs, rhs)[activation]
+    if shards > 1 and not lb and x.ndim and 0 not in (lc, rc)[activation] \
+            and x.shape[0] % shards == 0:
+        return _chunked(lhs, rhs, dims, np.dtype(compute_dtype), margin, shards, activation)
+    return _fp8_dot(lhs, rhs, dims, np.dtype(compute_dtype), margin)
 
 
 def _size(shape, dims) -> int:
@@ -223,11 +262,19 @@ class FP8Matmuls:
         divergence reports of TE/Megatron users (``--first-last-layers-bf16``). A matmul inside
         a ``scan``/``while`` body runs once per iteration, so it is never kept as first/last.
       margin: headroom ``2**margin`` below the FP8 maximum (:func:`quantize`).
+      shards: the activation's (and its output gradient's) scale is taken per chunk of its
+        leading dimension, ``shards`` chunks (:func:`fp8_dot_general`; the activation: the
+        operand that is not a param, a Flax layer's input, whose leading dimension is the
+        batch).
+        :func:`jaxamp.make_train_step` with ``mesh=`` sets it to the devices of the data axis
+        (when it is left at 1), so that the amax of a batch-sharded tensor needs no
+        all-reduce: each device scales its own rows. A weight keeps one scale.
     """
 
     small: tuple[int, int] = (1024, 4096)
     keep_first_last: bool = True
     margin: int = 0
+    shards: int = 1
 
     def __post_init__(self):
         if (not isinstance(self.small, tuple) or len(self.small) != 2
@@ -237,6 +284,9 @@ class FP8Matmuls:
                              "aligned matmul in FP8.")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"FP8Matmuls: margin must be an int >= 0, got {self.margin!r}.")
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
+            raise ValueError(f"FP8Matmuls: shards must be an int >= 1 (the devices of the data "
+                             f"axis; 1: per-tensor scales), got {self.shards!r}.")
 
     def decide(self, call) -> str:
         """``"float8"``, or why ``call``'s matmul stays in the compute dtype."""
@@ -259,8 +309,12 @@ class FP8Matmuls:
             if decision != "float8":
                 return call.default()
             lhs, rhs = call.args  # a param in its stored dtype: quantised from it
+            # the activation is scaled per shard, a weight keeps one scale
+            activation = 1 if call.stored[0] and not call.stored[1] else 0
+            shards = 1 if call.stored[activation] else self.shards
             return [fp8_dot_general(lhs, rhs, dot_dimension_numbers(call.eqn),
-                                    compute_dtype=call.compute_dtype, margin=self.margin)]
+                                    compute_dtype=call.compute_dtype, margin=self.margin,
+                                    shards=shards, activation=activation)]
 
 
 #: The FP8 rule with its defaults (in :data:`jaxamp.DEFAULT_OP_RULES`).

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxamp import nnx_frontend, policy_spec
 from jaxamp._compat import Tracer, jit_cache_size, mesh_context
 from jaxamp.engine import autocast, check_options
+from jaxamp.fp8 import FP8Matmuls
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
@@ -647,6 +648,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             raise ValueError(f"{where}: data_axis {data_axis!r} is not an axis of the mesh "
                              f"(axes: {tuple(mesh.axis_names)}). Pass data_axis= one of them.")
         n_shards = mesh.shape[data_axis]
+        op_rules = _fp8_per_shard(op_rules, n_shards)
     axis_rules = check_axis_rules(axis_rules, where)
     if axis_rules is not None and mesh is None:
         raise ValueError(f"{where}: axis_rules= maps logical axes to the axes of a mesh; pass "
@@ -813,6 +815,17 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         micro_size(batch)
 
     return TrainStep(step, donate, mesh, axis_rules, program)
+
+
+def _fp8_per_shard(op_rules: OpRules, n_shards: int) -> OpRules:
+    """``op_rules`` with its FP8 rule scaling activations per device of the data axis (left as
+    it is when it already has ``shards`` or is not :class:`jaxamp.FP8Matmuls`): the amax of a
+    batch-sharded activation or output gradient then needs no all-reduce."""
+    rule = dict(op_rules.handlers).get("dot_general")
+    if n_shards > 1 and isinstance(rule, FP8Matmuls) and rule.shards == 1:
+        return op_rules.extend(handlers={"dot_general": dataclasses.replace(
+            rule, shards=n_shards)})
+    return op_rules
 
 
 def make_eval_step(model: Any, loss_fn: Callable, *, policy: str | jmp.Policy | None = None,

@@ -49,6 +49,12 @@ def _key(row) -> str:
     return f"{row['kind']} {row['dtype']} {'x'.join(map(str, row['shape'])) or 'scalar'}"
 
 
+def _size_key(row) -> str:
+    """kind, dtype and element count: a weight gradient all-reduced in another axis order
+    (``4x8x32`` for ``32x4x8``) is the same collective."""
+    return f"{row['kind']} {row['dtype']} {int(np.prod(row['shape'], dtype=np.int64))}"
+
+
 def script() -> dict:
     assert jax.device_count() == 8, jax.devices()
     ref8 = _run(FP8)
@@ -66,10 +72,12 @@ def script() -> dict:
             _, _, bf16_table = _run(BF16, layout, steps=0, micro_batches=mb)
             added = Counter(_key(r) for r in table) - Counter(_key(r) for r in bf16_table)
             removed = Counter(_key(r) for r in bf16_table) - Counter(_key(r) for r in table)
+            mine, theirs = Counter(map(_size_key, table)), Counter(map(_size_key, bf16_table))
             out[f"{layout}/mb{mb}"] = {
                 "loss": _rel_list(losses, ref8[0]), "params": _rel(params, ref8[1]),
                 "vs_f32_loss": _rel_list(losses, f32[0]), "vs_f32_params": _rel(params, f32[1]),
                 "added": dict(added), "removed": dict(removed),
+                "net_added": dict(mine - theirs), "net_removed": dict(theirs - mine),
                 "wire_bytes": sum(r["wire_bytes"] for r in table),
                 "bf16_wire_bytes": sum(r["wire_bytes"] for r in bf16_table)}
     return out

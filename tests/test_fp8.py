@@ -153,6 +153,61 @@ def test_one_fp8_matmul_equals_the_reference_forward_and_backward():
     assert 1e-3 < err < 0.05
 
 
+def _ref_rows(x, dtype, shards):
+    """``_ref_quantize`` of each of ``shards`` equal blocks of rows (leading axis): the values
+    and, per row, its block's scale."""
+    blocks = [_ref_quantize(b, dtype) for b in np.split(np.asarray(x, np.float64), shards)]
+    q = np.concatenate([b for b, _ in blocks])
+    scale = np.repeat([s for _, s in blocks], len(x) // shards)
+    return q, scale.reshape(-1, *([1] * (np.ndim(x) - 1)))
+
+
+def test_per_shard_scales_equal_the_reference_with_the_activation_on_either_side():
+    """``shards=4``: each block of 12 rows of the activation (and of its output gradient) has
+    its own scale (one block per device of a mesh's data axis: no amax all-reduce), the weight
+    one; the weight gradient sums the blocks' dequantised FP8 products."""
+    k = jax.random.split(jax.random.key(4), 3)
+    # blocks of very different magnitude: one per-tensor scale would flush the small ones
+    x = jax.random.normal(k[0], (48, 32)) * jnp.repeat(jnp.array([3.0, 1e-3, 40.0, 0.2]), 12)[
+        :, None]
+    w = jax.random.normal(k[1], (32, 64)) * 0.05
+    g = jax.random.normal(k[2], (48, 64)) * jnp.repeat(jnp.array([1e-3, 1.0, 1e-6, 5e-2]), 12)[
+        :, None]
+    xq, sx = _ref_rows(x, ml_dtypes.float8_e4m3fn, 4)
+    wq, sw = _ref_quantize(w, ml_dtypes.float8_e4m3fn)
+    gq, sg = _ref_rows(g, ml_dtypes.float8_e5m2, 4)
+    want_y = (xq @ wq) * (sx * sw)
+    want_dx = (gq @ wq.T) * (sg * sw)
+    want_dw = ((xq * sx).T @ (gq * sg))  # each row's product dequantised by its block's scales
+    # the activation as lhs (a Dense layer) ...
+    dims = (((1,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda a, b: jaxamp.fp8_dot_general(
+        a, b, dims, compute_dtype=jnp.float32, shards=4), x, w)
+    dx, dw = vjp(g)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=0)
+    # four float32 partial sums added: float32 rounding of the largest element
+    tol = 1e-6 * np.abs(want_dw).max()
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=tol)
+    # ... and as rhs (an einsum with the weight first): the output is w's dims, then x's
+    dims_t = (((0,), (1,)), ((), ()))
+    yt, vjp_t = jax.vjp(lambda b, a: jaxamp.fp8_dot_general(
+        b, a, dims_t, compute_dtype=jnp.float32, shards=4, activation=1), w, x)
+    dwt, dxt = vjp_t(g.T)
+    np.testing.assert_allclose(yt, want_y.T, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(dxt, want_dx, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(dwt, want_dw, rtol=1e-5, atol=tol)
+    # per tensor (shards=1) the 1e-3 block would lose precision: the per-shard result differs
+    y1 = jaxamp.fp8_dot_general(x, w, dims, compute_dtype=jnp.float32)
+    assert not np.allclose(y1[12:24], want_y[12:24], rtol=1e-3)
+    # rows that 4 does not divide, or a contracted leading dimension: one scale per tensor
+    # (the per-tensor program, tested against the reference above)
+    for a, b, d in ((x[:46], w, dims), (x, jnp.ones((48, 16)), (((0,), (0,)), ((), ())))):
+        got = jaxamp.fp8_dot_general(a, b, d, compute_dtype=jnp.float32, shards=4)
+        one = jaxamp.fp8_dot_general(a, b, d, compute_dtype=jnp.float32)
+        assert np.asarray(got).tobytes() == np.asarray(one).tobytes()
+
+
 def test_through_the_engine_a_dense_layer_equals_the_reference():
     model = nn.Dense(64, use_bias=False)
     x = jax.random.normal(jax.random.key(0), (16, 32))
@@ -202,6 +257,11 @@ def test_bad_options_are_refused_before_tracing():
         jaxamp.FP8Matmuls(small=7)
     with pytest.raises(ValueError, match="margin must be an int >= 0, got -1"):
         jaxamp.FP8Matmuls(margin=-1)
+    with pytest.raises(ValueError, match="shards must be an int >= 1 .*got 0"):
+        jaxamp.FP8Matmuls(shards=0)
+    with pytest.raises(ValueError, match="activation must be 0 \\(lhs\\) or 1 \\(rhs\\), got 2"):
+        jaxamp.fp8_dot_general(jnp.ones((16, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
+                               compute_dtype=jnp.bfloat16, activation=2)
     with pytest.raises(ValueError, match="margin must be an int >= 0"):
         jaxamp.fp8_dot_general(jnp.ones((16, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
                                compute_dtype=jnp.bfloat16, margin=1.5)
@@ -252,23 +312,39 @@ def _fp8_run(fn, *args):
     return count, lowered.compile()(*args)
 
 
-#: gradient cosine each corpus model reaches vs float32 (SMALL threshold: the MLP matmuls in
-#: FP8, the small attention projections not). ViT measures 0.979: below the issue's 0.99.
-CORPUS_COS = {"gpt2": 0.99, "llama": 0.99, "bert": 0.99, "vit": 0.975}
+#: the corpus models measured in FP8 (SMALL threshold: the MLP matmuls in FP8, the small
+#: attention projections not), each against float32 on the same batch
+CORPUS_FP8 = ("bert", "gpt2", "llama", "vit")
 
 
-@pytest.mark.parametrize("name", sorted(CORPUS_COS))
-def test_corpus_models_in_fp8_stay_close_to_float32(name):
+def _fp8_case(name):
+    """The corpus case, ViT with 16 images instead of 4. FP8's rounding is per element and
+    averages over the examples a gradient sums: ViT's largest gradients (the position embedding
+    and the class token, 2/3 of the gradient norm) sum over the images only, not over tokens
+    too, and with the corpus' 4 images they read cosine 0.977-0.980 (seeds 7, 52); with 16,
+    0.992-0.994; 32 and 64, 0.992-0.997. The other models pass on their corpus batch."""
     import corpus
+    import corpus_models
 
     case = corpus._case(name)
+    if name != "vit":
+        return case, case.batch, corpus._reference(name)
+    batch = {"images": jax.random.normal(jax.random.key(52), (16, 24, 24, 3)),
+             "labels": corpus_models._ids(53, (16,), 10)}
+    loss, grads = jax.jit(jax.value_and_grad(functools.partial(case.loss, case.model.apply)))(
+        case.params, batch)
+    return case, batch, (float(loss), grads)
+
+
+@pytest.mark.parametrize("name", CORPUS_FP8)
+def test_corpus_models_in_fp8_stay_close_to_float32(name):
+    case, batch, (ref_loss, ref_grads) = _fp8_case(name)
     fn = functools.partial(case.loss, case.model.apply)
     amp = jaxamp.autocast(fn, FP8, op_rules=RULES)
-    count, (loss, grads) = _fp8_run(jax.value_and_grad(amp), case.params, case.batch)
+    count, (loss, grads) = _fp8_run(jax.value_and_grad(amp), case.params, batch)
     assert count >= 4  # FP8 did run
-    ref_loss, ref_grads = corpus._reference(name)
     assert abs(float(loss) - ref_loss) / abs(ref_loss) < 0.02
-    assert _cosine(grads, ref_grads) >= CORPUS_COS[name]
+    assert _cosine(grads, ref_grads) >= 0.99
 
 
 def test_twenty_fp8_train_steps_decrease_the_loss():
@@ -316,31 +392,42 @@ def test_an_nnx_twin_runs_the_linen_fp8_program_close_to_float32():
     assert _cosine(grads, ref_grads) >= 0.99
 
 
-def test_fp8_on_8_virtual_devices_equals_one_device_and_adds_scalar_reductions():
+#: the FP8 matmuls of tests/test_mesh.py's Block with small=(0, 0): qkv, out, fc, proj, head
+MESH_FP8_MATMULS = 5
+
+
+def test_fp8_on_8_virtual_devices_equals_one_device_and_adds_no_activation_collective():
     import multihost
 
     out = multihost.script_on_devices("fp8_mesh")
     one = out.pop("one_device")
     assert one["moved"] > 1e-2  # SGD moved the params
     for key, r in out.items():
-        # FP8 rounding is a step function: the mesh's other summation order flips roundings,
-        # so two FP8 runs differ like two draws of FP8 noise (measured: 1.3x / 2.1x the
-        # one-device FP8 vs float32 distance on loss / params), and the mesh run is as close
-        # to float32 as the one-device FP8 run
+        # FP8 rounding is a step function: the mesh's other summation order (and its
+        # per-device activation scales) flips roundings, so two FP8 runs differ like two draws
+        # of FP8 noise (measured, jax 0.10 / 0.12: 1.3x / 1.3x the one-device FP8 vs float32
+        # distance on the loss, 1.6x / 2.1x on the params), and the mesh run is as close to
+        # float32 as the one-device FP8 run
         assert r["loss"] <= 2.5 * one["fp8_vs_f32_loss"], (key, r, one)
         assert r["params"] <= 2.5 * one["fp8_vs_f32_params"], (key, r, one)
         assert r["vs_f32_loss"] <= 2.5 * one["fp8_vs_f32_loss"], (key, r, one)
         assert r["vs_f32_params"] <= 2.5 * one["fp8_vs_f32_params"], (key, r, one)
-        # what FP8 adds to the bf16 step's collectives: scalar all-reduces (the amax of a
-        # sharded tensor: activations, output gradients, FSDP weights); under FSDP the weights
-        # are all-gathered as FP8 instead of bf16 (quantised before the gather: fewer bytes)
-        added = {k for k in r["added"] if not k.startswith("all-gather float8_e4m3fn")}
-        assert added and all(k.startswith("all-reduce") and k.endswith(" scalar")
-                             for k in added), (key, r["added"])
-        removed = {k.split()[1] for k in r["removed"]}
-        assert removed <= {"bfloat16"}, (key, r["removed"])
+        removed = {k.split()[1] for k in r["net_removed"]}
+        assert removed <= {"bfloat16"}, (key, r["net_removed"])
         assert r["wire_bytes"] <= r["bf16_wire_bytes"] * 1.01, (key, r)
-    assert any(k.startswith("all-gather float8_e4m3fn") for k in out["fsdp8/mb2"]["added"])
+    # data parallel: activations and output gradients are scaled per device (the train step
+    # sets FP8Matmuls(shards=8)), so FP8 adds no collective at all, not even a scalar one
+    dp = out["dp8/mb1"]
+    assert dp["net_added"] == {} and dp["net_removed"] == {}, dp
+    assert dp["wire_bytes"] == dp["bf16_wire_bytes"], dp
+    # FSDP: one scalar reduction per FP8 matmul, the amax of its sharded weight; the weights
+    # are all-gathered as FP8 instead of bf16 (quantised before the gather: fewer bytes)
+    fsdp = out["fsdp8/mb2"]
+    added = {k: n for k, n in fsdp["net_added"].items()
+             if not k.startswith("all-gather float8_e4m3fn")}
+    assert added == {"all-reduce float32 1": MESH_FP8_MATMULS}, fsdp["net_added"]
+    assert any(k.startswith("all-gather float8_e4m3fn") for k in fsdp["added"])
+    assert fsdp["wire_bytes"] < fsdp["bf16_wire_bytes"], fsdp
 
 
 def test_the_fp8_gemm_diagnostic_counts_planned_dots_and_reads_compiled_hlo():
