@@ -10,13 +10,8 @@ or a ``custom_jvp`` function (softmax, ReLU) made of such equations. Each segmen
 as one ``jax.checkpoint`` whose policy saves only its row statistics (the float outputs of the
 reductions in it, ``checkpoint_name`` :data:`STAT`: a LayerNorm's mean and variance, a
 softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest from the
-segment's inputs, which are the low-precision outputs of the matmuls before it. The
-``dot_general`` equations right after a segment that read its outputs (a GELU's ``fc2``, a
-LayerNorm's q/k/v projections, a softmax's ``p @ v``) are evaluated inside its checkpoint: their
-backward reads the segment's outputs as the segment's own backward recomputes them, so no copy
-of a matmul's input made by a segment is kept (what ``jax.checkpoint_policies.dots_saveable``
-keeps: the matmuls' outputs; an FP8 matmul there quantises its recomputed input again in the
-backward, from the same values). A segment runs past a matmul that reads nothing
+segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
+after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
 matmul is evaluated first, outside the checkpoint. The forward pass computes the same values
 in the same dtypes; only what is kept changes (a low-precision input is read rounded, through
@@ -147,24 +142,6 @@ def _trimmed(ev: Evaluator, eqns, made: dict, span):
                          skipped=tuple(k for k in span.skipped if start < k < end))
 
 
-def _with_consumers(ev: Evaluator, eqns, span, own: list[int], taken: dict, cuts: set[int]):
-    """``span`` (and its ``own`` equations) extended over the ``dot_general`` equations right
-    after it that read what it makes (a GELU's ``fc2``, a LayerNorm's q/k/v projections, a
-    softmax's ``p @ v``). Inside the checkpoint the matmul keeps nothing: its backward reads
-    the segment's outputs as the segment's own backward recomputes them, instead of a saved
-    copy (and the matmul's output is not recomputed: nothing in the backward reads it)."""
-    mine = {v for k in own for v in eqns[k].outvars}
-    end, own = span.end, list(own)
-    while end < len(eqns) and end not in taken and end not in cuts \
-            and eqns[end].primitive.name == "dot_general" \
-            and ev.op_rules.classify("dot_general") == "matmul" \
-            and any(isinstance(v, jcore.Var) and v in mine for v in eqns[end].invars):
-        own.append(end)
-        mine.update(eqns[end].outvars)
-        end += 1
-    return span._replace(end=end), own
-
-
 def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment]:
     """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
     ``taken`` (start index -> run with ``.end``: shared module calls), none across an
@@ -182,7 +159,6 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
         own = [k for k in range(span.start, span.end) if k not in span.skipped]
         if not own:
             continue
-        span, own = _with_consumers(ev, eqns, span, own, taken, cuts)
         if sum(_weight(ev, eqns[k]) for k in own) < 2:
             continue
         inputs, outputs = span_io(jaxpr, own, span.end)
