@@ -80,6 +80,11 @@ def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array
     return q, scale
 
 
+def _int_at_least(value, low: int) -> bool:
+    """``value`` is an int (not a bool) >= ``low``: the check of ``margin`` and ``shards``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def _dims(dimension_numbers) -> tuple:
     (lc, rc), (lb, rb) = dimension_numbers
     return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
@@ -188,10 +193,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
       >>> y.dtype, float(y[0, 0])
       (dtype(bfloat16), 16.0)
     """
-    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+    if not _int_at_least(margin, 0):
         raise ValueError(f"fp8_dot_general: margin must be an int >= 0 (headroom 2**margin), "
                          f"got {margin!r}.")
-    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+    if not _int_at_least(shards, 1):
         raise ValueError(f"fp8_dot_general: shards must be an int >= 1 (the devices of the "
                          f"data axis; 1: per-tensor scales), got {shards!r}.")
     if activation not in (0, 1):
@@ -282,9 +287,9 @@ class FP8Matmuls:
             raise ValueError(f"FP8Matmuls: small must be a tuple (K, N) of ints >= 0, got "
                              f"{self.small!r}. Example: FP8Matmuls(small=(0, 0)) runs every "
                              "aligned matmul in FP8.")
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+        if not _int_at_least(self.margin, 0):
             raise ValueError(f"FP8Matmuls: margin must be an int >= 0, got {self.margin!r}.")
-        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
+        if not _int_at_least(self.shards, 1):
             raise ValueError(f"FP8Matmuls: shards must be an int >= 1 (the devices of the data "
                              f"axis; 1: per-tensor scales), got {self.shards!r}.")
 

@@ -821,7 +821,7 @@ def _fp8_per_shard(op_rules: OpRules, n_shards: int) -> OpRules:
     """``op_rules`` with its FP8 rule scaling activations per device of the data axis (left as
     it is when it already has ``shards`` or is not :class:`jaxamp.FP8Matmuls`): the amax of a
     batch-sharded activation or output gradient then needs no all-reduce."""
-    rule = dict(op_rules.handlers).get("dot_general")
+    rule = op_rules.handler("dot_general")
     if n_shards > 1 and isinstance(rule, FP8Matmuls) and rule.shards == 1:
         return op_rules.extend(handlers={"dot_general": dataclasses.replace(
             rule, shards=n_shards)})
