@@ -13,7 +13,9 @@ softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest 
 segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
 after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
-matmul is evaluated first, outside the checkpoint. The forward pass computes the same values
+matmul is evaluated first, outside the checkpoint. A segment's last op whose derivative reads
+only its output (``tanh`` before a matmul) is a segment of its own that keeps that output,
+the array the matmul keeps anyway (:data:`_SELF_DERIVED`). The forward pass computes the same values
 in the same dtypes; only what is kept changes (a low-precision input is read rounded, through
 an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). (The matmul rule,
 likewise, casts a param operand inside a ``jax.checkpoint`` that keeps nothing: the backward
@@ -31,13 +33,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
-from jaxamp._jaxpr import equations, producers, span_io, spans
+from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
 from jaxamp._sharing import Program
 from jaxamp._values import Value, is_float
+from jaxamp.fp8 import FP8Matmuls
+from jaxamp.policy import matmul_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxamp._evaluator import Body, Evaluator
@@ -74,7 +79,8 @@ class Segment(NamedTuple):
     (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
     matmuls among them that read nothing the segment makes (the ``up`` projection traced
     between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
-    ``run_outs``: the same for the whole range."""
+    ``run_outs``: the same for the whole range; ``tail``: for a segment of one trailing
+    self-derived op (:data:`_SELF_DERIVED`), the matmuls that read its output, else ``()``."""
 
     start: int
     end: int
@@ -83,6 +89,7 @@ class Segment(NamedTuple):
     hoisted: tuple
     run_ins: list
     run_outs: list
+    tail: tuple = ()
 
 
 def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
@@ -123,6 +130,15 @@ def _weight(ev: Evaluator, eqn) -> int:
 #: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
 #: recomputes those from the table, keeping nothing.)
 _LEADING_SUMS = frozenset({"add", "add_any", "sub"})
+#: Ops whose derivative reads only their output (``1 - tanh(x)**2``). Ending a segment, with
+#: its output read by matmuls (an MLP head's ``Dense(tanh(Dense(x)))``), such an op is a
+#: segment of its own that keeps that output, which the matmuls keep anyway: in the segment
+#: before it, the checkpoint would keep the op's input as well, and evaluated plainly, JAX
+#: keeps ``1 - tanh(x)`` beside it. (``logistic`` and ``exp`` are float32 ops: their output
+#: is not the low copy the matmul keeps.)
+_SELF_DERIVED = frozenset({"tanh"})
+
+
 def _trimmed(ev: Evaluator, eqns, made: dict, span):
     """``span`` without a leading sum with a matmul's output (``made``: var -> the equation
     that made it)."""
@@ -151,22 +167,58 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
     ok = [_recomputable(ev, e, memo) for e in eqns]
     for start, run in taken.items():  # a shared call's equations are its own
         ok[start:run.end] = [False] * (run.end - start)
-    out, made = {}, producers(jaxpr)
-    for span in spans(jaxpr, ok,
-                      lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
-                      lambda k: k in taken or k in cuts):
-        span = _trimmed(ev, eqns, made, span)
+    out, made, uses = {}, producers(jaxpr), consumers(jaxpr)
+
+    def add(span, tail=()):
         own = [k for k in range(span.start, span.end) if k not in span.skipped]
-        if not own:
-            continue
-        if sum(_weight(ev, eqns[k]) for k in own) < 2:
-            continue
+        if not own or not tail and sum(_weight(ev, eqns[k]) for k in own) < 2:
+            return
         inputs, outputs = span_io(jaxpr, own, span.end)
         run_ins, run_outs = span_io(jaxpr, [*span.skipped, *own], span.end)
         if outputs:
             out[span.start] = Segment(span.start, span.end, inputs, outputs, span.skipped,
-                                      run_ins, run_outs)
+                                      run_ins, run_outs, tail)
+
+    for span in spans(jaxpr, ok,
+                      lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
+                      lambda k: k in taken or k in cuts):
+        span = _trimmed(ev, eqns, made, span)
+        last = eqns[span.end - 1]
+        tail = () if span.end - 1 in span.skipped or len(last.outvars) != 1 \
+            or last.primitive.name not in _SELF_DERIVED \
+            or ev.op_rules.classify(last.primitive.name) == "fp32" \
+            else tuple(e for e in uses.get(last.outvars[0], ()) if _plain_matmul(ev, e))
+        if tail:
+            add(span._replace(end=span.end - 1,
+                              skipped=tuple(k for k in span.skipped if k < span.end - 1)))
+            add(Span(span.end - 1, span.end, ()), tail)
+        else:
+            add(span)
     return out
+
+
+def _plain_matmul(ev: Evaluator, eqn) -> bool:
+    """A matmul the built-in rule may run: no handler of the user's (it may keep anything),
+    at most the FP8 rule, which defers outside ``matmul=float8`` regions."""
+    name = eqn.primitive.name
+    handler = ev.op_rules.handler(name)
+    return ev.op_rules.classify(name) == "matmul" and (
+        handler is None or isinstance(handler, FP8Matmuls))
+
+
+def _kept_by_matmuls(ev: Evaluator, readers: tuple, base, out, meta: Value) -> bool:
+    """Whether every matmul in ``readers`` reads ``out`` as it is: no cast on the way into
+    its region, none to its matmul dtype (then it keeps this very array)."""
+    dtype = out.dtype
+    if not is_float(dtype):
+        return False
+    value = Value(out, meta.stored, meta.const, meta.region)
+    for eqn in readers:
+        region = ev.region_of(eqn, base)
+        if ev.crossing(value, region) not in (None, dtype) or ev.matmul_dtype(region) != dtype \
+                or np.dtype(matmul_dtype(ev.policy(region))).itemsize == 1:  # FP8: quantised
+            return False
+    return True
 
 
 def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
@@ -213,10 +265,19 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         full = list(vals)
         for i, x in zip(traced, _rounded(xs)):
             full[i] = x
-        return body.fn(*full)
+        outs = body.fn(*full)
+        if seg.tail:  # decided as the checkpoint traces fn; JAX asks the policy later
+            keep[0] = _kept_by_matmuls(ev, seg.tail, base, outs[0], body.out[0])
+        return outs
+
+    keep = [False]  # a tail keeps its op's output when the matmuls keep that very array
+
+    def policy(prim, *args, **params):
+        return _POLICY(prim, *args, **params) or (keep[0] and prim.name in _SELF_DERIVED)
 
     with ev.in_segment():
-        outs = checkpoint_in_place(fn, _POLICY)(*[vals[i] for i in traced])
+        outs = checkpoint_in_place(fn, policy if seg.tail else _POLICY)(
+            *[vals[i] for i in traced])
     return body.values(outs)
 
 
