@@ -25,7 +25,7 @@ from gpt import GPTConfig
 
 import jaxamp
 
-KEYS = ("fusion", "instructions_in_fusions", "computations", "copy", "conditional")
+KEYS = ("fusion", "instructions_in_fusions", "copy", "conditional")
 
 
 def counts(layers: int, *, d_model: int = 128, heads: int = 4, seq: int = 128,
@@ -53,14 +53,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     rows = [counts(n) for n in args.layers]
     print("| layers | fusions base / AMP | instructions in fusions base / AMP (ratio) | "
-          "computations base / AMP | copies base / AMP | conditionals AMP | "
-          "StableHLO ops base / AMP |")
-    print("|---|---|---|---|---|---|---|")
+          "copies base / AMP | conditionals AMP | StableHLO ops base / AMP |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layers']} | {r['fusion_baseline']} / {r['fusion_amp']} | "
               f"{r['instructions_in_fusions_baseline']} / {r['instructions_in_fusions_amp']} "
               f"({r['instructions_in_fusions_amp'] / r['instructions_in_fusions_baseline']:.2f}x)"
-              f" | {r['computations_baseline']} / {r['computations_amp']}"
               f" | {r['copy_baseline']} / {r['copy_amp']} | {r['conditional_amp']} | "
               f"{r['stablehlo_ops_baseline']} / {r['stablehlo_ops_amp']} |")
     if args.json:

@@ -248,11 +248,6 @@ def test_step_counts_tiny_gpt():
     assert row["copy_amp"] <= row["copy_baseline"], row
     assert row["fusion_amp"] > row["fusion_baseline"] > 0
     assert 1.0 < row["instructions_in_fusions_amp"] / row["instructions_in_fusions_baseline"] < 1.6
-    # the norm reduces once per distinct shape: a second layer (12 more gradient leaves, of
-    # the first layer's shapes) adds no computation to the AMP step beyond the plain step's
-    deeper = step_counts.counts(2, d_model=32, heads=2, seq=16, batch=2)
-    assert deeper["computations_amp"] - deeper["computations_baseline"] \
-        == row["computations_amp"] - row["computations_baseline"], (row, deeper)
 
 
 def test_nested_trace_cost_in_python_calls():
