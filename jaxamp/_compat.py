@@ -39,7 +39,6 @@ __all__ = [
     "jit_inlines",
     "mesh_context",
     "mesh_is_set",
-    "meshless",
     "named_sub_jaxprs",
     "new_dtype",
     "open_jaxpr",
@@ -323,14 +322,6 @@ def mesh_is_set() -> bool:
         return False
     mesh = get()
     return mesh is not None and not mesh.empty
-
-
-def meshless(x) -> bool:
-    """Whether the traced array ``x`` carries no mesh in its type (``jax.typeof(x).sharding``:
-    its inputs were on one device, not placed on a mesh), so no sharding of it can differ
-    from another's. False where the type says nothing (then it may be sharded)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    return bool(getattr(mesh, "empty", False))
 
 
 def inline_jit(fun):

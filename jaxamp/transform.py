@@ -42,8 +42,8 @@ import optax
 from jax import lax
 
 from jaxamp import policy_spec
-from jaxamp._compat import Tracer, meshless
 from jaxamp._jaxpr import evaluate_rerouted
+from jaxamp._compat import Tracer
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import get_policy
 
@@ -203,54 +203,28 @@ def _add_pairs(a, b):
     return a[0] + b[0], a[1] + b[1]
 
 
-#: At most this many leaves are summed into one reduction (a fusion reads each of them).
-_GROUP = 32
-
-
-def _groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
-    """``leaves`` in groups of one shape that may be summed elementwise (at most
-    :data:`_GROUP` each) when none of them is on a mesh; on a mesh one leaf per group:
-    measured on FSDP x TP layouts, XLA's partitioner gathered the partial sums of a group of
-    sharded gradients (collectives the per-leaf sums do not need)."""
-    if not all(meshless(g) for g in leaves):
-        return [[g] for g in leaves]
-    by_shape: dict = {}
-    for g in leaves:
-        by_shape.setdefault((g.shape, g.dtype), []).append(g)
-    return [gs[i:i + _GROUP] for gs in by_shape.values() for i in range(0, len(gs), _GROUP)]
-
-
 def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``,
     ``total`` finite when every element is finite (unless the norm exceeds float32's range),
     inf/nan otherwise.
 
-    One variadic reduction sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the first
-    is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it, the
-    second stands in (``r = 2**-64``). Three elementwise ops more than a plain sum of
-    squares (dividing by ``max |g|`` first takes two reductions; measured on the bench GPT:
-    the train step's compile time 1.32x -> 1.69x the plain step's). A non-finite element
-    makes both sums non-finite: the finite check needs no pass of its own.
-
-    Off a mesh, leaves of one shape are squared and added elementwise, then reduced once
-    (:func:`_groups`): a Transformer's layers repeat the same shapes, so the program has one
-    reduction per distinct shape, not one per leaf (each a fusion and a reducer computation
-    of its own for XLA to compile: at 4 layers of the bench GPT, 725 computations instead of
-    813, the plain step's 690).
+    One variadic reduction per leaf sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the
+    first is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it,
+    the second stands in (``r = 2**-64``). One pass over each leaf and one reduction in the
+    compiled program, three elementwise ops more than a plain sum of squares (dividing by
+    ``max |g|`` first takes two reductions; measured on the bench GPT: the train step's compile
+    time 1.32x -> 1.69x the plain step's). A non-finite element makes both sums non-finite:
+    the finite check needs no pass of its own.
     """
-    def sums(gs):
+    def sums(g):
         zero = jnp.zeros((), jnp.float32)
-        low = high = None
-        for g in gs:
-            d = _down_exact(g) if g.size == 1 else g * _DOWN
-            low = g * g if low is None else low + g * g
-            high = d * d if high is None else high + d * d
-        return lax.reduce((low, high), (zero, zero), _add_pairs, tuple(range(gs[0].ndim)))
+        d = _down_exact(g) if g.size == 1 else g * _DOWN
+        return lax.reduce((g * g, d * d), (zero, zero), _add_pairs, tuple(range(g.ndim)))
 
     if not leaves:
         return jnp.zeros((), jnp.float32), jnp.float32(1.0)
-    pairs = [sums(gs) for gs in _groups(leaves)]
-    # The group sums added by one more reduction (not a chain of scalar additions): XLA
+    pairs = [sums(g) for g in leaves]
+    # The per-leaf sums added by one more reduction (not a chain of scalar additions): XLA
     # computes it once, where it copied a chain into each of its scalar consumers.
     zero = jnp.zeros((), jnp.float32)
     low, high = lax.reduce((jnp.stack([lo for lo, _ in pairs]),

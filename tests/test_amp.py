@@ -288,38 +288,6 @@ def test_readme_real_training_loop_snippet_runs():
     assert int(state.step) == 1
 
 
-def _top_level_reductions(fn, *args) -> int:
-    return sum(e.primitive.name == "reduce" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
-
-
-def test_the_global_norm_sums_the_leaves_of_one_shape_in_one_reduction():
-    """Off a mesh, same-shaped gradients are squared and added elementwise, then reduced once
-    (at most 32 leaves a reduction): 40 kernels, 3 scalars and 2 vectors (one ~1e20, its
-    float32 sum of squares overflows) take 2 + 1 + 1 reductions and the sum of their results,
-    and the norm and the clipped update equal the float64 recipe. On a mesh (here of one
-    device) each leaf keeps its own reduction."""
-    rng = np.random.default_rng(3)
-    grads = {f"w{i}": rng.normal(0, 1.0 + i, (8, 4)).astype(np.float32) for i in range(40)}
-    grads.update({f"s{i}": np.float32(0.5 * i - 1.0) for i in range(3)})
-    grads.update(v0=rng.normal(0, 1e20, 4).astype(np.float32),
-                 v1=rng.normal(0, 1.0, 4).astype(np.float32))
-    params = {k: np.ones(np.shape(g), np.float32) for k, g in grads.items()}
-    tx = jaxamp.amp(optax.sgd(1.0), loss_scale=jaxamp.StaticLossScale(4.0), clip_norm=3.0)
-    state = tx.init(params)
-    scaled = {k: jnp.asarray(g * np.float32(4.0)) for k, g in grads.items()}
-    assert _top_level_reductions(tx.update, scaled, state, params) == 2 + 1 + 1 + 1
-    updates, out = jax.jit(tx.update)(scaled, state, params)
-    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values()))
-    np.testing.assert_allclose(float(out.grad_norm), norm, rtol=1e-6)
-    for k, g in grads.items():
-        np.testing.assert_allclose(updates[k], -np.asarray(g, np.float64) * 3.0 / norm,
-                                   rtol=2e-6, atol=1e-12)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    on_mesh = jax.device_put(scaled, jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))
-    assert _top_level_reductions(tx.update, on_mesh, state, params) == len(grads) + 1
-
-
 def test_finite_gradients_above_the_float32_norm_range_are_applied_and_clipped():
     """Elements ~1e20 (their float32 sum of squares overflows): the norm is taken scaled, so
     the step is applied and clipped, equal to the float64 NumPy recipe; a scalar leaf too
