@@ -5,6 +5,9 @@ float16 (dynamic loss scaling), for three implementations of the same model:
   ``jaxamp-fused`` (bf16): the same with ``jax.nn.dot_product_attention`` for the attention,
   which autocast re-dispatches to cuDNN's fused kernel in the compute dtype on a GPU (its
   ``gemms`` summary shows whether a ``__cudnn$fmha...`` call was emitted);
+  ``jaxamp-norecompute`` (bf16, f16): the same step with ``DEFAULT_OP_RULES.extend(
+  recompute=False)``, what autocast kept before recompute segments (issue 24): peak memory
+  and step time before and after, ``recompute_peak_memory`` in the JSON;
 * ``hand``: ``bench/gpt_handcast.py``, the same model with hand-written Flax ``dtype=``
   arguments, in the step a careful user writes with ``jmp`` (``_steps.make_hand_step``: the same
   scale / unscale / finite check / skip / clip / AdamW work);
@@ -49,9 +52,11 @@ SIDES = ("jaxamp", "hand")
 # jaxamp f16 and jaxamp f32 first.
 # "jaxamp-fused": the same model with jax.nn.dot_product_attention (GPTConfig.attention=
 # "fused"), which autocast re-dispatches to cuDNN's fused attention in the compute dtype.
+# "jaxamp-norecompute": the jaxamp step with recompute off, last (not a target).
 JAX_ORDER = (("jaxamp", "bfloat16"), ("hand", "bfloat16"), ("jaxamp", "float16"),
              ("jaxamp", "float32"), ("jaxamp-fused", "bfloat16"), ("hand", "float16"),
-             ("hand", "float32"))
+             ("hand", "float32"), ("jaxamp-norecompute", "bfloat16"),
+             ("jaxamp-norecompute", "float16"))
 # Dense bf16 matmul rate measured on this workplace's H200s (8192^3 bf16, random data): the
 # issue's MFU reference. Elsewhere: the datasheet peak of _throughput.PEAK_FLOPS.
 MEASURED_PEAK_FLOPS = (("H200", 790e12),)
@@ -64,7 +69,7 @@ GPU_SIZES = {
 }
 GPU_COMMAND = "bash bench/gpu.sh OUTDIR"
 # Comma-separated variant names (e.g. "jaxamp/bfloat16,hand/bfloat16,torch/bfloat16"): only
-# those are built; the others are recorded as not selected. Default: all nine.
+# those are built; the others are recorded as not selected. Default: all eleven.
 VARIANTS_ENV = "JAXAMP_GPU_VARIANTS"
 
 
@@ -171,15 +176,20 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
                "(N: parameters in matmuls; full T x T attention scores)")
     tx = make_tx()
     runners: dict = {}
+    no_recompute = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
 
     def _build(side: str, dt: str):
-        if side in ("jaxamp", "jaxamp-fused"):
+        if side in ("jaxamp", "jaxamp-fused", "jaxamp-norecompute"):
             policy = POLICIES[dt]
-            m = model if side == "jaxamp" else GPT(cfg.replace(attention="fused"))
-            r = AmpRunner(m, params, tx, batch, policy, jaxamp.default_loss_scale(policy))
+            m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
+            rules = no_recompute if side == "jaxamp-norecompute" else None
+            r = AmpRunner(m, params, tx, batch, policy, jaxamp.default_loss_scale(policy),
+                          op_rules=rules)
             return (r, lambda: r.step.lower(r.state, batch), _tree_bytes(r.state),
-                    f"jaxamp.make_train_step(policy={policy!r}, clip_norm=1.0)"
-                    + (", jax.nn.dot_product_attention" if side != "jaxamp" else ""))
+                    f"jaxamp.make_train_step(policy={policy!r}, clip_norm=1.0"
+                    + (", op_rules=DEFAULT_OP_RULES.extend(recompute=False))" if rules
+                       else ")")
+                    + (", jax.nn.dot_product_attention" if side == "jaxamp-fused" else ""))
         r = HandRunner(cfg, params, tx, batch, dt)
         return (r, lambda: r.step.lower(*r.args()), _tree_bytes(r.args()[:4]),
                 f"HandCastGPT(dtype={dt}) + jmp loss scaling (float16), clip 1.0")
@@ -243,6 +253,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
             v["peak_memory_source"] = "no memory_stats on this backend"
     stats = _jax_memory_stats()
     res["process_peak_bytes_in_use"] = (stats or {}).get("peak_bytes_in_use")
+    res["recompute_peak_memory"] = recompute_memory(res["variants"])
     _write(out, res)
     repeats = size["repeats"]
     if runners:
@@ -264,6 +275,30 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     res["complete"] = True
     _write(out, res)
     return res
+
+
+def recompute_memory(variants: dict) -> dict:
+    """Per compute dtype, the jaxamp step's memory with recompute off ("before", what autocast
+    kept before issue 24) and on ("after"): peak device bytes (``memory_stats``; None where
+    the backend has none) and XLA's compiled temp bytes (``memory_analysis``), with the
+    after/before ratios."""
+    out = {}
+    for dt in ("bfloat16", "float16"):
+        on, off = variants.get(f"jaxamp/{dt}") or {}, \
+            variants.get(f"jaxamp-norecompute/{dt}") or {}
+        if "compile_s" not in on or "compile_s" not in off:
+            continue
+
+        def temp(v):
+            return (v.get("memory_analysis") or {}).get("temp_size_in_bytes")
+
+        out[dt] = {"peak_bytes_before": off.get("peak_memory_bytes"),
+                   "peak_bytes_after": on.get("peak_memory_bytes"),
+                   "peak_after_over_before": _ratio(on.get("peak_memory_bytes"),
+                                                    off.get("peak_memory_bytes")),
+                   "temp_bytes_before": temp(off), "temp_bytes_after": temp(on),
+                   "temp_after_over_before": _ratio(temp(on), temp(off))}
+    return out
 
 
 def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: float) -> dict:

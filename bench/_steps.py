@@ -48,8 +48,9 @@ def make_baseline_step(model, tx, policy: str):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_amp_step(model, tx, policy: str, *, clip_norm: float | None = 1.0):
-    return jaxamp.make_train_step(model, lm_loss, tx, policy=policy, clip_norm=clip_norm)
+def make_amp_step(model, tx, policy: str, *, clip_norm: float | None = 1.0, op_rules=None):
+    kw = {} if op_rules is None else {"op_rules": op_rules}
+    return jaxamp.make_train_step(model, lm_loss, tx, policy=policy, clip_norm=clip_norm, **kw)
 
 
 def copy_tree(tree):
@@ -59,8 +60,9 @@ def copy_tree(tree):
 class AmpRunner:
     """Threads a (donated) ``TrainState`` through ``steps`` calls of a ``make_train_step``."""
 
-    def __init__(self, model, params, tx, batch, policy, loss_scale, clip_norm=1.0):
-        self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm)
+    def __init__(self, model, params, tx, batch, policy, loss_scale, clip_norm=1.0,
+                 op_rules=None):
+        self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm, op_rules=op_rules)
         self.state = jaxamp.TrainState.create(model, copy_tree(params), tx, policy=policy,
                                               loss_scale=loss_scale)
         self.batch = batch

@@ -16,8 +16,8 @@ TARGETS = {"bf16_jaxamp_over_torch_amp", "bf16_jaxamp_over_hand", "f16_dynamic_o
            "bf16_peak_memory_vs_f32", "bf16_mfu"}
 STAGES = ["env", "tests", "bench", "example-bfloat16", "example-float16", "fp8"]
 # One variant per code path: autocast (no scaling), the hand-written jmp step with dynamic
-# scaling, and PyTorch AMP.
-VARIANTS = ("jaxamp/bfloat16", "hand/float16", "torch/bfloat16")
+# scaling, PyTorch AMP, and autocast with recompute off (issue 24's "before").
+VARIANTS = ("jaxamp/bfloat16", "hand/float16", "torch/bfloat16", "jaxamp-norecompute/bfloat16")
 
 
 def has_torch() -> bool:
@@ -79,12 +79,13 @@ def test_stages_and_env(dry_run):
 
 
 def test_bench_variants(dry_run):
-    _, res, _ = dry_run
+    _, res, stdout = dry_run
     assert res["dry_run"] is True
     assert res["config"]["layers"] == 1  # toy size
     jax_v = res["jax"]["variants"]
     assert set(jax_v) == {f"{s}/{d}" for s in ("jaxamp", "hand")
-                          for d in ("bfloat16", "float16", "float32")} | {"jaxamp-fused/bfloat16"}
+                          for d in ("bfloat16", "float16", "float32")} | {
+        "jaxamp-fused/bfloat16", "jaxamp-norecompute/bfloat16", "jaxamp-norecompute/float16"}
     for name in ("jaxamp/bfloat16", "hand/float16"):
         v = jax_v[name]
         assert v["tokens_per_s"] > 0 and v["step_ms"] > 0 and v["compile_s"] > 0, name
@@ -93,6 +94,13 @@ def test_bench_variants(dry_run):
         assert v["mfu"] is None  # no peak on CPU
         assert len(v["samples_ms"]) == res["jax"]["timing"]["repeats"]
     assert jax_v["jaxamp/float32"] == {"skipped": "not selected (JAXAMP_GPU_VARIANTS)"}
+    # recompute off against on (bfloat16, the one selected): XLA's temp bytes fall with it
+    # (CPU has no memory_stats: the peak is for the GPU run)
+    rec = res["jax"]["recompute_peak_memory"]
+    assert set(rec) == {"bfloat16"}, rec
+    assert "off -> " in stdout and rec["bfloat16"]["peak_bytes_before"] is None
+    assert 0 < rec["bfloat16"]["temp_after_over_before"] < 1, rec
+    assert "recompute=False" in jax_v["jaxamp-norecompute/bfloat16"]["recipe"]
     assert res["jax"]["complete"] and res["jax"]["process"]["status"] == "ok"
     assert res["jax"]["flops_per_token"] > 0 and "6 * N" in res["jax"]["flops_formula"]
     torch_res = res["torch"]
