@@ -38,7 +38,7 @@ POLICIES = {
 }
 try:
     OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
-except (TypeError, ValueError):  # a jaxamp from before recompute (``--only temp-default``): no switch
+except (TypeError, ValueError):  # a jaxamp from before recompute (--only temp-default)
     OFF = None
 
 

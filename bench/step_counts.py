@@ -19,8 +19,15 @@ import json
 import sys
 
 from _hlo import hlo_diff
-from _steps import F16_POLICY, AmpRunner, BaselineRunner, make_amp_step, make_baseline_step, \
-    make_tx, setup
+from _steps import (
+    F16_POLICY,
+    AmpRunner,
+    BaselineRunner,
+    make_amp_step,
+    make_baseline_step,
+    make_tx,
+    setup,
+)
 from gpt import GPTConfig
 
 import jaxamp

@@ -59,7 +59,7 @@ def builders(model, policy=F16_POLICY):
 
 def hf_gpt2(layers: int, batch: int, seq: int):
     """transformers' FlaxGPT2LMHeadModel at GPT-2 124M shapes (abstract params)."""
-    from transformers import GPT2Config, FlaxGPT2LMHeadModel
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     cfg = GPT2Config(n_layer=layers, n_positions=seq)
     model = FlaxGPT2LMHeadModel(cfg, _do_init=False)

@@ -17,8 +17,8 @@ gradient keeps the compute dtype.
 * :func:`dot_f32_weight_grads` is a ``jax.custom_jvp`` function whose tangent JAX transposes
   into that weight-gradient matmul (so ``jax.jvp`` works through it too);
 * :func:`conv_f32_kernel_grads` is a ``jax.custom_vjp`` function (reverse mode only) whose
-  kernel gradient is JAX's convolution transpose (in JAX's ``lax.convolution`` module), restated with
-  the public ``lax.conv_general_dilated`` and a float32 output.
+  kernel gradient is JAX's convolution transpose (in JAX's ``lax.convolution`` module),
+  restated with the public ``lax.conv_general_dilated`` and a float32 output.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ import optax
 from jax import lax
 
 from jaxamp import policy_spec
-from jaxamp._jaxpr import evaluate_rerouted
 from jaxamp._compat import Tracer
+from jaxamp._jaxpr import evaluate_rerouted
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import get_policy
 

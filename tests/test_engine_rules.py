@@ -371,8 +371,8 @@ def test_threads_and_other_wrappers_coexist():
     def nnx_thread():
         start.wait()
         for i in range(20):
-            def fn(m, x):
-                if i == 3 and "during" not in installed:  # installed in the middle of a trace
+            def fn(m, x):  # reads this iteration's i while it is traced
+                if i == 3 and "during" not in installed:  # noqa: B023 - installed mid-trace
                     current = nnx.Linear.__dict__["__call__"]
 
                     def during(self, *a, **k):

@@ -453,7 +453,6 @@ lm_stop.exit_process(train_lm.main(argv))  # as train_lm.py's __main__
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     """``(mode, argv) -> CompletedProcess`` of RUNNER, sharing this module's XLA cache."""
-    import jax
 
     script = tmp_path_factory.mktemp("runner") / "runner.py"
     script.write_text(RUNNER)

@@ -455,8 +455,8 @@ def test_the_fp8_gemm_diagnostic_counts_planned_dots_and_reads_compiled_hlo():
 
 
 if __name__ == "__main__":  # the FP8 corpus table of BENCHMARKS.md
-    print(f"jax {jax.__version__}\n\n| model | FP8 forward dots | loss rel. diff | gradient cosine |"
-          "\n|---|---:|---:|---:|")
+    print(f"jax {jax.__version__}\n\n| model | FP8 forward dots | loss rel. diff "
+          "| gradient cosine |\n|---|---:|---:|---:|")
     for n in CORPUS_FP8:
         r = fp8_corpus_row(n)
         print(f"| {n} | {r['fp8_dots']} | {r['loss_diff']:.1e} | {r['grad_cos']:.4f} |")

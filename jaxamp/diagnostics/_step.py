@@ -275,8 +275,9 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
     4. a norm whose inputs include no unscaled value, while some unscaling is computed from
        that norm, is ``clip_before_unscale``, unless the norm itself meets ``1 / scale`` as a
        scalar (``norm * inv``, ``min(inv, clip / norm)``: the unscaled norm and clip factor
-       computed from scaled gradients, as :func:`jaxamp.amp` does); a norm of scaled gradients that no unscaling
-       depends on is ``grad_norm_of_scaled_grads`` (e.g. a logged grad norm off by the scale).
+       computed from scaled gradients, as :func:`jaxamp.amp` does); a norm of scaled gradients
+       that no unscaling depends on is ``grad_norm_of_scaled_grads`` (e.g. a logged grad norm
+       off by the scale).
 
     What it cannot detect: a loss scale that is never divided back out (nothing to pair the
     scaling with), an unscale written as a multiplication by a precomputed reciprocal passed

@@ -180,8 +180,8 @@ class _Evaluator:
 
     It runs inside a single ``jax.jit`` trace (one compilation; eager evaluation would compile
     every primitive separately) whose extra outputs are all those values; their statistics are
-    computed on the host. ``while`` loops and ``cond`` s run as one operation (not stepped into) (their
-    inner values are not inspected)."""
+    computed on the host. ``while`` loops and ``cond`` s run as one operation (not stepped
+    into; their inner values are not inspected)."""
 
     def __init__(self, modules):
         self.modules = modules
