@@ -282,16 +282,15 @@ def recompute_memory(variants: dict) -> dict:
     kept before issue 24) and on ("after"): peak device bytes (``memory_stats``; None where
     the backend has none) and XLA's compiled temp bytes (``memory_analysis``), with the
     after/before ratios."""
+    def temp(v):
+        return (v.get("memory_analysis") or {}).get("temp_size_in_bytes")
+
     out = {}
     for dt in ("bfloat16", "float16"):
         on, off = variants.get(f"jaxamp/{dt}") or {}, \
             variants.get(f"jaxamp-norecompute/{dt}") or {}
         if "compile_s" not in on or "compile_s" not in off:
             continue
-
-        def temp(v):
-            return (v.get("memory_analysis") or {}).get("temp_size_in_bytes")
-
         out[dt] = {"peak_bytes_before": off.get("peak_memory_bytes"),
                    "peak_bytes_after": on.get("peak_memory_bytes"),
                    "peak_after_over_before": _ratio(on.get("peak_memory_bytes"),

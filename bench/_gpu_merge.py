@@ -138,13 +138,13 @@ def main(argv=None) -> int:
                   f"{v.get('compile_s', 0):.1f} s")
         else:
             print(f"  {name:<22} {v.get('skipped') or v.get('error') or 'not timed'}")
+    def mib(x):
+        return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"
+
+    def times(x):
+        return "n/a" if x is None else f"{x:.3f}x"
+
     for dt, r in ((res.get("jax") or {}).get("recompute_peak_memory") or {}).items():
-        def mib(x):
-            return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"
-
-        def times(x):
-            return "n/a" if x is None else f"{x:.3f}x"
-
         print(f"  recompute {dt}: peak {mib(r['peak_bytes_before'])} off -> "
               f"{mib(r['peak_bytes_after'])} on ({times(r['peak_after_over_before'])}), "
               f"temp {mib(r['temp_bytes_before'])} -> {mib(r['temp_bytes_after'])} "

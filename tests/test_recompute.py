@@ -127,6 +127,14 @@ def test_the_diagnostics_read_the_program_with_recompute_off(small_gpt):
     assert not [f for f in report.findings if "remat" in f.detail or "checkpoint" in f.detail]
 
 
+def _residual_ratio(loss, params, batch):
+    """(residual bytes under float16 / float32's with recompute off, float32 share)."""
+    f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
+                                     params, batch))
+    on, share = summary(saved_residuals(jaxamp.autocast(loss, F16), params, batch))
+    return on / f32, share
+
+
 def test_a_residual_sum_is_kept_once_not_as_its_two_operands():
     # corpus T5: the residual stream x (its float32 embedding rows, at first) plus the
     # attention's output projection. A segment starting at that sum would keep both operands;
@@ -135,22 +143,9 @@ def test_a_residual_sum_is_kept_once_not_as_its_two_operands():
     from corpus_models import t5
 
     case = t5()
-
-    def loss(p, b):
-        return case.loss(case.model.apply, p, b)
-
-    f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
-                                     case.params, case.batch))
-    on, share = summary(saved_residuals(jaxamp.autocast(loss, F16), case.params, case.batch))
-    assert on / f32 <= 0.37 and share <= 0.10, (on / f32, share)
-
-
-def _residual_ratio(loss, params, batch, policy=F16):
-    """(residual bytes under ``policy`` / float32's with recompute off, float32 share)."""
-    f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
-                                     params, batch))
-    on, share = summary(saved_residuals(jaxamp.autocast(loss, policy), params, batch))
-    return on / f32, share
+    ratio, share = _residual_ratio(lambda p, b: case.loss(case.model.apply, p, b),
+                                   case.params, case.batch)
+    assert ratio <= 0.37 and share <= 0.10, (ratio, share)
 
 
 def test_a_tanh_before_a_matmul_keeps_its_output_and_not_its_input():
