@@ -121,6 +121,33 @@ def _jax_memory_stats() -> dict | None:
         return None
 
 
+def peak_step(step) -> tuple[int | None, str]:
+    """Runs ``step()`` and returns (the device bytes it took at its peak over what was live
+    before it, where that figure comes from). ``memory_stats()``' ``peak_bytes_in_use`` cannot
+    be reset: a pad buffer first fills the live bytes up to the peak so far, so any step's
+    own peak is a rise over it. (None where the backend has no allocator statistics.)"""
+    import jax
+    import jax.numpy as jnp
+
+    stats = _jax_memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        step()
+        return None, "no memory_stats on this backend"
+    gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+    pad = jnp.zeros((gap,), jnp.uint8) if gap > 0 else None
+    jax.block_until_ready(pad)
+    before = _jax_memory_stats()
+    step()
+    after = _jax_memory_stats()
+    del pad
+    rise = after["peak_bytes_in_use"] - max(before["peak_bytes_in_use"], before["bytes_in_use"])
+    if rise <= 0:  # the pad was rounded up past the step's own peak
+        return None, "memory_stats: no rise over the padded peak"
+    return (after["peak_bytes_in_use"] - before["bytes_in_use"],
+            "memory_stats: peak rise over the live bytes, padded to the earlier peak, "
+            "+ own state")
+
+
 def _footprint(ma: dict | None) -> int | None:
     if not ma:
         return None
@@ -223,35 +250,24 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
             "gemms": summarize(find_gemms(compiled.as_text()))}
         log(f"[gpu] {name}: compiled in {t2 - t0:.1f} s")
         _write(out, res)
-    # First steps, smallest footprint first: the allocator's peak (it cannot be reset) rises
-    # by each variant's own peak over what is live.
+    # First steps, smallest footprint first. The allocator's peak cannot be reset, so before
+    # each first step the live bytes are padded up to the peak so far (peak_step): the
+    # variant's own peak then shows as a rise, even below an earlier variant's.
     order = sorted(runners, key=lambda k: res["variants"][k]["memory_analysis_footprint_bytes"]
                    or 0)
     for name in order:
         v = res["variants"][name]
-        before = _jax_memory_stats()
         t0 = time.perf_counter()
         try:
-            runners[name](1)
+            rise, source = peak_step(lambda: runners[name](1))
         except Exception as e:  # e.g. out of memory: drop this variant, keep the others
             v["error"] = f"first step: {type(e).__name__}: {str(e)[:400]}"
             log(f"[gpu] {name}: FAILED at its first step ({v['error']})")
             del runners[name]
             continue
         v["first_step_s"] = time.perf_counter() - t0
-        after = _jax_memory_stats()
-        v["peak_memory_bytes"] = None
-        if before and after and "peak_bytes_in_use" in after:
-            rise = after["peak_bytes_in_use"] - max(before.get("peak_bytes_in_use", 0),
-                                                    before.get("bytes_in_use", 0))
-            if rise > 0:
-                v["peak_memory_bytes"] = (after["peak_bytes_in_use"] - before["bytes_in_use"]
-                                          + v["state_bytes"])
-            v["peak_memory_source"] = ("memory_stats: peak rise over live bytes + own state"
-                                       if rise > 0 else "memory_stats: hidden by an earlier "
-                                       "larger peak")
-        else:
-            v["peak_memory_source"] = "no memory_stats on this backend"
+        v["peak_memory_bytes"] = None if rise is None else rise + v["state_bytes"]
+        v["peak_memory_source"] = source
     stats = _jax_memory_stats()
     res["process_peak_bytes_in_use"] = (stats or {}).get("peak_bytes_in_use")
     res["recompute_peak_memory"] = recompute_memory(res["variants"])
