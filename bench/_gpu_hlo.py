@@ -26,6 +26,7 @@ What XLA:GPU emits for a matmul (target names as in XLA's ``xla/service/gpu/cubl
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections import Counter
 
@@ -43,7 +44,7 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-$]+)\s*(?:\(.*\)\s*->.*)?\{\s*$
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-$]+)\s*=\s*(.*)$")
 _ARRAY_TYPE = re.compile(r"^([a-z]\w*)\[([\d,\s]*)\]")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_KIND = re.compile(r'"fusion_backend_config"\s*:\s*\{[^{}]*?"kind"\s*:\s*"([^"]+)"')
+_FUSION_CONFIG = re.compile(r'"fusion_backend_config"\s*:\s*\{')
 _CALLS = re.compile(r"\bcalls=%?([\w.\-$]+)")
 # An instruction starts "name = TYPE": an array type or a tuple (not "attr=value").
 _INSTR_START = re.compile(r"^(ROOT\s+)?%?[\w.\-$]+\s*=\s*(\(|[a-z]\w*\[)")
@@ -215,6 +216,25 @@ def _operand_info(operand: str, table: dict[str, str]) -> tuple[str | None, int 
     return first_array(table.get(m.group(2), ""))
 
 
+def fusion_kind(attrs: str) -> str | None:
+    """The ``"kind"`` of a fusion's ``fusion_backend_config`` (None if it has none). Read from
+    the config's own braces: XLA writes its fields in name order, so on the H200's XLA (jax
+    0.11.2) ``"kind"`` comes after a nested ``"block_level_fusion_config": {...}``."""
+    m = _FUSION_CONFIG.search(attrs)
+    if not m:
+        return None
+    depth, i = 0, m.end() - 1
+    for j in range(i, len(attrs)):
+        depth += {"{": 1, "}": -1}.get(attrs[j], 0)
+        if depth == 0:
+            try:
+                kind = json.loads(attrs[i:j + 1]).get("kind")
+            except ValueError:
+                return None
+            return kind if isinstance(kind, str) else None
+    return None
+
+
 def find_gemms(text: str) -> list[Gemm]:
     """Every matmul/convolution of a compiled XLA:GPU module, with the library that runs it."""
     comps = parse_hlo(text)
@@ -240,8 +260,7 @@ def find_gemms(text: str) -> list[Gemm]:
                 elif target.startswith(CUDNN_PREFIX):
                     gemms.append(make(ins, "cudnn", target, ins))
             elif ins.opcode == "fusion":
-                m = _FUSION_KIND.search(ins.attrs)
-                kind = m.group(1) if m else None
+                kind = fusion_kind(ins.attrs)
                 called = _CALLS.search(ins.attrs)
                 if kind in GEMM_FUSION_KINDS and called and called.group(1) in comps:
                     body = called.group(1)

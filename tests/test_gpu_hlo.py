@@ -22,6 +22,7 @@ try:
     from _gpu_hlo import (
         f32_dot_signatures,
         find_gemms,
+        fusion_kind,
         gemm_signature,
         host_traffic,
         parse_hlo,
@@ -157,6 +158,20 @@ NESTED_TRITON = module(
     "{\"kind\":\"__triton_nested_gemm_fusion\",\"block_level_fusion_config\":"
     "{\"num_warps\":\"8\",\"output_tiles\":[{\"sizes\":[\"128\",\"256\"]}]}}}\n}")
 
+# The same, as the H200's XLA (jax 0.11.2) wrote it in bench/gpu.sh's first run: the config's
+# fields in name order, "kind" after the nested "block_level_fusion_config" (the reader took
+# these 73 GEMMs of the bench step for plain dots until it read the config's own braces).
+NESTED_TRITON_H200 = NESTED_TRITON.replace(
+    "backend_config={\"fusion_backend_config\":{\"kind\":\"__triton_nested_gemm_fusion\","
+    "\"block_level_fusion_config\":{\"num_warps\":\"8\",\"output_tiles\":[{\"sizes\":[\"128\","
+    "\"256\"]}]}}}",
+    "backend_config={\"device_type\":\"DEVICE_TYPE_INVALID\",\"force_earliest_schedule\":false,"
+    "\"fusion_backend_config\":{\"block_level_fusion_config\":{\"group_size\":0,"
+    "\"is_tma_allowed\":false,\"is_warp_specialization_allowed\":false,\"num_ctas\":1,"
+    "\"num_stages\":3,\"num_tiles_per_pid\":0,\"num_warps\":\"8\",\"output_tiles\":[{\"sizes\":"
+    "[\"128\",\"256\"]}],\"waves_per_eu\":0},\"kind\":\"__triton_nested_gemm_fusion\"},"
+    "\"operation_queue_id\":\"0\",\"reification_cost\":[]}")
+
 CUDNN_FMHA = module(entry(
     "%q = bf16[8,1024,12,64]{3,2,1,0} parameter(0)",
     "%k = bf16[8,1024,12,64]{3,2,1,0} parameter(1)",
@@ -290,3 +305,14 @@ def test_every_computation_closed(text):
     comps = parse_hlo(text)
     assert all(instrs for instrs in comps.values())
     assert sum(1 for c in comps if c.startswith("main")) == 1
+
+
+def test_triton_gemm_kind_after_a_nested_config():
+    assert NESTED_TRITON_H200 != NESTED_TRITON
+    (g,) = find_gemms(NESTED_TRITON_H200)
+    assert (g.library, g.target) == ("triton", "__triton_nested_gemm_fusion")
+    assert g.operand_dtypes == ("bf16", "bf16") and tensor_core_violations([g]) == []
+    assert fusion_kind('backend_config={"fusion_backend_config":{"kind":"__cudnn$fusion"}}') \
+        == "__cudnn$fusion"
+    assert fusion_kind('backend_config={"fusion_backend_config":{"a":{"b":1}}}') is None
+    assert fusion_kind("backend_config={}") is None
