@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
 from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
 from jaxamp._sharing import Program
-from jaxamp._values import Value, is_float
+from jaxamp._values import Value, convert, is_float
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.policy import matmul_dtype
 
@@ -80,7 +80,8 @@ class Segment(NamedTuple):
     matmuls among them that read nothing the segment makes (the ``up`` projection traced
     between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
     ``run_outs``: the same for the whole range; ``tail``: for a segment of one trailing
-    self-derived op (:data:`_SELF_DERIVED`), the matmuls that read its output, else ``()``."""
+    self-derived op (:data:`_SELF_DERIVED`), the matmuls that read its output, else ``()``;
+    ``readers``: per output, the matmuls that read it (:func:`_low_casts`)."""
 
     start: int
     end: int
@@ -90,6 +91,7 @@ class Segment(NamedTuple):
     run_ins: list
     run_outs: list
     tail: tuple = ()
+    readers: tuple = ()
 
 
 def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
@@ -176,8 +178,10 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
         inputs, outputs = span_io(jaxpr, own, span.end)
         run_ins, run_outs = span_io(jaxpr, [*span.skipped, *own], span.end)
         if outputs:
+            readers = tuple(tuple(e for e in uses.get(v, ()) if _plain_matmul(ev, e))
+                            for v in outputs)
             out[span.start] = Segment(span.start, span.end, inputs, outputs, span.skipped,
-                                      run_ins, run_outs, tail)
+                                      run_ins, run_outs, tail, readers)
 
     for span in spans(jaxpr, ok,
                       lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
@@ -204,6 +208,34 @@ def _plain_matmul(ev: Evaluator, eqn) -> bool:
     handler = ev.op_rules.handler(name)
     return ev.op_rules.classify(name) == "matmul" and (
         handler is None or isinstance(handler, FP8Matmuls))
+
+
+def _low_casts(ev: Evaluator, seg: Segment, base, outs, metas) -> list[tuple[int, np.dtype]]:
+    """(output index, dtype): the segment's outputs that matmuls read cast down (a float32
+    softmax before ``P @ V``, a float32 LayerNorm before a projection), each with the narrower
+    dtype those matmuls cast it to. The segment makes that cast itself, inside its checkpoint:
+    made outside, the cast's transpose (the cotangent cast up to float32) is computed outside
+    the checkpoint too, and enters the backward's ``optimization_barrier`` (``prevent_cse``)
+    as a float32 array, which XLA must then write out in full (a ``[B, H, T, T]`` float32
+    array per attention layer: measured, 0.87x the step's speed on an H200; BENCHMARKS.md).
+    Inside, the low-precision cotangent the matmul makes enters it, and the cast up fuses
+    into the recomputation. No FP8 (quantised by its own rule) and no region crossing that
+    casts the output on the way."""
+    found = []
+    for i, (out, meta, readers) in enumerate(zip(outs, metas, seg.readers)):
+        if not readers or not is_float(out.dtype) or meta.stored or meta.const:
+            continue
+        value = Value(out, meta.stored, meta.const, meta.region)
+        dtypes = set()
+        for eqn in readers:
+            region = ev.region_of(eqn, base)
+            dtype = ev.matmul_dtype(region)
+            if ev.crossing(value, region) in (None, value.dtype) \
+                    and np.dtype(matmul_dtype(ev.policy(region))).itemsize > 1 \
+                    and dtype.itemsize < np.dtype(out.dtype).itemsize:
+                dtypes.add(dtype)
+        found += [(i, d) for d in sorted(dtypes, key=str)]
+    return found
 
 
 def _kept_by_matmuls(ev: Evaluator, readers: tuple, base, out, meta: Value) -> bool:
@@ -268,9 +300,11 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         outs = body.fn(*full)
         if seg.tail:  # decided as the checkpoint traces fn; JAX asks the policy later
             keep[0] = _kept_by_matmuls(ev, seg.tail, base, outs[0], body.out[0])
-        return outs
+        low[:] = _low_casts(ev, seg, base, outs, body.out)
+        return [*outs, *(convert(outs[i], d) for i, d in low)]
 
     keep = [False]  # a tail keeps its op's output when the matmuls keep that very array
+    low: list = []  # the low-precision casts of outputs made inside (_low_casts)
 
     def policy(prim, *args, **params):
         return _POLICY(prim, *args, **params) or (keep[0] and prim.name in _SELF_DERIVED)
@@ -278,7 +312,11 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     with ev.in_segment():
         outs = checkpoint_in_place(fn, policy if seg.tail else _POLICY)(
             *[vals[i] for i in traced])
-    return body.values(outs)
+    n = len(outs) - len(low)
+    values = body.values(outs[:n])
+    for (i, dtype), x in zip(low, outs[n:]):
+        values[i].casts[dtype] = x  # the matmul rule's cast(value, dtype) finds it
+    return values
 
 
 def _rounded(xs: tuple) -> list:

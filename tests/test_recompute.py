@@ -209,3 +209,39 @@ def test_every_corpus_model_keeps_at_most_040_of_float32s_residuals(name):
     ratio, _ = _residual_ratio(lambda p, b: case.loss(case.model.apply, p, b), case.params,
                                case.batch)
     assert ratio <= 0.40, ratio
+
+
+def _barrier_arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every array through an ``optimization_barrier`` of the StableHLO."""
+    import re
+
+    out = []
+    for line in text.splitlines():
+        if "stablehlo.optimization_barrier" in line:
+            for dims, dtype in re.findall(r"tensor<([\dx]*?)x?(f32|bf16|f16)>",
+                                          line.split("->")[-1]):
+                out.append((dtype, tuple(int(d) for d in dims.split("x") if d)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("policy", [BF16, F16])
+def test_no_float32_attention_weights_cross_a_barrier(name, policy):
+    """A float32 softmax read by ``P @ V`` in the low dtype: the segment casts it down inside
+    its checkpoint, so the cotangent entering the backward's ``prevent_cse`` barrier is the
+    matmul's low-precision one. Cast outside, the cotangent was cast up to float32 before the
+    barrier and XLA wrote it out in full: a float32 [B, H, T, T] array per layer, 0.87x the
+    step's speed on an H200 (bench/recompute_gpu.py). Barrier arrays read from StableHLO."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from corpus_models import CORPUS
+
+    case = CORPUS[name]()
+    loss = jaxamp.autocast(lambda p, b: case.loss(case.model.apply, p, b), policy)
+    text = jax.jit(jax.grad(loss)).lower(case.params, case.batch).as_text()
+    arrays = _barrier_arrays(text)
+    low = "bf16" if "bfloat16" in policy else "f16"
+    # [B, H, T, T] with H > 1 (bert's [B, 1, T, T] padding bias is an input, kept as it is)
+    weights = [s for d, s in arrays if len(s) == 4 and s[0] == 4 and s[1] > 1 and s[2] == s[3]]
+    assert (low, weights[0]) in arrays  # the low-precision cotangents do cross
+    f32 = [s for d, s in arrays if d == "f32" and s in weights]
+    assert not f32, f32
