@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     import jax
 
     import jaxamp
-    from _gpu import GPU_SIZES, _jax_memory_stats, _tree_bytes, peak_step
+    from _gpu import GPU_SIZES, _footprint, _jax_memory_stats, _tree_bytes, peak_step
     from _gpu_hlo import find_gemms, summarize
     from _memory import memory_dict
     from _steps import POLICIES, AmpRunner, log, make_tx, setup
@@ -195,9 +195,11 @@ def main(argv=None) -> int:
             f"temp {res['variants'][name]['memory_analysis']['temp_size_in_bytes'] / 2**20:,.0f}"
             f" MiB")
         write()
-    for name, r in runners.items():
-        v = res["variants"][name]
-        rise, source = peak_step(lambda: r(1))
+    # smallest footprint first, as bench/run.py --gpu does (peak_step pads the rest)
+    for name in sorted(runners, key=lambda k: _footprint(res["variants"][k]["memory_analysis"])
+                       or 0):
+        v, r = res["variants"][name], runners[name]
+        rise, source = peak_step(lambda: r(1), _footprint(v["memory_analysis"]))
         v["peak_memory_bytes"] = None if rise is None else rise + v["state_bytes"]
         v["peak_memory_source"] = source
     write()

@@ -210,6 +210,29 @@ def test_fit_repeats_and_peak(monkeypatch):
     assert gpu.peak_flops("cpu", "cpu")[0] is None
 
 
+def test_peak_padding_shows_every_step_and_stays_bounded(monkeypatch):
+    """``_gpu.peak_step``'s pad (a model of the allocator: the peak never falls): ten steps of
+    about 15 GiB, each seen as a rise over the padded peak, in any order, while the peak
+    climbs by a fraction of theirs. (Padded up to the full earlier peak, it climbed by each
+    step's whole peak and ran an H200 out of memory.)"""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    gpu = _bench_module("_gpu")
+    gib = 2**30
+    live, peak, seen = 3 * gib, 3 * gib, []
+    steps = [15 * gib, 14 * gib, 16 * gib, 15 * gib, 14 * gib, 28 * gib, 15 * gib, 14 * gib,
+             15 * gib, 16 * gib]
+    for own in steps:
+        pad = gpu.pad_bytes({"peak_bytes_in_use": peak, "bytes_in_use": live}, own)
+        base = live + pad
+        peak = max(peak, base, base + own)
+        seen.append(peak - base if peak == base + own else None)
+    assert seen == steps  # every step's own peak, none hidden
+    assert peak < 3 * gib + 28 * gib + 0.2 * sum(steps) + gib  # not their sum (about 165 GiB)
+    # without an expected footprint the pad reaches the peak (the step shows by any rise)
+    assert gpu.pad_bytes({"peak_bytes_in_use": 10, "bytes_in_use": 4}, None) == 6
+    assert gpu.pad_bytes({"peak_bytes_in_use": 10, "bytes_in_use": 4}, 100) == 0
+
+
 def test_fused_attention_model_is_the_same_model(monkeypatch):
     """bench/gpt.py's ``attention="fused"`` (the ``jaxamp-fused`` variant) computes the same
     loss from the same parameters as the hand-written attention."""
