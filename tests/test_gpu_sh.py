@@ -246,3 +246,25 @@ def test_fused_attention_model_is_the_same_model(monkeypatch):
     assert abs(float(gpt.lm_loss(fused.apply, params, batch)) - manual_loss) < 1e-5
     with pytest.raises(ValueError, match="attention="):
         gpt.GPTConfig(attention="flash")
+
+
+def test_recompute_gpu_dry_run(tmp_path):
+    """bench/recompute_gpu.py's plumbing at toy size on CPU: each variant's patch changes the
+    traced program (its optimization barriers), and the HLO of off/on comes back."""
+    import tarfile
+
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "recompute_gpu.py"), "--out", str(tmp_path),
+         "--cpu-dry-run", "--variants", "off,on,on-no-softmax,on-none-of-three"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads((tmp_path / "recompute-gpu.json").read_text())
+    v = res["variants"]
+    barriers = {k: v[k]["stablehlo_optimization_barriers"] for k in v}
+    assert barriers["off"] == 0 == barriers["on-none-of-three"]
+    assert 0 < barriers["on-no-softmax"] < barriers["on"], barriers
+    assert v["on"]["time_over_off"] > 0 and v["off"]["time_over_off"] == 1.0
+    with tarfile.open(tmp_path / "recompute-hlo.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["off.hlo.txt", "on.hlo.txt"]
+    assert "on-no-softmax" in run.stdout
