@@ -57,6 +57,7 @@ from jaxamp.transform import (
     copy_tree,
     default_loss_scale,
 )
+from jaxamp.transform import PerShape
 from jaxamp.transform import select as _select_leaf
 
 __all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "TrainState",
@@ -759,9 +760,10 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
                      jnp.ones((), bool)), state.params, {}, loss_finite)
         applied = out.grads_finite
+        applied_by_shape = PerShape(applied)
 
         def select(new, old):
-            return _select_leaf(applied, new, old)
+            return _select_leaf(applied_by_shape, new, old)
 
         new_state = state.replace(
             step=state.step + 1,
