@@ -268,7 +268,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
         v = res["variants"][name]
         t0 = time.perf_counter()
         try:
-            rise, source = peak_step(lambda: runners[name](1),
+            rise, source = peak_step(lambda r=runners[name]: r(1),
                                      v["memory_analysis_footprint_bytes"])
         except Exception as e:  # e.g. out of memory: drop this variant, keep the others
             v["error"] = f"first step: {type(e).__name__}: {str(e)[:400]}"

@@ -133,14 +133,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     started = time.monotonic()
     import jax
-
-    import jaxamp
     from _gpu import GPU_SIZES, _footprint, _jax_memory_stats, _tree_bytes, peak_step
     from _gpu_hlo import find_gemms, summarize
     from _memory import memory_dict
     from _steps import POLICIES, AmpRunner, log, make_tx, setup
     from _timing import interleaved_runtime, med
     from gpt import GPTConfig
+
+    import jaxamp
 
     size = GPU_SIZES["dry" if a.cpu_dry_run else "gpu"]
     cfg, batch_size = GPTConfig(**size["config"]), size["batch"]
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     for name in sorted(runners, key=lambda k: _footprint(res["variants"][k]["memory_analysis"])
                        or 0):
         v, r = res["variants"][name], runners[name]
-        rise, source = peak_step(lambda: r(1), _footprint(v["memory_analysis"]))
+        rise, source = peak_step(lambda r=r: r(1), _footprint(v["memory_analysis"]))
         v["peak_memory_bytes"] = None if rise is None else rise + v["state_bytes"]
         v["peak_memory_source"] = source
     write()

@@ -50,6 +50,7 @@ from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
 from jaxamp.transform import (
     AmpState,
+    PerShape,
     amp_update,
     check_clip_norm,
     check_loss_scale,
@@ -57,7 +58,6 @@ from jaxamp.transform import (
     copy_tree,
     default_loss_scale,
 )
-from jaxamp.transform import PerShape
 from jaxamp.transform import select as _select_leaf
 
 __all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "TrainState",
