@@ -218,18 +218,17 @@ def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     """
     zero = jnp.zeros((), jnp.float32)
 
-    def sums(g):  # shape [1] sums of a leaf seen as [1, ...]: concatenated with no reshape
-        g = g[None]
+    def sums(g):
         d = _down_exact(g) if g.size == 1 else g * _DOWN
-        return lax.reduce((g * g, d * d), (zero, zero), _add_pairs, tuple(range(1, g.ndim)))
+        return lax.reduce((g * g, d * d), (zero, zero), _add_pairs, tuple(range(g.ndim)))
 
     if not leaves:
         return zero, jnp.float32(1.0)
     pairs = [sums(g) for g in leaves]
     # The per-leaf sums added by one more reduction (not a chain of scalar additions): XLA
     # computes it once, where it copied a chain into each of its scalar consumers.
-    low, high = lax.reduce((lax.concatenate([lo for lo, _ in pairs], 0),
-                            lax.concatenate([hi for _, hi in pairs], 0)), (zero, zero),
+    low, high = lax.reduce((jnp.stack([lo for lo, _ in pairs]),
+                            jnp.stack([hi for _, hi in pairs])), (zero, zero),
                            _add_pairs, (0,))
     fits = jnp.isfinite(low)
     return (jnp.where(fits, low, high),
