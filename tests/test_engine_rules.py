@@ -262,10 +262,13 @@ def _nested(depth):
 @pytest.fixture
 def evaluations(monkeypatch):
     counts: collections.Counter = collections.Counter()
+    alive = []  # each counted jaxpr, kept alive: a freed one's id can be a new one's (flaky)
     real = _evaluator.Evaluator.eval
 
     def counting(self, closed, *args, **kwargs):
-        counts[id(_evaluator.open_jaxpr(closed)[0])] += 1
+        jaxpr = _evaluator.open_jaxpr(closed)[0]
+        alive.append(jaxpr)
+        counts[id(jaxpr)] += 1
         return real(self, closed, *args, **kwargs)
 
     monkeypatch.setattr(_evaluator.Evaluator, "eval", counting)
