@@ -225,15 +225,9 @@ def _low_casts(ev: Evaluator, seg: Segment, base, outs, metas) -> list[tuple[int
     for i, (out, meta, readers) in enumerate(zip(outs, metas, seg.readers)):
         if not readers or not is_float(out.dtype) or meta.stored or meta.const:
             continue
-        value = Value(out, meta.stored, meta.const, meta.region)
-        dtypes = set()
-        for eqn in readers:
-            region = ev.region_of(eqn, base)
-            dtype = ev.matmul_dtype(region)
-            if ev.crossing(value, region) in (None, value.dtype) \
-                    and np.dtype(matmul_dtype(ev.policy(region))).itemsize > 1 \
-                    and dtype.itemsize < np.dtype(out.dtype).itemsize:
-                dtypes.add(dtype)
+        width = np.dtype(out.dtype).itemsize
+        dtypes = {d for d in _matmul_casts(ev, readers, base, out, meta)
+                  if d is not None and d.itemsize < width}
         found += [(i, d) for d in sorted(dtypes, key=str)]
     return found
 
@@ -241,16 +235,22 @@ def _low_casts(ev: Evaluator, seg: Segment, base, outs, metas) -> list[tuple[int
 def _kept_by_matmuls(ev: Evaluator, readers: tuple, base, out, meta: Value) -> bool:
     """Whether every matmul in ``readers`` reads ``out`` as it is: no cast on the way into
     its region, none to its matmul dtype (then it keeps this very array)."""
-    dtype = out.dtype
-    if not is_float(dtype):
-        return False
+    return is_float(out.dtype) and all(
+        d is not None and d == out.dtype for d in _matmul_casts(ev, readers, base, out, meta))
+
+
+def _matmul_casts(ev: Evaluator, readers: tuple, base, out, meta: Value) -> list:
+    """Per matmul in ``readers``, the dtype the built-in rule casts ``out`` to (its own dtype
+    where it reads it as it is), or None where it is not that plain cast: a region crossing
+    casts ``out`` on the way in, or the matmul is FP8 (quantised by its own rule)."""
     value = Value(out, meta.stored, meta.const, meta.region)
+    casts = []
     for eqn in readers:
         region = ev.region_of(eqn, base)
-        if ev.crossing(value, region) not in (None, dtype) or ev.matmul_dtype(region) != dtype \
-                or np.dtype(matmul_dtype(ev.policy(region))).itemsize == 1:  # FP8: quantised
-            return False
-    return True
+        plain = ev.crossing(value, region) in (None, value.dtype) \
+            and np.dtype(matmul_dtype(ev.policy(region))).itemsize > 1
+        casts.append(ev.matmul_dtype(region) if plain else None)
+    return casts
 
 
 def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
