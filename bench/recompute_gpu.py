@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import sys
@@ -50,24 +51,19 @@ DUMPED = ("off", "on", "on-no-param-casts")
 
 
 def _prims(eqns) -> set[str]:
+    """The primitives of ``eqns`` and of their sub-jaxprs."""
     from jaxamp._compat import sub_jaxprs
-    from jaxamp._jaxpr import equations
+    from jaxamp._jaxpr import iter_eqns
 
-    out = set()
-    for e in eqns:
-        out.add(e.primitive.name)
-        for s in sub_jaxprs(e):
-            out |= _prims(equations(s))
-    return out
+    return {e.primitive.name for e in eqns} | {
+        x.primitive.name for e in eqns for s in sub_jaxprs(e) for x in iter_eqns(s)}
 
 
 @contextlib.contextmanager
 def patched(variant: str):
     """The recompute machinery with the variant's piece switched off, while tracing."""
     import jax
-    from jax.extend import source_info_util
 
-    import jaxamp._compat as compat
     import jaxamp._op_rules as op_rules
     import jaxamp._recompute as rc
     from jaxamp._jaxpr import equations
@@ -77,19 +73,6 @@ def patched(variant: str):
     def put(mod, name, val):
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, val)
-
-    def no_cse_checkpoint(fn, policy):  # compat.checkpoint_in_place, prevent_cse=False
-        info = source_info_util.current()
-
-        def inner(*xs):
-            with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
-                return fn(*xs)
-
-        def call(*xs):
-            with compat.unnamed_scope():
-                return jax.checkpoint(inner, policy=policy, prevent_cse=False)(*xs)
-
-        return call
 
     def plain_param_casts(eqn, ins, site, params, dtype, given):
         return op_rules.bind_eqn(eqn, [op_rules.cast(v, dtype) for v in ins], site,
@@ -108,9 +91,8 @@ def patched(variant: str):
     base = variant.split("/")[0]
     if base in ("on-no-param-casts", "on-none-of-three"):
         put(op_rules, "recompute_param_casts", plain_param_casts)
-    if base in ("on-no-cse-barrier", "on-none-of-three"):
-        put(rc, "checkpoint_in_place", no_cse_checkpoint)
-        put(op_rules, "checkpoint_in_place", no_cse_checkpoint)
+    if base in ("on-no-cse-barrier", "on-none-of-three"):  # what checkpoint_in_place calls
+        put(jax, "checkpoint", functools.partial(jax.checkpoint, prevent_cse=False))
     if base in ("on-no-rounding", "on-none-of-three"):
         put(rc, "_rounded", list)
     if base == "on-no-softmax":
