@@ -758,7 +758,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         updates, out, grads_finite = amp_update(
             optax.with_extra_args_support(state.tx).update, clip_norm, scaled_grads,
             AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
-                     jnp.ones((), bool)), state.params, {}, loss_finite)
+                     jnp.ones((), bool)), state.params, {}, loss_finite,
+            group_vectors=mesh is None)
         applied = out.grads_finite
         applied_by_shape = PerShape(applied)
 

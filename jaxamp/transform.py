@@ -203,7 +203,29 @@ def _add_pairs(a, b):
     return a[0] + b[0], a[1] + b[1]
 
 
-def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+#: Vector leaves (biases, norm scales: at most one axis, at most this many elements) share one
+#: reduction in the norm, over their concatenation.
+_GROUP_MAX_SIZE = 2**16
+
+
+def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
+    """``leaves``, the vectors among them replaced by their concatenation.
+
+    A transformer layer has two or three times as many vector leaves as matrices; one reduction
+    per leaf gave each its own fused kernel and reducer in the compiled step. Concatenated, the
+    bench GPT's 8-layer step has 1192 fusions instead of 1257 (the plain step: 1140) and
+    compiles in about 0.95x the time. The concatenation is a copy of the vector gradients (54
+    kB in that step, 0.5 MB in GPT-2 small), and the one reduction waits for the last of them
+    (no runtime difference measured at 2 layers, where the norm weighs most)."""
+    vectors = [g for g in leaves if g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE]
+    if len(vectors) < 2:
+        return leaves
+    rest = [g for g in leaves if not (g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE)]
+    return rest + [lax.concatenate([lax.reshape(g, (g.size,)) for g in vectors], 0)]
+
+
+def _scaled_sums(leaves: list[jax.Array], group: bool = True
+                 ) -> tuple[jax.Array, jax.Array]:
     """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``,
     ``total`` finite when every element is finite (unless the norm exceeds float32's range),
     inf/nan otherwise.
@@ -214,17 +236,21 @@ def _scaled_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     compiled program, three elementwise ops more than a plain sum of squares (dividing by
     ``max |g|`` first takes two reductions; measured on the bench GPT: the train step's compile
     time 1.32x -> 1.69x the plain step's). A non-finite element makes both sums non-finite:
-    the finite check needs no pass of its own.
+    the finite check needs no pass of its own. With ``group``, the vector leaves share one
+    reduction (:func:`_grouped`); without, as on a mesh, where concatenating leaves sharded
+    apart would move them between devices, every leaf has its own.
     """
     zero = jnp.zeros((), jnp.float32)
+    down = PerShape(_DOWN)
 
-    def sums(g):
-        d = _down_exact(g) if g.size == 1 else g * _DOWN
-        return lax.reduce((g * g, d * d), (zero, zero), _add_pairs, tuple(range(g.ndim)))
+    def sums(g):  # lax, not jnp: no jit of jnp's operator to trace per shape
+        d = _down_exact(g) if g.size == 1 else lax.mul(g, down(g.shape))
+        return lax.reduce((lax.mul(g, g), lax.mul(d, d)), (zero, zero), _add_pairs,
+                          tuple(range(g.ndim)))
 
     if not leaves:
         return zero, jnp.float32(1.0)
-    pairs = [sums(g) for g in leaves]
+    pairs = [sums(g) for g in (_grouped(leaves) if group else leaves)]
     # The per-leaf sums added by one more reduction (not a chain of scalar additions): XLA
     # computes it once, where it copied a chain into each of its scalar consumers.
     low, high = lax.reduce((jnp.stack([lo for lo, _ in pairs]),
@@ -241,7 +267,8 @@ def _is_float(x: Any) -> bool:
 
 
 def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_args: dict,
-               loss_finite: jax.Array | bool = True) -> tuple[Any, AmpState, jax.Array]:
+               loss_finite: jax.Array | bool = True, group_vectors: bool = True
+               ) -> tuple[Any, AmpState, jax.Array]:
     """The update of :func:`amp` without its checks and without masking the updates.
 
     Returns ``(updates, state, grads_finite)``: the inner optimizer's updates of this step,
@@ -250,14 +277,15 @@ def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_ar
     already the old one on a skipped step, and whether the gradients were finite. A step is
     applied (``state.grads_finite``) when the gradients are finite and ``loss_finite``; the
     loss scale follows the gradients alone (a non-finite loss with finite gradients is not an
-    overflow that a smaller scale would avoid).
+    overflow that a smaller scale would avoid). ``group_vectors``: see :func:`_scaled_sums`.
     """
     ls = state.loss_scale
     scale = jnp.asarray(ls.loss_scale, jnp.float32)
     inv = (1.0 / ls.loss_scale).astype(jnp.float32)
     grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32) if _is_float(g) else g,
                          grads)
-    total, r = _scaled_sums([g for g in jax.tree.leaves(grads) if _is_float(g)])
+    total, r = _scaled_sums([g for g in jax.tree.leaves(grads) if _is_float(g)],
+                            group=group_vectors)
     root = jnp.sqrt(total)
     grads_finite = jnp.isfinite(root)
     grad_norm = root * (inv / r)  # unscaled (inv and r are powers of two for dynamic scales)
@@ -268,7 +296,7 @@ def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_ar
     factor = inv if clip_norm is None else \
         1.0 / jnp.maximum(scale, root / (jnp.asarray(clip_norm, jnp.float32) * r))
     factors = PerShape(factor)
-    grads = jax.tree.map(lambda g: g * factors(g.shape) if _is_float(g) else g, grads)
+    grads = jax.tree.map(lambda g: lax.mul(g, factors(g.shape)) if _is_float(g) else g, grads)
     # Whether the step applies, as the finiteness of one square root (computed once, where an
     # ``isfinite(root) & isfinite(loss)`` was recomputed in each of the update's fusions).
     applied = jnp.isfinite(jnp.sqrt(jnp.where(loss_finite, root, jnp.float32(np.nan))))

@@ -288,13 +288,66 @@ def test_readme_real_training_loop_snippet_runs():
     assert int(state.step) == 1
 
 
-def test_finite_gradients_above_the_float32_norm_range_are_applied_and_clipped():
+def _variadic_reduces(fn, *args) -> int:
+    """The norm's reductions: ``reduce`` equations (two sums at once) in ``fn``'s jaxpr."""
+    return sum(e.primitive.name == "reduce" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+@pytest.mark.parametrize("n_vectors", [0, 1, 2, 41])
+def test_vector_leaves_share_one_norm_reduction_with_the_same_norm_and_skips(n_vectors):
+    """Vector leaves (biases, norm scales) are summed in one reduction over their
+    concatenation, matrices one each: the norm still equals float64 NumPy's, for vectors of
+    every size (a 0-d scalar, one element, none) beside the matrices, an inf in one vector is
+    still a skip bit for bit, and a 1e20 element of one still takes the scaled sum."""
+    rng = np.random.default_rng(3)
+    sizes = [(), (1,), (0,), (7,), (300,)]
+    grads = {"m1": rng.normal(0, 1.0, (16, 8)).astype(np.float32),
+             "m2": rng.normal(0, 1e-3, (4, 4, 3)).astype(np.float32)}
+    for i in range(n_vectors):
+        grads[f"v{i:02d}"] = rng.normal(0, 10.0 ** (i % 5 - 2), sizes[i % 5]).astype(np.float32)
+    params = {k: np.ones(np.shape(g), np.float32) for k, g in grads.items()}
+    tx = jaxamp.amp(optax.sgd(0.5), loss_scale=jaxamp.StaticLossScale(4.0), clip_norm=0.5)
+    state = tx.init(params)
+    grouped = 1 if n_vectors >= 2 else n_vectors
+    assert _variadic_reduces(tx.update, grads, state, params) == 2 + grouped + 1
+
+    def run(g64):
+        scaled = {k: jnp.asarray(np.float32(g) * np.float32(4.0)) for k, g in g64.items()}
+        return jax.jit(tx.update)(scaled, state, params)
+
+    g64 = {k: np.asarray(g, np.float64) for k, g in grads.items()}
+    updates, new = run(g64)
+    norm = np.sqrt(sum(np.sum(g**2) for g in g64.values()))
+    assert bool(new.grads_finite)
+    np.testing.assert_allclose(float(new.grad_norm), norm, rtol=1e-6)
+    got = optax.apply_updates(params, updates)
+    for k in grads:  # plain SGD, clipped: a gradient off by any factor shows here
+        np.testing.assert_allclose(np.asarray(got[k]), 1.0 - 0.5 * g64[k] * min(1, 0.5 / norm),
+                                   rtol=1e-6, atol=1e-7)
+    if n_vectors < 4:
+        return
+    bad = dict(g64, v03=np.where(np.arange(7) == 2, np.inf, g64["v03"]))
+    updates, skipped = run(bad)
+    _assert_bits_equal(optax.apply_updates(params, updates), params)
+    assert not bool(skipped.grads_finite) and float(skipped.grad_norm) == np.inf
+    big = dict(g64, v04=np.where(np.arange(300) == 5, 1e20, g64["v04"]))
+    updates, new = run(big)
+    norm = np.sqrt(sum(np.sum(g**2) for g in big.values()))
+    assert bool(new.grads_finite) and norm > 1e19
+    np.testing.assert_allclose(float(new.grad_norm), norm, rtol=1e-6)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["grouped", "scalar-alone"])
+def test_finite_gradients_above_the_float32_norm_range_are_applied_and_clipped(alone):
     """Elements ~1e20 (their float32 sum of squares overflows): the norm is taken scaled, so
-    the step is applied and clipped, equal to the float64 NumPy recipe; a scalar leaf too
-    (XLA folds constant factors of a scalar product, the scaled sum must not be folded)."""
+    the step is applied and clipped, equal to the float64 NumPy recipe; a scalar leaf too,
+    summed with the vector ``c`` or alone (XLA folds constant factors of a one-element
+    product, the scaled sum must not be folded)."""
     rng = np.random.default_rng(1)
     grads = {"a": rng.normal(0, 1e20, (64, 3)).astype(np.float32),
              "b": np.float32(-3e20), "c": rng.normal(0, 1.0, 5).astype(np.float32)}
+    if alone:
+        del grads["c"]
     params = {k: np.ones(np.shape(g), np.float32) for k, g in grads.items()}
     scale = 2.0**8
     tx = jaxamp.amp(optax.sgd(0.5), loss_scale=jaxamp.StaticLossScale(scale), clip_norm=2.0)
