@@ -89,7 +89,7 @@ MODES = {
                   peer_warmup=1, peer_compile=False),
     "quick": dict(config=GPTConfig(layers=4, d_model=128, heads=4, seq=128), batch=8,
                   repeats=25, steps=2, warmup=3, compiles=7, fidelity_compiles=3,
-                  depths=(2, 4, 8), depth_repeats=15, depth_compiles=5,
+                  depths=(2, 4, 8), depth_repeats=15, depth_compiles=7,
                   peer_dtypes=ALL_DTYPES, peer_repeats=15, peer_steps=1, peer_warmup=3,
                   peer_compile=True),
     "standard": dict(config=GPTConfig(layers=4, d_model=256, heads=8, seq=256), batch=8,

@@ -213,10 +213,12 @@ def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
 
     A transformer layer has two or three times as many vector leaves as matrices; one reduction
     per leaf gave each its own fused kernel and reducer in the compiled step. Concatenated, the
-    bench GPT's 8-layer step has 1192 fusions instead of 1257 (the plain step: 1140) and
-    compiles in about 0.95x the time. The concatenation is a copy of the vector gradients (54
-    kB in that step, 0.5 MB in GPT-2 small), and the one reduction waits for the last of them
-    (no runtime difference measured at 2 layers, where the norm weighs most)."""
+    bench GPT's 8-layer step has 1192 fusions instead of 1257 (the plain step: 1140) and 1.21x
+    the plain step's instructions in fusions instead of 1.29x (``bench/step_counts.py``). The
+    concatenation copies the vector gradients (54 kB in that step, 0.5 MB in GPT-2 small) and
+    the one reduction waits for the last of them: small next to the matrices, whose reductions
+    still run beside the backward as each gradient is ready (grouping those put the whole
+    norm on the step's critical path: BENCHMARKS.md)."""
     vectors = [g for g in leaves if g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE]
     if len(vectors) < 2:
         return leaves
