@@ -120,7 +120,8 @@ def check_clip_norm(clip_norm: Any, where: str) -> float | jax.Array | None:
 
 
 def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
-        clip_norm: float | jax.Array | None = None) -> optax.GradientTransformationExtraArgs:
+        clip_norm: float | jax.Array | None = None,
+        group_vectors: bool = True) -> optax.GradientTransformationExtraArgs:
     """Wraps ``tx`` in the AMP update: unscale -> float32 -> clip -> skip on inf/nan -> adjust.
 
     ``update`` takes the gradients of the *scaled* loss (:func:`scale_loss`); the loss scale
@@ -133,6 +134,11 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
         :func:`default_loss_scale`). ``init`` copies it: the object stays usable.
       clip_norm: clip the unscaled float32 gradients to this global norm (a Python or JAX
         scalar), or ``None`` for no clipping.
+      group_vectors: sum the squares of the vector leaves (biases, norm scales) in one
+        reduction over their concatenation, as :func:`jaxamp.make_train_step` does on one
+        device (fewer kernels to compile). Pass ``False`` when the gradients are sharded over
+        a mesh: the concatenation would move them between devices (``make_train_step(mesh=...)``
+        sums each leaf where it lies).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of ``update`` are
@@ -159,6 +165,10 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
         loss_scale = DynamicLossScale()
     check_loss_scale(loss_scale, where)
     clip_norm = check_clip_norm(clip_norm, where)
+    if not isinstance(group_vectors, bool):
+        raise TypeError(f"{where}: group_vectors must be True or False, got "
+                        f"{group_vectors!r}. Pass False when the gradients are sharded over a "
+                        "mesh.")
     inner_update = optax.with_extra_args_support(tx).update
 
     def init_fn(params):
@@ -170,7 +180,7 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
     def update_fn(updates, state, params=None, **extra_args):
         _check_state(tx, state, params)
         new_updates, state, _ = amp_update(inner_update, clip_norm, updates, state, params,
-                                           extra_args)
+                                           extra_args, group_vectors=group_vectors)
         # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
         applied = PerShape(state.grads_finite)
         return jax.tree.map(lambda u: select(applied, u, jnp.full(u.shape, -0.0, u.dtype)),

@@ -310,6 +310,12 @@ def test_vector_leaves_share_one_norm_reduction_with_the_same_norm_and_skips(n_v
     state = tx.init(params)
     grouped = 1 if n_vectors >= 2 else n_vectors
     assert _variadic_reduces(tx.update, grads, state, params) == 2 + grouped + 1
+    # sharded gradients: one reduction per leaf, where each lies (the norm unchanged below)
+    apart = jaxamp.amp(optax.sgd(0.5), loss_scale=jaxamp.StaticLossScale(4.0), clip_norm=0.5,
+                       group_vectors=False)
+    assert _variadic_reduces(apart.update, grads, state, params) == 2 + n_vectors + 1
+    with pytest.raises(TypeError, match="group_vectors must be True or False, got 1"):
+        jaxamp.amp(optax.sgd(0.5), group_vectors=1)
 
     def run(g64):
         scaled = {k: jnp.asarray(np.float32(g) * np.float32(4.0)) for k, g in g64.items()}
@@ -320,6 +326,9 @@ def test_vector_leaves_share_one_norm_reduction_with_the_same_norm_and_skips(n_v
     norm = np.sqrt(sum(np.sum(g**2) for g in g64.values()))
     assert bool(new.grads_finite)
     np.testing.assert_allclose(float(new.grad_norm), norm, rtol=1e-6)
+    scaled = {k: jnp.asarray(np.float32(g) * np.float32(4.0)) for k, g in g64.items()}
+    np.testing.assert_allclose(float(jax.jit(apart.update)(scaled, state, params)[1].grad_norm),
+                               norm, rtol=1e-6)
     got = optax.apply_updates(params, updates)
     for k in grads:  # plain SGD, clipped: a gradient off by any factor shows here
         np.testing.assert_allclose(np.asarray(got[k]), 1.0 - 0.5 * g64[k] * min(1, 0.5 / norm),
