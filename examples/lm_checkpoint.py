@@ -169,6 +169,7 @@ def restore_meta(mgr, step: int, where: Path) -> tuple[dict, dict]:
             meta=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
         meta, integrity = got["meta"], got["integrity"]
     except Exception as e:  # noqa: BLE001 - any failure to read means unusable
+        _drop_unretrieved_task_reports()
         raise CorruptCheckpoint(step, where, f"unreadable: {_first_line(e)}") from None
     if not isinstance(integrity, dict) or not isinstance(integrity.get("arrays"), dict):
         raise CorruptCheckpoint(step, where, "its integrity item is malformed")
@@ -202,6 +203,7 @@ def restore_state(mgr, step: int, where: Path, abstract_state, integrity: dict):
             # sharding annotations to the lowered step (a different program from a fresh run's).
             restored = jax.tree.map(np.asarray, restored)
     except Exception as e:  # noqa: BLE001
+        _drop_unretrieved_task_reports()  # orbax's failed deserialize tasks
         raise CorruptCheckpoint(step, where, f"unreadable: {_first_line(e)}") from None
     want = integrity["arrays"]
     if set(got) != set(want):
@@ -268,6 +270,15 @@ def _unretrieved_task_error(record: logging.LogRecord) -> bool:
         "Task exception was never retrieved")
 
 
+def _drop_unretrieved_task_reports() -> None:
+    """After a failed orbax read or write: asyncio's reports of its failed tasks (each with a
+    traceback, logged when the garbage collector collects the task, possibly at exit) repeat
+    the error already reported in one line; they are dropped for the rest of the process, and
+    the tasks collected now."""
+    logging.getLogger("asyncio").addFilter(lambda r: not _unretrieved_task_error(r))
+    gc.collect()
+
+
 @contextlib.contextmanager
 def _orbax_log_held():
     """Holds what orbax logs during a save (its threads log the failure of a write with a
@@ -290,8 +301,7 @@ def _orbax_log_held():
     try:
         yield
     except BaseException:
-        logging.getLogger("asyncio").addFilter(lambda r: not _unretrieved_task_error(r))
-        gc.collect()  # collect the failed tasks now, while their reports are held
+        _drop_unretrieved_task_reports()  # while their reports are held
         raise
     finally:
         for lg in loggers:
