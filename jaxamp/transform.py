@@ -229,11 +229,12 @@ def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
     the one reduction waits for the last of them: small next to the matrices, whose reductions
     still run beside the backward as each gradient is ready (grouping those put the whole
     norm on the step's critical path: BENCHMARKS.md)."""
-    vectors = [g for g in leaves if g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE]
-    if len(vectors) < 2:
+    is_vector = [g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE for g in leaves]
+    if sum(is_vector) < 2:
         return leaves
-    rest = [g for g in leaves if not (g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE)]
-    return rest + [lax.concatenate([lax.reshape(g, (g.size,)) for g in vectors], 0)]
+    rest = [g for g, v in zip(leaves, is_vector) if not v]
+    return rest + [lax.concatenate([lax.reshape(g, (g.size,))
+                                    for g, v in zip(leaves, is_vector) if v], 0)]
 
 
 def _scaled_sums(leaves: list[jax.Array], group: bool = True
