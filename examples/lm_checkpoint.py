@@ -270,12 +270,17 @@ def _unretrieved_task_error(record: logging.LogRecord) -> bool:
         "Task exception was never retrieved")
 
 
+def _not_unretrieved_task_error(record: logging.LogRecord) -> bool:
+    return not _unretrieved_task_error(record)
+
+
 def _drop_unretrieved_task_reports() -> None:
     """After a failed orbax read or write: asyncio's reports of its failed tasks (each with a
     traceback, logged when the garbage collector collects the task, possibly at exit) repeat
     the error already reported in one line; they are dropped for the rest of the process, and
-    the tasks collected now."""
-    logging.getLogger("asyncio").addFilter(lambda r: not _unretrieved_task_error(r))
+    the tasks collected now. (One filter object: ``addFilter`` adds it once, however many
+    checkpoints fail.)"""
+    logging.getLogger("asyncio").addFilter(_not_unretrieved_task_error)
     gc.collect()
 
 
