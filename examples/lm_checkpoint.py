@@ -263,11 +263,14 @@ class SaveError(OSError):
         self.step = step
 
 
+_UNRETRIEVED = re.compile(r"\w+ exception was never retrieved")
+
+
 def _unretrieved_task_error(record: logging.LogRecord) -> bool:
-    """asyncio's report of a task whose exception nobody awaited (logged when the task is
-    garbage-collected, possibly long after the save returned)."""
-    return record.name == "asyncio" and record.getMessage().startswith(
-        "Task exception was never retrieved")
+    """asyncio's report of a task or future whose exception nobody retrieved (logged when it is
+    garbage-collected, possibly long after the save returned). asyncio names the class:
+    "Task exception was never retrieved", "Future exception ...", a subclass's name."""
+    return record.name == "asyncio" and _UNRETRIEVED.match(record.getMessage()) is not None
 
 
 def _not_unretrieved_task_error(record: logging.LogRecord) -> bool:
