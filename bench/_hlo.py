@@ -76,6 +76,17 @@ def compiled_hlo_ops(text: str) -> dict:
             "conditional": ops["conditional"], "dot": ops["dot"], "by_op": dict(ops.most_common())}
 
 
+def xla_cost(compiled) -> dict:
+    """XLA's own estimate of a compiled program's work (``cost_analysis``): ``flops`` and
+    ``bytes accessed``, deterministic for one program and platform; {} where the platform
+    gives none."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
+    if not isinstance(cost, dict):
+        return {}
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
+
+
 def dot_flops(eqn) -> int:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
@@ -110,6 +121,8 @@ def hlo_diff(amp, base) -> dict:
         "stablehlo_extra_ops_amp_by_op": dict(sorted(extra.items(), key=lambda kv: -kv[1])),
         "compiled_amp": {k: v for k, v in amp_c.items() if k != "by_op"},
         "compiled_baseline": {k: v for k, v in base_c.items() if k != "by_op"},
+        "xla_cost_amp": xla_cost(amp[1]),
+        "xla_cost_baseline": xla_cost(base[1]),
         "compiled_extra_unfused_by_op": {
             k: amp_c["by_op"].get(k, 0) - base_c["by_op"].get(k, 0)
             for k in sorted(set(amp_c["by_op"]) | set(base_c["by_op"]))

@@ -32,13 +32,14 @@ def make_tx() -> optax.GradientTransformation:
     return optax.adamw(1e-3)
 
 
-def amp_loss_of(model, policy: str) -> Callable:
-    return jaxamp.autocast(lambda params, batch: lm_loss(model.apply, params, batch), policy)
+def amp_loss_of(model, policy: str, loss: Callable = lm_loss) -> Callable:
+    return jaxamp.autocast(lambda params, batch: loss(model.apply, params, batch), policy)
 
 
-def make_baseline_step(model, tx, policy: str):
-    """Same autocast forward/backward as the AMP step; no loss scale, finite check or clip."""
-    loss_fn = amp_loss_of(model, policy)
+def make_baseline_step(model, tx, policy: str, loss: Callable = lm_loss):
+    """Same autocast forward/backward as the AMP step; no loss scale, finite check or clip.
+    ``loss(apply_fn, params, batch)``: ``make_train_step``'s loss_fn."""
+    loss_fn = amp_loss_of(model, policy, loss)
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -48,9 +49,10 @@ def make_baseline_step(model, tx, policy: str):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_amp_step(model, tx, policy: str, *, clip_norm: float | None = 1.0, op_rules=None):
+def make_amp_step(model, tx, policy: str, *, clip_norm: float | None = 1.0, op_rules=None,
+                  loss: Callable = lm_loss):
     kw = {} if op_rules is None else {"op_rules": op_rules}
-    return jaxamp.make_train_step(model, lm_loss, tx, policy=policy, clip_norm=clip_norm, **kw)
+    return jaxamp.make_train_step(model, loss, tx, policy=policy, clip_norm=clip_norm, **kw)
 
 
 def copy_tree(tree):
@@ -61,8 +63,9 @@ class AmpRunner:
     """Threads a (donated) ``TrainState`` through ``steps`` calls of a ``make_train_step``."""
 
     def __init__(self, model, params, tx, batch, policy, loss_scale, clip_norm=1.0,
-                 op_rules=None):
-        self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm, op_rules=op_rules)
+                 op_rules=None, loss: Callable = lm_loss):
+        self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm, op_rules=op_rules,
+                                  loss=loss)
         self.state = jaxamp.TrainState.create(model, copy_tree(params), tx, policy=policy,
                                               loss_scale=loss_scale)
         self.batch = batch
@@ -79,8 +82,8 @@ class AmpRunner:
 
 
 class BaselineRunner:
-    def __init__(self, model, params, tx, batch, policy):
-        self.step = make_baseline_step(model, tx, policy)
+    def __init__(self, model, params, tx, batch, policy, loss: Callable = lm_loss):
+        self.step = make_baseline_step(model, tx, policy, loss)
         self.params = copy_tree(params)
         self.opt_state = tx.init(self.params)
         self.batch = batch

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The AMP step's compiled program against the plain step's, counted (deterministic, no
 timing): fusions, instructions inside fusions, copies and conditionals of XLA's compiled HLO,
-and StableHLO ops, for ``jaxamp.make_train_step`` (float16 compute, ``DynamicLossScale``,
-``clip_norm=1.0``) and the plain step with the same autocast forward (``_steps.py``), at the
+StableHLO ops, and XLA's cost estimate of the compiled step's flops and bytes accessed, for
+``jaxamp.make_train_step`` (float16 compute, ``DynamicLossScale``, ``clip_norm=1.0``) and the
+plain step with the same autocast forward (``_steps.py``), at the
 ``--quick`` shape and several depths. One compile of each; a loaded machine gives the same
 figures as a quiet one.
 
@@ -50,6 +51,10 @@ def counts(layers: int, *, d_model: int = 128, heads: int = 4, seq: int = 128,
     for k in KEYS:
         row[f"{k}_amp"] = d["compiled_amp"].get(k, 0)
         row[f"{k}_baseline"] = d["compiled_baseline"].get(k, 0)
+    for k in ("flops", "bytes accessed"):
+        if d["xla_cost_amp"].get(k) and d["xla_cost_baseline"].get(k):
+            row[f"xla_{k.replace(' ', '_')}_ratio"] = (d["xla_cost_amp"][k]
+                                                       / d["xla_cost_baseline"][k])
     return row
 
 
@@ -60,14 +65,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     rows = [counts(n) for n in args.layers]
     print("| layers | fusions base / AMP | instructions in fusions base / AMP (ratio) | "
-          "copies base / AMP | conditionals AMP | StableHLO ops base / AMP |")
-    print("|---|---|---|---|---|---|")
+          "copies base / AMP | conditionals AMP | StableHLO ops base / AMP | "
+          "XLA cost: flops / bytes accessed |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layers']} | {r['fusion_baseline']} / {r['fusion_amp']} | "
               f"{r['instructions_in_fusions_baseline']} / {r['instructions_in_fusions_amp']} "
               f"({r['instructions_in_fusions_amp'] / r['instructions_in_fusions_baseline']:.2f}x)"
               f" | {r['copy_baseline']} / {r['copy_amp']} | {r['conditional_amp']} | "
-              f"{r['stablehlo_ops_baseline']} / {r['stablehlo_ops_amp']} |")
+              f"{r['stablehlo_ops_baseline']} / {r['stablehlo_ops_amp']} | "
+              f"{r.get('xla_flops_ratio', float('nan')):.4f}x / "
+              f"{r.get('xla_bytes_accessed_ratio', float('nan')):.4f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""The AMP step's own cost on models we did not write: transformers' ``FlaxGPT2LMHeadModel``
+and ``FlaxLlamaForCausalLM``, unmodified, at several depths (width 128, 4 heads, seq 128,
+batch 8, vocabulary 256: the ``--quick`` shape of ``run.py``).
+
+``jaxamp.make_train_step`` (float16 compute, ``DynamicLossScale``, ``clip_norm=1.0``) against
+the plain step with the same autocast forward/backward and adamw (``_steps.py``): trace +
+compile of fresh jits and the step's runtime, both interleaved (medians, and the median of the
+per-repeat ratios), and the compiled program's counts (deterministic: fusions, instructions in
+fusions, copies, conditionals, StableHLO ops; XLA's cost estimate of flops and bytes accessed,
+which a noisy machine's timings cannot blur). The targets are issue 24's: compile <= 1.25x,
+runtime <= 1.02x, no conditional.
+
+Usage::
+
+    python bench/transformers_step.py                      # 2 4 8 layers, 7 compiles, 31 repeats
+    python bench/transformers_step.py --layers 2 --compiles 3 --repeats 11 --json /tmp/t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from _hlo import hlo_diff
+from _steps import F16_POLICY, AmpRunner, BaselineRunner, make_tx
+from _timing import interleaved_compile, interleaved_runtime, med, paired_ratio
+
+import jaxamp
+
+WIDTH, HEADS, SEQ, BATCH, VOCAB = 128, 4, 128, 8, 256
+COMPILE_TARGET, RUNTIME_TARGET = 1.25, 1.02
+
+
+def build(name: str, layers: int):
+    """(flax module, params) of transformers' model ``name`` with ``layers`` layers."""
+    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, LlamaConfig
+
+    if name == "gpt2":
+        m = FlaxGPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=HEADS,
+                                           n_positions=SEQ, vocab_size=VOCAB), seed=0)
+    else:
+        m = FlaxLlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=layers, hidden_size=WIDTH, intermediate_size=352,
+            num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ,
+            vocab_size=VOCAB), seed=0)
+    return m.module, m.params
+
+
+def hf_loss(apply_fn, params, batch):
+    """Next-token cross-entropy of a transformers causal LM (``make_train_step``'s loss_fn)."""
+    ids = batch["inputs"]
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    logits = apply_fn({"params": params}, ids, jnp.ones_like(ids), pos).logits
+    return jaxamp.softmax_cross_entropy(logits, batch["targets"])
+
+
+def measure(name: str, layers: int, *, compiles: int, repeats: int, steps: int = 2,
+            warmup: int = 3) -> dict:
+    module, params = build(name, layers)
+    ids = jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0, VOCAB)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+    tx = make_tx()
+    runners = {
+        "amp": AmpRunner(module, params, tx, batch, F16_POLICY, jaxamp.DynamicLossScale(),
+                         loss=hf_loss),
+        "baseline": BaselineRunner(module, params, tx, batch, F16_POLICY, loss=hf_loss),
+    }
+    builders = {"amp": lambda: runners["amp"].step.lower(runners["amp"].state, batch),
+                "baseline": lambda: runners["baseline"].step.lower(
+                    runners["baseline"].params, runners["baseline"].opt_state, batch)}
+    first: dict = {}
+    comp = interleaved_compile(builders, repeats=compiles,
+                               on_first=lambda k, lo, co: first.__setitem__(k, (lo, co)))
+    d = hlo_diff(first["amp"], first["baseline"])
+    first.clear()
+    times, cpu = interleaved_runtime(runners, repeats=repeats, steps=steps, warmup=warmup)
+    a, b = d["compiled_amp"], d["compiled_baseline"]
+    return {
+        "model": name, "layers": layers,
+        "params": int(sum(x.size for x in jax.tree.leaves(params))),
+        "amp_compile_s": med(comp["amp"]["total_s"]),
+        "baseline_compile_s": med(comp["baseline"]["total_s"]),
+        "compile_ratio": med(comp["amp"]["total_s"]) / med(comp["baseline"]["total_s"]),
+        "compile_ratio_paired": paired_ratio(comp["amp"]["total_s"],
+                                             comp["baseline"]["total_s"]),
+        "amp_step_ms": med(times["amp"]) * 1e3, "baseline_step_ms": med(times["baseline"]) * 1e3,
+        "runtime_ratio": med(times["amp"]) / med(times["baseline"]),
+        "runtime_ratio_paired": paired_ratio(times["amp"], times["baseline"]),
+        "cpu_time_ratio": med(cpu["amp"]) / med(cpu["baseline"]),
+        "skipped_steps": runners["amp"].skipped(),
+        **{f"{k}_{side}": c.get(k, 0) for side, c in (("amp", a), ("baseline", b))
+           for k in ("fusion", "instructions_in_fusions", "copy", "conditional")},
+        **{f"xla_{k.replace(' ', '_')}_ratio": d["xla_cost_amp"][k] / d["xla_cost_baseline"][k]
+           for k in ("flops", "bytes accessed")
+           if d["xla_cost_amp"].get(k) and d["xla_cost_baseline"].get(k)},
+        "stablehlo_ops_amp": d["stablehlo_ops_amp"],
+        "stablehlo_ops_baseline": d["stablehlo_ops_baseline"],
+        "compile_samples_s": {k: [round(t, 3) for t in v["total_s"]] for k, v in comp.items()},
+        "runtime_samples_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", choices=("gpt2", "llama"), default=["gpt2", "llama"])
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--compiles", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.models:
+        for n in args.layers:
+            print(f"[transformers_step] {name}, {n} layers", file=sys.stderr, flush=True)
+            rows.append(measure(name, n, compiles=args.compiles, repeats=args.repeats))
+    print("| model | layers | compile s base / AMP | compile ratio (per-repeat) | "
+          "step ms base / AMP | runtime ratio (per-repeat) | CPU-time ratio | "
+          "fusions base / AMP | instructions in fusions | XLA cost: flops / bytes accessed | "
+          "conditionals AMP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['layers']} | {r['baseline_compile_s']:.2f} / "
+              f"{r['amp_compile_s']:.2f} | {r['compile_ratio']:.3f} "
+              f"({r['compile_ratio_paired']:.3f}) | {r['baseline_step_ms']:.1f} / "
+              f"{r['amp_step_ms']:.1f} | {r['runtime_ratio']:.3f} "
+              f"({r['runtime_ratio_paired']:.3f}) | {r['cpu_time_ratio']:.3f} | "
+              f"{r['fusion_baseline']} / {r['fusion_amp']} | "
+              f"{r['instructions_in_fusions_amp'] / r['instructions_in_fusions_baseline']:.2f}x"
+              f" | {r.get('xla_flops_ratio', float('nan')):.4f}x / "
+              f"{r.get('xla_bytes_accessed_ratio', float('nan')):.4f}x | {r['conditional_amp']} |")
+    met = all(r["compile_ratio"] <= COMPILE_TARGET and r["runtime_ratio"] <= RUNTIME_TARGET
+              and r["conditional_amp"] == 0 and r["skipped_steps"] == 0 for r in rows)
+    print(f"targets (compile <= {COMPILE_TARGET}x, runtime <= {RUNTIME_TARGET}x, no conditional,"
+          f" no skipped step): {'met' if met else 'MISSED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"metadata": {"jax": jax.__version__, "argv": sys.argv},
+                       "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
