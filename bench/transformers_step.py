@@ -20,7 +20,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
 
 import jax
@@ -104,6 +106,15 @@ def measure(name: str, layers: int, *, compiles: int, repeats: int, steps: int =
     }
 
 
+def metadata() -> dict:
+    from importlib.metadata import version
+
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "argv": sys.argv, "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+            **{name: version(name) for name in ("jax", "jaxlib", "flax", "optax",
+                                                 "transformers")}}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", choices=("gpt2", "llama"), default=["gpt2", "llama"])
@@ -138,8 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f" no skipped step): {'met' if met else 'MISSED'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"metadata": {"jax": jax.__version__, "argv": sys.argv},
-                       "rows": rows}, f, indent=1)
+            json.dump({"metadata": metadata(), "rows": rows}, f, indent=1)
     return rows
 
 
