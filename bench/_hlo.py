@@ -87,6 +87,21 @@ def xla_cost(compiled) -> dict:
     return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
 
 
+def counts_row(diff: dict) -> dict:
+    """The compiled counts of an :func:`hlo_diff` as one flat row: ``{op}_amp``/``{op}_baseline``
+    for fusions, instructions in fusions, copies and conditionals, the StableHLO op totals, and
+    ``xla_flops_ratio``/``xla_bytes_accessed_ratio`` where the platform gives a cost."""
+    row = {f"{k}_{side}": diff[f"compiled_{side}"].get(k, 0) for side in ("amp", "baseline")
+           for k in ("fusion", "instructions_in_fusions", "copy", "conditional")}
+    row["stablehlo_ops_amp"] = diff["stablehlo_ops_amp"]
+    row["stablehlo_ops_baseline"] = diff["stablehlo_ops_baseline"]
+    amp, base = diff["xla_cost_amp"], diff["xla_cost_baseline"]
+    for k in ("flops", "bytes accessed"):
+        if amp.get(k) and base.get(k):
+            row[f"xla_{k.replace(' ', '_')}_ratio"] = amp[k] / base[k]
+    return row
+
+
 def dot_flops(eqn) -> int:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape

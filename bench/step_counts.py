@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from _hlo import hlo_diff
+from _hlo import counts_row, hlo_diff
 from _steps import (
     F16_POLICY,
     AmpRunner,
@@ -33,8 +33,6 @@ from gpt import GPTConfig
 
 import jaxamp
 
-KEYS = ("fusion", "instructions_in_fusions", "copy", "conditional")
-
 
 def counts(layers: int, *, d_model: int = 128, heads: int = 4, seq: int = 128,
            batch: int = 8) -> dict:
@@ -46,16 +44,7 @@ def counts(layers: int, *, d_model: int = 128, heads: int = 4, seq: int = 128,
     lo_a = make_amp_step(model, tx, F16_POLICY).lower(amp.state, data)
     lo_b = make_baseline_step(model, tx, F16_POLICY).lower(base.params, base.opt_state, data)
     d = hlo_diff((lo_a, lo_a.compile()), (lo_b, lo_b.compile()))
-    row = {"layers": layers, "stablehlo_ops_amp": d["stablehlo_ops_amp"],
-           "stablehlo_ops_baseline": d["stablehlo_ops_baseline"]}
-    for k in KEYS:
-        row[f"{k}_amp"] = d["compiled_amp"].get(k, 0)
-        row[f"{k}_baseline"] = d["compiled_baseline"].get(k, 0)
-    for k in ("flops", "bytes accessed"):
-        if d["xla_cost_amp"].get(k) and d["xla_cost_baseline"].get(k):
-            row[f"xla_{k.replace(' ', '_')}_ratio"] = (d["xla_cost_amp"][k]
-                                                       / d["xla_cost_baseline"][k])
-    return row
+    return {"layers": layers, **counts_row(d)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

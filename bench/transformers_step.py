@@ -27,7 +27,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _hlo import hlo_diff
+from _hlo import counts_row, hlo_diff
 from _steps import F16_POLICY, AmpRunner, BaselineRunner, make_tx
 from _timing import interleaved_compile, interleaved_runtime, med, paired_ratio
 
@@ -80,7 +80,6 @@ def measure(name: str, layers: int, *, compiles: int, repeats: int, steps: int =
     d = hlo_diff(first["amp"], first["baseline"])
     first.clear()
     times, cpu = interleaved_runtime(runners, repeats=repeats, steps=steps, warmup=warmup)
-    a, b = d["compiled_amp"], d["compiled_baseline"]
     return {
         "model": name, "layers": layers,
         "params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -94,13 +93,7 @@ def measure(name: str, layers: int, *, compiles: int, repeats: int, steps: int =
         "runtime_ratio_paired": paired_ratio(times["amp"], times["baseline"]),
         "cpu_time_ratio": med(cpu["amp"]) / med(cpu["baseline"]),
         "skipped_steps": runners["amp"].skipped(),
-        **{f"{k}_{side}": c.get(k, 0) for side, c in (("amp", a), ("baseline", b))
-           for k in ("fusion", "instructions_in_fusions", "copy", "conditional")},
-        **{f"xla_{k.replace(' ', '_')}_ratio": d["xla_cost_amp"][k] / d["xla_cost_baseline"][k]
-           for k in ("flops", "bytes accessed")
-           if d["xla_cost_amp"].get(k) and d["xla_cost_baseline"].get(k)},
-        "stablehlo_ops_amp": d["stablehlo_ops_amp"],
-        "stablehlo_ops_baseline": d["stablehlo_ops_baseline"],
+        **counts_row(d),
         "compile_samples_s": {k: [round(t, 3) for t in v["total_s"]] for k, v in comp.items()},
         "runtime_samples_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
