@@ -72,6 +72,23 @@ def paired_iqr(num: list[float], den: list[float]) -> list[float]:
     return [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))]
 
 
+def ratio_ci(num: list[float], den: list[float], *, level: float = 0.95,
+             resamples: int = 2000, seed: int = 0) -> list[float]:
+    """Bootstrap interval of ``median(num) / median(den)``: the repeats (pairs of samples
+    taken side by side) resampled with replacement, ``level`` percentile interval. Seeded, so
+    the same samples give the same interval. Says how far the ratio of medians can move
+    between runs of the same size on the same machine (the run-to-run swing a single figure
+    hides)."""
+    a, b = np.asarray(num, float), np.asarray(den, float)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"ratio_ci: num and den must be equally long non-empty sample lists, "
+                         f"got {a.shape} and {b.shape}")
+    idx = np.random.default_rng(seed).integers(0, a.size, (resamples, a.size))
+    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
+
+
 def compile_summary(comp: dict) -> dict:
     return {k: {"lower": med(v["lower_s"]), "xla_compile": med(v["compile_s"]),
                 "total": med(v["total_s"])} for k, v in comp.items()}

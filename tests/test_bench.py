@@ -257,20 +257,53 @@ def test_step_counts_tiny_gpt():
 
 def test_transformers_step_on_their_llama():
     """bench/transformers_step.py: the AMP step against the plain step on transformers'
-    FlaxLlamaForCausalLM (a model we did not write): no conditional, no skipped step, and
-    XLA's cost estimate within 1% of the plain step's (bytes accessed: 1.004x on jax 0.10,
-    0.996x on 0.12, where the plain step copies donated buffers and the AMP step does not)."""
+    FlaxLlamaForCausalLM (a model we did not write), with the plain step with optax's clip
+    timed beside them: no conditional, no skipped step, and XLA's cost estimate within 1% of
+    the plain step's (bytes accessed: 1.004x on jax 0.10, 0.996x on 0.12, where the plain step
+    copies donated buffers and the AMP step does not)."""
     pytest.importorskip("transformers", reason="transformers<5 has the Flax models")
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import transformers_step
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    row = transformers_step.measure("llama", 1, compiles=1, repeats=1, steps=1, warmup=1)
+    row = transformers_step.measure("llama", 1, compiles=1, repeats=1, steps=1, warmup=1,
+                                    clip_baseline=True)
     assert row["conditional_amp"] == 0 and row["skipped_steps"] == 0, row
     assert row["fusion_amp"] > row["fusion_baseline"] > 0
     assert 1.0 < row["xla_flops_ratio"] < 1.01 and 0.99 < row["xla_bytes_accessed_ratio"] < 1.01
     assert row["compile_ratio"] > 0 and row["runtime_ratio"] > 0
+    for key in ("compile_ratio", "runtime_ratio", "clip_baseline_runtime_ratio",
+                "runtime_ratio_vs_clip_baseline"):  # one repeat: the interval is the ratio
+        assert row[key] > 0 and row[f"{key}_ci95"] == pytest.approx([row[key]] * 2), row
+    assert row["runtime_ratio_vs_clip_baseline"] == pytest.approx(
+        row["amp_step_ms"] / row["clip_baseline_step_ms"])
+
+
+def test_ratio_ci_brackets_the_ratio_of_medians_and_narrows():
+    """bench/_timing.ratio_ci: the bootstrap interval of median(num) / median(den) holds the
+    ratio, is seeded (same samples, same interval), narrows as repeats grow, and rejects
+    samples that do not pair up."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from _timing import ratio_ci
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    widths = []
+    for n in (15, 135):
+        den = 100 * (1 + 0.05 * rng.standard_normal(n))
+        num = 103 * (1 + 0.05 * rng.standard_normal(n))
+        lo, hi = ratio_ci(list(num), list(den))
+        assert lo < np.median(num) / np.median(den) < hi
+        assert ratio_ci(list(num), list(den)) == [lo, hi]
+        widths.append(hi - lo)
+    assert widths[1] < widths[0] / 2  # about 1/sqrt(9) as wide
+    assert ratio_ci([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0]
+    with pytest.raises(ValueError, match="equally long"):
+        ratio_ci([1.0, 2.0], [1.0])
 
 
 def test_nested_trace_cost_in_python_calls():
