@@ -76,9 +76,9 @@ def ratio_ci(num: list[float], den: list[float], *, level: float = 0.95,
              resamples: int = 2000, seed: int = 0) -> list[float]:
     """Bootstrap interval of ``median(num) / median(den)``: the repeats (pairs of samples
     taken side by side) resampled with replacement, ``level`` percentile interval. Seeded, so
-    the same samples give the same interval. Says how far the ratio of medians can move
-    between runs of the same size on the same machine (the run-to-run swing a single figure
-    hides)."""
+    the same samples give the same interval. It is the spread this run's own samples allow;
+    a shared machine's drift between runs comes on top of it (BENCHMARKS.md: a cell read
+    1.057 [1.019-1.094] in one run and 1.020 in the next)."""
     a, b = np.asarray(num, float), np.asarray(den, float)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
         raise ValueError(f"ratio_ci: num and den must be equally long non-empty sample lists, "

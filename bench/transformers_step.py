@@ -6,10 +6,11 @@ batch 8, vocabulary 256: the ``--quick`` shape of ``run.py``).
 ``jaxamp.make_train_step`` (float16 compute, ``DynamicLossScale``, ``clip_norm=1.0``) against
 the plain step with the same autocast forward/backward and adamw (``_steps.py``): trace +
 compile of fresh jits and the step's runtime, both interleaved (medians, the median of the
-per-repeat ratios, and a seeded bootstrap 95% interval of the ratio of medians, which says how
-far a run of the same size can move on a noisy machine), and the compiled program's counts
-(deterministic: fusions, instructions in fusions, copies, conditionals, StableHLO ops; XLA's
-cost estimate of flops and bytes accessed, which a noisy machine's timings cannot blur).
+per-repeat ratios, and a seeded bootstrap 95% interval of the ratio of medians: the spread
+this run's own samples allow; a shared machine's drift between runs comes on top), and the
+compiled program's counts (deterministic: fusions, instructions in fusions, copies,
+conditionals, StableHLO ops; XLA's cost estimate of flops and bytes accessed, which a noisy
+machine's timings cannot blur).
 ``taskset -c 0 python bench/transformers_step.py ...`` times both steps on one core, where
 XLA:CPU cannot overlap one step's independent kernels (see BENCHMARKS.md). The targets are
 issue 24's: compile <= 1.25x, runtime <= 1.02x, no conditional.
@@ -131,7 +132,9 @@ def metadata() -> dict:
 
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "argv": sys.argv, "cpus": os.cpu_count(),
-            "cpus_allowed": len(os.sched_getaffinity(0)),  # 1 under ``taskset -c 0``
+            # 1 under ``taskset -c 0`` (Linux; elsewhere the CPU count)
+            "cpus_allowed": (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count()),
             "load_average": os.getloadavg(),
             **{name: version(name) for name in ("jax", "jaxlib", "flax", "optax",
                                                  "transformers")}}
