@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 
 import jax
@@ -277,13 +278,20 @@ def _not_unretrieved_task_error(record: logging.LogRecord) -> bool:
     return not _unretrieved_task_error(record)
 
 
+# Python's warning when a coroutine object is collected before anyone awaited it (orbax's read
+# of a corrupted checkpoint leaves e.g. ``Store._get_array_metadatas`` so).
+_UNAWAITED = r"coroutine '[^']*' was never awaited"
+
+
 def _drop_unretrieved_task_reports() -> None:
     """After a failed orbax read or write: asyncio's reports of its failed tasks (each with a
-    traceback, logged when the garbage collector collects the task, possibly at exit) repeat
-    the error already reported in one line; they are dropped for the rest of the process, and
-    the tasks collected now. (One filter object: ``addFilter`` adds it once, however many
-    checkpoints fail.)"""
+    traceback, logged when the garbage collector collects the task, possibly at exit) and
+    Python's ``RuntimeWarning`` for the coroutines it never awaited repeat the error already
+    reported in one line; they are dropped for the rest of the process, and the tasks
+    collected now. (One filter object: ``addFilter`` adds it once, however many checkpoints
+    fail; ``filterwarnings`` moves an equal filter to the front instead of adding it again.)"""
     logging.getLogger("asyncio").addFilter(_not_unretrieved_task_error)
+    warnings.filterwarnings("ignore", message=_UNAWAITED, category=RuntimeWarning)
     gc.collect()
 
 
