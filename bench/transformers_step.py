@@ -95,25 +95,17 @@ def measure(name: str, layers: int, *, compiles: int, repeats: int, steps: int =
     times, cpu = interleaved_runtime(runners, repeats=repeats, steps=steps, warmup=warmup)
     clip = {} if not clip_baseline else {
         "clip_baseline_step_ms": med(times["clip_baseline"]) * 1e3,
-        "clip_baseline_runtime_ratio": med(times["clip_baseline"]) / med(times["baseline"]),
-        "clip_baseline_runtime_ratio_ci95": ratio_ci(times["clip_baseline"],
-                                                     times["baseline"]),
-        "runtime_ratio_vs_clip_baseline": med(times["amp"]) / med(times["clip_baseline"]),
-        "runtime_ratio_vs_clip_baseline_ci95": ratio_ci(times["amp"], times["clip_baseline"]),
+        **_ratios("clip_baseline_runtime_ratio", times["clip_baseline"], times["baseline"]),
+        **_ratios("runtime_ratio_vs_clip_baseline", times["amp"], times["clip_baseline"]),
     }
     return {
         "model": name, "layers": layers,
         "params": int(sum(x.size for x in jax.tree.leaves(params))),
         "amp_compile_s": med(comp["amp"]["total_s"]),
         "baseline_compile_s": med(comp["baseline"]["total_s"]),
-        "compile_ratio": med(comp["amp"]["total_s"]) / med(comp["baseline"]["total_s"]),
-        "compile_ratio_paired": paired_ratio(comp["amp"]["total_s"],
-                                             comp["baseline"]["total_s"]),
-        "compile_ratio_ci95": ratio_ci(comp["amp"]["total_s"], comp["baseline"]["total_s"]),
+        **_ratios("compile_ratio", comp["amp"]["total_s"], comp["baseline"]["total_s"]),
         "amp_step_ms": med(times["amp"]) * 1e3, "baseline_step_ms": med(times["baseline"]) * 1e3,
-        "runtime_ratio": med(times["amp"]) / med(times["baseline"]),
-        "runtime_ratio_paired": paired_ratio(times["amp"], times["baseline"]),
-        "runtime_ratio_ci95": ratio_ci(times["amp"], times["baseline"]),
+        **_ratios("runtime_ratio", times["amp"], times["baseline"]),
         "cpu_time_ratio": med(cpu["amp"]) / med(cpu["baseline"]),
         "skipped_steps": runners["amp"].skipped(),
         **clip,
@@ -121,6 +113,13 @@ def measure(name: str, layers: int, *, compiles: int, repeats: int, steps: int =
         "compile_samples_s": {k: [round(t, 3) for t in v["total_s"]] for k, v in comp.items()},
         "runtime_samples_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
+
+
+def _ratios(key: str, num: list[float], den: list[float]) -> dict:
+    """``key``: the ratio of medians; ``key_paired``: the median per-repeat ratio;
+    ``key_ci95``: the bootstrap interval of the ratio of medians."""
+    return {key: med(num) / med(den), f"{key}_paired": paired_ratio(num, den),
+            f"{key}_ci95": ratio_ci(num, den)}
 
 
 def _ci(interval: list[float]) -> str:

@@ -272,7 +272,6 @@ def test_transformers_step_on_their_llama():
     assert row["conditional_amp"] == 0 and row["skipped_steps"] == 0, row
     assert row["fusion_amp"] > row["fusion_baseline"] > 0
     assert 1.0 < row["xla_flops_ratio"] < 1.01 and 0.99 < row["xla_bytes_accessed_ratio"] < 1.01
-    assert row["compile_ratio"] > 0 and row["runtime_ratio"] > 0
     for key in ("compile_ratio", "runtime_ratio", "clip_baseline_runtime_ratio",
                 "runtime_ratio_vs_clip_baseline"):  # one repeat: the interval is the ratio
         assert row[key] > 0 and row[f"{key}_ci95"] == pytest.approx([row[key]] * 2), row
