@@ -188,7 +188,6 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     """jaxamp and hand-cast variants in this process; written to ``out`` as they complete."""
     import jax
     import jax.numpy as jnp
-    from _gpu_hlo import find_gemms, summarize
     from _memory import memory_dict
     from _report import metadata
     from _steps import POLICIES, AmpRunner, HandRunner, log, make_tx, setup
@@ -196,6 +195,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     from gpt import GPT, GPTConfig, flops_per_token, param_count
 
     import jaxamp
+    from jaxamp.diagnostics._hlo import find_gemms, summarize
 
     started = time.perf_counter()
 
@@ -256,7 +256,8 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
             "xla_compile_s": t2 - t1, "memory_analysis": mad,
             "memory_analysis_footprint_bytes": _footprint(mad),
             "state_bytes": state_bytes + _tree_bytes(batch),
-            "gemms": summarize(find_gemms(compiled.as_text()))}
+            "gemms": summarize(find_gemms(compiled.as_text())),
+            "estimate": estimate(compiled, dev)}
         log(f"[gpu] {name}: compiled in {t2 - t0:.1f} s")
         _write(out, res)
     # First steps, smallest footprint first. The allocator's peak cannot be reset, so before
@@ -302,6 +303,22 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     res["complete"] = True
     _write(out, res)
     return res
+
+
+def estimate(compiled, device) -> dict:
+    """The GPU program's reading of a program compiled here (``jaxamp.gpu_program``'s
+    roofline estimate, kernel bytes and launches), to set beside the measured step time: each
+    GPU run checks the instrument again. On CPU (the dry run) the H200's rates are used."""
+    from jaxamp.diagnostics.gpu import GpuProgram
+
+    try:
+        target = device if device.platform == "gpu" else "h200"
+        prog = GpuProgram.read(compiled, target)
+    except Exception as e:  # the estimate must never cost a measurement
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {"estimated_ms": 1e3 * prog.estimated_seconds, "kernel_bytes": prog.bytes,
+            "launches": prog.launches, "flops": prog.flops, "target": prog.target.source,
+            "gemm_libraries": prog.gemm_libraries()}
 
 
 def recompute_memory(variants: dict) -> dict:
@@ -562,18 +579,21 @@ def gpu_rows(res: dict) -> list[list[str]]:
     variants = {**res["jax"].get("variants", {}), **res["torch"].get("variants", {})}
     for name, v in variants.items():
         if "tokens_per_s" not in v:
-            rows.append([name, "-", "-", "-", "-", "-", v.get("skipped") or v.get("error")
+            rows.append([name, "-", "-", "-", "-", "-", "-", v.get("skipped") or v.get("error")
                          or "not timed"])
             continue
         mem = v.get("peak_memory_bytes")
-        rows.append([name, f"{v['step_ms']:.1f}", f"{v['tokens_per_s']:,.0f}",
+        est = (v.get("estimate") or {}).get("estimated_ms")
+        rows.append([name, f"{v['step_ms']:.1f}", "-" if est is None else f"{est:.1f}",
+                     f"{v['tokens_per_s']:,.0f}",
                      "n/a" if v.get("mfu") is None else f"{100 * v['mfu']:.1f}%",
                      "n/a" if mem is None else f"{mem / 2**30:.2f} GiB",
                      f"{v.get('compile_s', 0):.1f}", v.get("recipe", "")])
     return rows
 
 
-GPU_HEADER = ["variant", "step ms", "tokens/s", "MFU", "peak memory", "compile s", "recipe"]
+GPU_HEADER = ["variant", "step ms", "est. ms", "tokens/s", "MFU", "peak memory", "compile s",
+              "recipe"]
 
 
 def print_gpu_table(res: dict) -> None:

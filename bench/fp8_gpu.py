@@ -8,7 +8,7 @@ size threshold) the same ``bench/gpt.py`` model and batch are compiled under
 
 * ``hlo``: :func:`jaxamp.fp8_gemms` on the FP8 step: planned FP8 dots (forward, dgrad, wgrad)
   in the lowered program, ``__cublas$lt$matmul$f8`` custom calls in the compiled one, and
-  ``bench/_gpu_hlo.py``'s reading of every GEMM (library, operand dtypes): ``f16_fallback``
+  ``jaxamp.diagnostics._hlo``'s reading of every GEMM (library, operand dtypes): ``f16_fallback``
   counts f16 dots/GEMMs that the bf16 step does not have (XLA's silent ``TurnF8DotIntoF16Dot``);
 * ``tokens_per_s`` of both steps (interleaved repeats, medians) and their ratio.
 
@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from _gpu_hlo import find_gemms  # noqa: E402
 from _timing import interleaved_runtime, med  # noqa: E402
 from gpt import GPT, GPTConfig, init, lm_loss, make_batch  # noqa: E402
 
 import jaxamp  # noqa: E402
+from jaxamp.diagnostics._hlo import find_gemms  # noqa: E402
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 FP8 = BF16 + ",matmul=float8"

@@ -13,7 +13,7 @@ in this process only, during tracing), each variant's
 * step time (interleaved repeats, medians) and its ratio to ``recompute=False``;
 * peak device memory of its first step (``memory_stats``, padded to the earlier peak:
   ``_gpu.peak_step``) and XLA's temp bytes (``memory_analysis``);
-* GEMMs by library (``_gpu_hlo``: cuBLAS calls vs XLA Triton GEMM fusions);
+* GEMMs by library (``jaxamp.diagnostics._hlo``: cuBLAS calls vs XLA Triton GEMM fusions);
 * ``optimization_barrier`` count in its StableHLO (proves the patch changed the program).
 
 Variants (bf16 unless named; ``off`` is ``recompute=False``, ``on`` today's default):
@@ -116,13 +116,13 @@ def main(argv=None) -> int:
     started = time.monotonic()
     import jax
     from _gpu import GPU_SIZES, _footprint, _jax_memory_stats, _tree_bytes, peak_step
-    from _gpu_hlo import find_gemms, summarize
     from _memory import memory_dict
     from _steps import POLICIES, AmpRunner, log, make_tx, setup
     from _timing import interleaved_runtime, med
     from gpt import GPTConfig
 
     import jaxamp
+    from jaxamp.diagnostics._hlo import find_gemms, summarize
 
     size = GPU_SIZES["dry" if a.cpu_dry_run else "gpu"]
     cfg, batch_size = GPTConfig(**size["config"]), size["batch"]

@@ -45,6 +45,7 @@ _EXPORTS = {
     "fp8_dot_general": "jaxamp.fp8",
     "fp8_eligible": "jaxamp.fp8",
     "get_policy": "jaxamp.policy",
+    "gpu_program": "jaxamp.diagnostics",
     "locate_overflow": "jaxamp.diagnostics",
     "make_eval_step": "jaxamp.train",
     "make_train_step": "jaxamp.train",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
         format_collectives,
         format_precision_table,
         fp8_gemms,
+        gpu_program,
         locate_overflow,
         precision_table,
     )

@@ -8,7 +8,9 @@ are kept, and its array arguments go through a ``jax.jit`` call named
 ``jaxamp_attention_<call>_<k>`` (traced with the XLA path). When autocast re-evaluates the
 program and meets that call, :func:`wants_cudnn` decides:
 
-* ``implementation="cudnn"``, or ``None`` on a GPU: the real ``jax.nn.dot_product_attention``
+* ``implementation="cudnn"``, or ``None`` for a GPU (the platform the step is traced for:
+  ``jax.default_device`` when set, as :func:`jaxamp.gpu_program` and a step with inputs on a
+  GPU set it, else JAX's default backend): the real ``jax.nn.dot_product_attention``
   is bound again with ``implementation="cudnn"`` on query/key/value (and a float bias) cast to
   the region's compute dtype: cuDNN's fused flash-attention kernel, whose softmax statistics
   are float32. For ``None``, a configuration cuDNN refuses (at trace time) falls back to:
@@ -35,6 +37,8 @@ import threading
 from typing import Any
 
 import jax
+
+from jaxamp._compat import target_platform
 
 ORIGINAL = jax.nn.dot_product_attention
 _SIGNATURE = inspect.signature(ORIGINAL)
@@ -121,7 +125,7 @@ def wants_cudnn(static: dict[str, Any]) -> bool:
     """Whether a recorded call is bound again as cuDNN's fused kernel (see the module doc)."""
     implementation = static.get("implementation")
     return implementation == "cudnn" or (implementation is None
-                                         and jax.default_backend() == "gpu")
+                                         and target_platform() == "gpu")
 
 
 def redispatch(call: tuple, vals: list, compute_dtype):

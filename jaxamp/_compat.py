@@ -28,6 +28,8 @@ __all__ = [
     "call_jaxpr",
     "call_name",
     "close_jaxpr",
+    "compile_only_gpu",
+    "device_target_config",
     "cond_params",
     "custom_jvp_params",
     "dot_dimension_numbers",
@@ -51,6 +53,7 @@ __all__ = [
     "unnamed_scope",
     "checkpoint_in_place",
     "sub_jaxprs",
+    "target_platform",
     "while_params",
 ]
 
@@ -352,3 +355,38 @@ def _eqns_of(closed):
     from jaxamp._jaxpr import iter_eqns  # the one reader of equations
 
     return list(iter_eqns(closed))
+
+
+def target_platform() -> str:
+    """The platform the program being traced will run on: that of ``jax.default_device`` when
+    it is set (:func:`jaxamp.gpu_program` and a step whose inputs sit on another platform set
+    it, and JAX keys its trace caches on it), else JAX's default backend."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):
+        return "gpu" if device in ("cuda", "rocm") else device
+    if device is not None:
+        return device.platform
+    return jax.default_backend()
+
+
+def compile_only_gpu(target_config: str | bytes):
+    """A compile-only GPU device described by a ``GpuTargetConfigProto`` (text format), for
+    ``jax.jit(...).lower(...).compile()`` without a GPU (``jax.experimental.topologies``; the
+    CUDA plugin must be installed and, on a machine without a GPU, ``JAX_PLATFORMS=cpu`` set
+    before JAX starts). Raises ``NotImplementedError`` where the plugin cannot give one."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                            topology="1x1x1")
+    return topology.devices[0]
+
+
+def device_target_config(device) -> str | bytes | None:
+    """A real GPU's own ``GpuTargetConfigProto`` (what :func:`compile_only_gpu` takes), as JAX's
+    ``tests/aot_test.py`` reads it; None where the backend gives none."""
+    from jax._src.lib import xla_client  # no public equivalent
+
+    try:
+        return xla_client.get_topology_for_devices([device]).target_config
+    except Exception:  # backends without a serializable topology
+        return None

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._compat import target_platform
+
 _F32 = np.dtype(np.float32)
 
 
@@ -36,12 +38,12 @@ def _cpu_lacks_bf16_f32_dot(x) -> bool:
     ("Unsupported element type for DotThunk::Execute", jaxlib 0.10 and 0.12); it computes
     bfloat16 products in float32 anyway, so there the operands are cast up first (same
     numbers, same float32 sums)."""
-    return np.dtype(x.dtype) == np.dtype(jnp.bfloat16) and jax.default_backend() == "cpu"
+    return np.dtype(x.dtype) == np.dtype(jnp.bfloat16) and target_platform() == "cpu"
 
 
 def _algorithm(dtype):
     """The dot algorithm of a ``dtype`` x ``dtype`` -> float32 product (None on XLA:CPU)."""
-    if jax.default_backend() == "cpu":
+    if target_platform() == "cpu":
         return None  # see _cpu_lacks_bf16_f32_dot: the mixed dot is lowered in float32
     presets = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
                np.dtype(jnp.float16): lax.DotAlgorithmPreset.F16_F16_F32}

@@ -379,7 +379,7 @@ class TrainStep:
     def _run(self, state, batch, how):
         self._check(state)
         jitted, state = self._prepare(state)
-        with self._context():
+        with self._context(), _platform_of(self._mesh, state):
             try:
                 return how(jitted, state, batch)
             except NameError as e:  # raised while tracing, before anything is compiled
@@ -396,6 +396,21 @@ class TrainStep:
     def _cache_size(self) -> int:
         jitted = [self._plain] if self._plain is not None else []
         return sum(jit_cache_size(j) for j in jitted + list(self._by_sharding.values()))
+
+
+def _platform_of(mesh, state):
+    """``jax.default_device`` set to the step's own device where it is on another platform than
+    JAX's default backend (a state placed on compile-only GPU devices, ``jaxamp.gpu_program``):
+    autocast decides fused attention and weight-gradient dots by the platform it traces for,
+    and JAX keys its trace caches on the default device."""
+    device = mesh.devices.flat[0] if mesh is not None else None
+    if device is None:
+        leaf = next(iter(jax.tree.leaves(state)), None)
+        sharding = None if isinstance(leaf, Tracer) else getattr(leaf, "sharding", None)
+        device = next(iter(sharding.device_set), None) if sharding is not None else None
+    if device is None or device.platform == jax.default_backend():
+        return contextlib.nullcontext()
+    return jax.default_device(device)
 
 
 def _tracing_context(mesh, axis_rules):

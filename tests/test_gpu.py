@@ -25,6 +25,13 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp.diagnostics._hlo import (
+    f32_dot_signatures,
+    find_gemms,
+    host_traffic,
+    summarize,
+    tensor_core_violations,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 for sub in ("bench", "examples"):
@@ -33,13 +40,6 @@ try:
     import lm_cli
     import lm_model
     import train_lm
-    from _gpu_hlo import (
-        f32_dot_signatures,
-        find_gemms,
-        host_traffic,
-        summarize,
-        tensor_core_violations,
-    )
 finally:
     for sub in ("bench", "examples"):
         sys.path.remove(str(ROOT / sub))

@@ -1,4 +1,5 @@
-"""The XLA:GPU HLO reader of ``bench/_gpu_hlo.py`` on handwritten GPU-HLO samples (CPU only).
+"""The XLA:GPU HLO reader (``jaxamp.diagnostics._hlo``) on handwritten GPU-HLO samples (CPU
+only).
 
 The samples follow what XLA:GPU emits: cuBLAS/cuBLASLt GEMMs are ``custom-call``s with
 ``custom_call_target="__cublas$gemm"`` / ``"__cublas$lt$matmul"`` returning ``(out,
@@ -8,7 +9,6 @@ computation; cuDNN calls are ``"__cudnn$..."`` custom-calls. ``tests/test_gpu.py
 reader on the example's real compiled train step on a GPU.
 """
 
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,21 +16,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxamp.diagnostics._hlo import (
+    f32_dot_signatures,
+    find_gemms,
+    fusion_kind,
+    gemm_signature,
+    host_traffic,
+    kernels,
+    parse_hlo,
+    summarize,
+    tensor_core_violations,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-try:
-    from _gpu_hlo import (
-        f32_dot_signatures,
-        find_gemms,
-        fusion_kind,
-        gemm_signature,
-        host_traffic,
-        parse_hlo,
-        summarize,
-        tensor_core_violations,
-    )
-finally:
-    sys.path.remove(str(ROOT / "bench"))
 
 GEMM_CONFIG = ('backend_config={"operation_queue_id":"0","wait_on_operation_queues":[],'
                '"gemm_backend_config":{"alpha_real":1,"alpha_imag":0,"beta":0,'
@@ -316,3 +314,122 @@ def test_triton_gemm_kind_after_a_nested_config():
         == "__cudnn$fusion"
     assert fusion_kind('backend_config={"fusion_backend_config":{"a":{"b":1}}}') is None
     assert fusion_kind("backend_config={}") is None
+
+
+# ---- kernels: bytes, FLOPs and launches -----------------------------------------------------
+
+def test_a_cublas_gemm_kernel_bytes_and_flops():
+    (k,) = kernels(CUBLASLT_BF16)
+    assert (k.kind, k.library, k.dtypes, k.times) == ("gemm", "cublaslt", ("bf16", "bf16"), 1)
+    assert k.flops == 2 * 8192 * 2304 * 768
+    assert k.bytes_read == 2 * (8192 * 768 + 768 * 2304)
+    assert k.bytes_written == 2 * 8192 * 2304  # the s8 workspace is scratch, not output
+
+
+def test_a_triton_gemm_kernel_reads_its_float32_param_and_does_its_dot():
+    (k,) = kernels(TRITON_GEMM)
+    assert (k.kind, k.library, k.dtypes) == ("gemm", "triton", ("bf16", "bf16"))
+    assert k.bytes_read == 4 * 768 * 3072 + 2 * 8192 * 768
+    assert k.flops == 2 * 8192 * 3072 * 768
+
+
+# A scan over 12 layers: the body slices its layer's weights out of the stacked array, writes
+# its activation into the stacked output in place, and runs a loop fusion.
+LOOP = module(
+    "%slice_body (p0: f32[12,256,256], p1: s32[]) -> f32[256,256] {\n"
+    "  %p0 = f32[12,256,256]{2,1,0} parameter(0)\n"
+    "  %p1 = s32[] parameter(1)\n"
+    "  %z = s32[] constant(0)\n"
+    "  %ds = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), "
+    "dynamic_slice_sizes={1,256,256}\n"
+    "  ROOT %b = f32[256,256]{1,0} bitcast(%ds)\n}",
+    "%dus_body (p0: f32[12,64,256], p1: f32[1,64,256], p2: s32[]) -> f32[12,64,256] {\n"
+    "  %p0 = f32[12,64,256]{2,1,0} parameter(0)\n"
+    "  %p1 = f32[1,64,256]{2,1,0} parameter(1)\n"
+    "  %p2 = s32[] parameter(2)\n"
+    "  %z = s32[] constant(0)\n"
+    "  ROOT %dus = f32[12,64,256]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)\n}",
+    "%body (t: (s32[], f32[12,256,256], f32[12,64,256])) -> (s32[], f32[12,256,256], "
+    "f32[12,64,256]) {\n"
+    "  %t = (s32[], f32[12,256,256]{2,1,0}, f32[12,64,256]{2,1,0}) parameter(0)\n"
+    "  %i = s32[] get-tuple-element(%t), index=0\n"
+    "  %w = f32[12,256,256]{2,1,0} get-tuple-element(%t), index=1\n"
+    "  %acts = f32[12,64,256]{2,1,0} get-tuple-element(%t), index=2\n"
+    "  %layer = f32[256,256]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_body\n"
+    "  %new = f32[1,64,256]{2,1,0} parameter(1)\n"
+    "  %out = f32[12,64,256]{2,1,0} fusion(%acts, %new, %i), kind=kLoop, calls=%dus_body\n"
+    "  ROOT %r = (s32[], f32[12,256,256]{2,1,0}, f32[12,64,256]{2,1,0}) tuple(%i, %w, %out)\n}",
+    "%cond (t: (s32[], f32[12,256,256], f32[12,64,256])) -> pred[] {\n"
+    "  %t = (s32[], f32[12,256,256]{2,1,0}, f32[12,64,256]{2,1,0}) parameter(0)\n"
+    "  ROOT %p = pred[] constant(true)\n}",
+    "ENTRY %main (a: (s32[], f32[12,256,256], f32[12,64,256])) -> (s32[], f32[12,256,256], "
+    "f32[12,64,256]) {\n"
+    "  %a = (s32[], f32[12,256,256]{2,1,0}, f32[12,64,256]{2,1,0}) parameter(0)\n"
+    "  ROOT %loop = (s32[], f32[12,256,256]{2,1,0}, f32[12,64,256]{2,1,0}) while(%a), "
+    "condition=%cond, body=%body, backend_config={\"known_trip_count\":{\"n\":\"12\"}}\n}")
+
+
+def test_loop_bodies_run_their_trip_count_and_slices_read_only_their_rows():
+    ks = {k.name: k for k in kernels(LOOP)}
+    assert set(ks) == {"layer", "out"}
+    layer, out = ks["layer"], ks["out"]
+    assert layer.times == out.times == 12
+    # one layer's [256, 256] float32 weights (and the index), not the whole stack
+    assert layer.bytes_read == 4 * 256 * 256 + 4
+    assert layer.bytes_written == 4 * 256 * 256
+    # written in place: the [1, 64, 256] update read and written, the stack not read
+    assert out.bytes_read == 4 * 64 * 256 + 4
+    assert out.bytes_written == 4 * 64 * 256
+
+
+def test_fused_attention_flops_from_its_config():
+    cfg = ('backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL",'
+           '"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["8","12","1024",'
+           '"1024"]}}}')
+    text = CUDNN_FMHA.replace("backend_config={}", cfg)
+    (k,) = kernels(text)
+    assert (k.kind, k.library, k.dtypes) == ("attention", "cudnn", ("bf16", "bf16"))
+    assert k.flops == 2 * 2 * (8 * 12 * 1024 * 1024) * 64 // 2  # QK^T and PV, causal half
+    bwd = text.replace("fmhaSoftmax\\\"", "fmhaSoftmaxBackward\\\"").replace(
+        "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    (kb,) = kernels(bwd)
+    assert kb.flops == 5 * k.flops // 2
+    assert k.bytes_written == 2 * 8 * 12 * 1024 * 64 + 4 * 8 * 12 * 1024  # out and its stats
+
+
+def test_a_convolution_counts_its_kernel_window():
+    text = module(entry(
+        "%x = bf16[8,32,32,64]{3,2,1,0} parameter(0)",
+        "%w = bf16[128,3,3,64]{3,2,1,0} parameter(1)",
+        "%conv = (bf16[8,32,32,128]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), window={size=3x3 "
+        "pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target=\"__cudnn$convForward\"",
+        "ROOT %gte = bf16[8,32,32,128]{3,2,1,0} get-tuple-element(%conv), index=0"))
+    (k,) = kernels(text)
+    assert (k.kind, k.library) == ("convolution", "cudnn")
+    assert k.flops == 2 * (8 * 32 * 32 * 128) * (3 * 3 * 64)
+
+
+# A100-style fallback (TurnF8DotIntoF16Dot): the quantising fusion converts to float8 and back
+# up to f16 inside; the GEMM reads f16. The report must still see float8 data feeding it.
+F8_FALLBACK = module(
+    "%quant (p: bf16[64,32]) -> (f16[64,32], f32[]) {\n"
+    "  %p = bf16[64,32]{1,0} parameter(0)\n"
+    "  %q = f8e4m3fn[64,32]{1,0} convert(%p)\n"
+    "  %up = f16[64,32]{1,0} convert(%q)\n"
+    "  %s = f32[] constant(1)\n"
+    "  ROOT %t = (f16[64,32]{1,0}, f32[]) tuple(%up, %s)\n}",
+    "ENTRY %main (a: bf16[64,32], b: f16[32,16]) -> f16[64,16] {\n"
+    "  %a = bf16[64,32]{1,0} parameter(0)\n"
+    "  %b = f16[32,16]{1,0} parameter(1)\n"
+    "  %f = (f16[64,32]{1,0}, f32[]) fusion(%a), kind=kLoop, calls=%quant\n"
+    "  %g = f16[64,32]{1,0} get-tuple-element(%f), index=0\n"
+    "  %gemm = (f16[64,16]{1,0}, s8[1024]{0}) custom-call(%g, %b), "
+    "custom_call_target=\"__cublas$lt$matmul\", " + GEMM_CONFIG + "\n"
+    "  ROOT %o = f16[64,16]{1,0} get-tuple-element(%gemm), index=0\n}")
+
+
+def test_a_gemm_fed_float8_data_is_seen_through_its_producer():
+    ks = kernels(F8_FALLBACK)
+    gemm = next(k for k in ks if k.kind == "gemm")
+    assert gemm.dtypes == ("f16", "f16") and gemm.f8_inputs
+    assert not next(k for k in kernels(CUBLASLT_BF16) if k.kind == "gemm").f8_inputs

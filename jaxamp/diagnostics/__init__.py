@@ -4,6 +4,8 @@
   program (forward and backward) against the mixed-precision reference table.
 - :func:`collectives`: every collective of the partitioned program (kind, dtype, bytes).
 - :func:`fp8_gemms`: whether each planned FP8 matmul became a cuBLASLt FP8 GEMM (compiled HLO).
+- :func:`gpu_program`: the program a GPU will run, compiled for an H100/H200 with or without
+  one: kernels, GEMM libraries, fused attention, FP8 GEMMs, memory, a roofline estimate.
 - :func:`locate_overflow`: runs a failing batch and finds the module where inf/nan starts.
 - :mod:`jaxamp.diagnostics.review` (``python -m jaxamp.review``): reads a run's logs; imports no
   JAX.
@@ -30,6 +32,8 @@ _EXPORTS = {
     "collectives": "jaxamp.diagnostics.collectives",
     "format_collectives": "jaxamp.diagnostics.collectives",
     "fp8_gemms": "jaxamp.diagnostics.fp8_hlo",
+    "GpuProgram": "jaxamp.diagnostics.gpu",
+    "gpu_program": "jaxamp.diagnostics.gpu",
     "OverflowReport": "jaxamp.diagnostics.overflow",
     "locate_overflow": "jaxamp.diagnostics.overflow",
     "RunFinding": "jaxamp.diagnostics.review",
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
     )
     from jaxamp.diagnostics.collectives import collectives, format_collectives
     from jaxamp.diagnostics.fp8_hlo import fp8_gemms
+    from jaxamp.diagnostics.gpu import GpuProgram, gpu_program
     from jaxamp.diagnostics.overflow import OverflowReport, locate_overflow
     from jaxamp.diagnostics.review import RunFinding, RunReview, review_metrics, review_run
 

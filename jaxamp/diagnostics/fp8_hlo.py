@@ -46,25 +46,44 @@ def count_fp8_gemm_calls(compiled_hlo: str) -> int:
     return compiled_hlo.count(f'custom_call_target="{FP8_GEMM_TARGET}"')
 
 
-def fp8_gemms(fn: Callable, *args: Any, warn: bool = True) -> dict:
+def fp8_gemms(fn: Callable, *args: Any, warn: bool = True, target: Any = None) -> dict:
     """Lowers and compiles ``jax.jit(fn)`` on ``args`` (or uses ``fn`` if it is already jitted:
     a train step) and compares the planned FP8 dots with the FP8 GEMMs XLA emitted.
 
+    Without ``target``, the program is compiled for JAX's default backend: on a GPU the
+    comparison is made, elsewhere only the planned dots are counted. With ``target``
+    (``"h100"``, ``"h200"``, a target-config file or a GPU device; see
+    :func:`jaxamp.gpu_program`, which needs JAX's CUDA plugin) it is compiled for that GPU, on
+    any machine.
+
     Returns ``{"backend", "planned", "fused", "checked", "fallback"}``: ``fused`` the number of
-    ``__cublas$lt$matmul$f8`` calls (None off GPU), ``checked`` whether the comparison was made
-    (a GPU), ``fallback`` how many planned FP8 dots did not become an FP8 GEMM (None off GPU).
-    With ``warn`` (default), a ``RuntimeWarning`` names the shortfall.
+    FP8 GEMMs (``__cublas$lt$matmul$f8`` calls, or Triton GEMMs of float8 operands, which XLA
+    forms when Triton GEMMs are on; :attr:`jaxamp.diagnostics.gpu.GpuProgram.fp8_formed`; None
+    when not compiled for a GPU), ``checked`` whether the
+    comparison was made, ``fallback`` how many planned FP8 dots did not become an FP8 GEMM
+    (None when not compiled for a GPU). With ``warn`` (default), a ``RuntimeWarning`` names the
+    shortfall.
     """
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    lowered = jitted.lower(*args)
-    planned = count_planned_fp8_dots(lowered.as_text())
-    backend = jax.default_backend()
-    out = {"backend": backend, "planned": planned, "fused": None, "checked": False,
-           "fallback": None}
-    if backend != "gpu" or planned == 0:
-        return out
-    fused = count_fp8_gemm_calls(lowered.compile().as_text())
-    out.update(fused=fused, checked=True, fallback=max(planned - fused, 0))
+    if target is not None:
+        from jaxamp.diagnostics.gpu import gpu_program
+
+        report = gpu_program(fn, *args, target=target)
+        planned, fused = report.fp8_planned, report.fp8_formed
+        out = {"backend": "gpu", "planned": planned, "fused": fused, "checked": True,
+               "fallback": max(planned - fused, 0)}
+    else:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        lowered = jitted.lower(*args)
+        planned = count_planned_fp8_dots(lowered.as_text())
+        backend = jax.default_backend()
+        out = {"backend": backend, "planned": planned, "fused": None, "checked": False,
+               "fallback": None}
+        if backend != "gpu" or planned == 0:
+            return out
+        from jaxamp.diagnostics.gpu import GpuProgram
+
+        fused = GpuProgram.read(lowered.compile(), jax.devices()[0]).fp8_formed
+        out.update(fused=fused, checked=True, fallback=max(planned - fused, 0))
     if warn and fused < planned:
         warnings.warn(
             f"jaxamp: {planned} FP8 matmuls were planned but XLA emitted {fused} "

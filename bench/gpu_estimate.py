@@ -1,0 +1,234 @@
+"""The GPU program's estimate against the step times an H200 measured, and the programs of
+today's code, compiled for the H200 on CPU (``jaxamp.gpu_program``; no GPU needed).
+
+    JAX_PLATFORMS=cpu python bench/gpu_estimate.py --commit 104ae84 \\
+        --measured bench/results-gpu.json --json bench/results-gpu-estimate-104ae84.json
+    JAX_PLATFORMS=cpu python bench/gpu_estimate.py --json bench/results-gpu-estimate.json
+
+``--commit C`` compiles the variants of ``bench/gpu.sh`` as commit ``C`` built them (its
+``jaxamp`` and ``bench/`` from ``git archive``, in a subprocess) for the built-in H200
+description, and reads each program with today's reader; ``--measured`` (a
+``results-gpu.json`` of that code on an H200) adds the measured step times, and the table gives,
+per variant, the estimate, the measured time, and both as ratios to a reference variant (the
+hand-cast step), with the error of the estimated ratio. Without ``--commit``: today's code.
+
+Each variant is the gpt2-small-shape step of ``bench/gpu.sh`` (``bench/gpt.py``, 12 layers,
+d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0); GEMMs as cuBLAS calls (no autotuner
+without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TARGET = ROOT / "jaxamp" / "diagnostics" / "gpu_targets" / "h200.txtpb"
+# (side, compute dtype) in gpu.sh's names; the hand-cast bf16 step is the reference.
+VARIANTS = ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
+            "jaxamp-norecompute/float16", "hand/bfloat16", "hand/float16", "jaxamp/float32",
+            "hand/float32", "jaxamp-fused/bfloat16")
+REFERENCE = "hand/bfloat16"
+CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
+BATCH = 16
+
+
+def child(out: Path, triton_gemm: bool, names: list[str]) -> None:
+    """Builds and compiles each variant with the ``jaxamp`` and ``bench/`` on ``sys.path``
+    (today's or an archived commit's); writes ``<variant>.hlo`` and ``<variant>.json``. Uses
+    only JAX's public API, so it runs on old trees too."""
+    import jax
+    from jax.experimental import topologies
+
+    sys.path.insert(0, str(Path.cwd() / "bench"))
+    from _steps import POLICIES, AmpRunner, HandRunner, make_tx, setup
+    from gpt import GPT, GPTConfig
+
+    import jaxamp
+
+    topo = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
+                                        topology="1x1x1")
+    device = topo.devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def sds(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                            if hasattr(x, "shape") else x, tree)
+
+    cfg = GPTConfig(**CONFIG)
+    model, params, batch = setup(cfg, BATCH)
+    tx = make_tx()
+    for name in names:
+        side, dt = name.split("/")
+        t0 = time.perf_counter()
+        try:
+            if side.startswith("jaxamp"):
+                if side == "jaxamp-fused" and "attention" not in GPTConfig.__dataclass_fields__:
+                    raise ValueError("this code's GPTConfig has no attention= option")
+                m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
+                rules = (jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+                         if side == "jaxamp-norecompute" else None)
+                r = AmpRunner(m, params, tx, batch, POLICIES[dt],
+                              jaxamp.default_loss_scale(POLICIES[dt]), op_rules=rules)
+                with jax.default_device(device):
+                    lowered = r.step.lower(sds(r.state), sds(batch))
+            else:
+                r = HandRunner(cfg, params, tx, batch, dt)
+                with jax.default_device(device):
+                    lowered = r.step.lower(*sds(r.args()))
+            compiled = lowered.compile(
+                compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
+        except Exception as e:  # a variant this code cannot build
+            (out / f"{name.replace('/', '_')}.json").write_text(
+                json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))
+            print(f"[estimate] {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            continue
+        ma = compiled.memory_analysis()
+        (out / f"{name.replace('/', '_')}.hlo").write_text(compiled.as_text())
+        (out / f"{name.replace('/', '_')}.json").write_text(json.dumps({
+            "temp": ma.temp_size_in_bytes, "argument": ma.argument_size_in_bytes,
+            "output": ma.output_size_in_bytes, "alias": ma.alias_size_in_bytes,
+            "stablehlo_fp8_dots": lowered.as_text().count("xf8E"),
+            "compile_s": round(time.perf_counter() - t0, 1)}))
+        print(f"[estimate] {name}: compiled in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+
+
+def compile_tree(tree: Path, out: Path, triton_gemm: bool, names: list[str]) -> None:
+    """Runs :func:`child` in a subprocess whose ``jaxamp`` is the one in ``tree``."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(tree))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out),
+           "--variants", ",".join(names)] + (["--triton-gemm"] if triton_gemm else [])
+    subprocess.run(cmd, cwd=tree, env=env, check=True)
+
+
+def archive(commit: str, dest: Path) -> None:
+    """The tree of ``commit`` (jaxamp/ and bench/) in ``dest``, from ``git archive``."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit,
+                           "jaxamp", "bench"], check=True, capture_output=True).stdout
+    tar = dest / "tree.tar"
+    tar.write_bytes(data)
+    with tarfile.open(tar) as t:
+        t.extractall(dest, filter="data")
+
+
+def measured_ms(path: Path | None) -> dict[str, float]:
+    if path is None:
+        return {}
+    res = json.loads(path.read_text())
+    out = {}
+    for side in ("jax", "torch"):
+        for name, v in (res.get(side) or {}).get("variants", {}).items():
+            if v.get("step_ms"):
+                out[name] = v["step_ms"]
+    return out
+
+
+def rows(out: Path, measured: dict[str, float], names: list[str]) -> list[dict]:
+    """One row per compiled variant, read with today's reader."""
+    from jaxamp.diagnostics.gpu import GpuProgram
+
+    result = []
+    for name in names:
+        base = out / name.replace("/", "_")
+        info = json.loads(base.with_suffix(".json").read_text())
+        if "error" in info:
+            result.append({"variant": name, "error": info["error"]})
+            continue
+        prog = GpuProgram.read(base.with_suffix(".hlo").read_text(), "h200")
+        result.append({"variant": name, "estimated_ms": 1e3 * prog.estimated_seconds,
+                       "kernel_bytes": prog.bytes, "launches": prog.launches,
+                       "flops": prog.flops, "temp_bytes": info["temp"],
+                       "measured_ms": measured.get(name),
+                       "gemm_libraries": prog.gemm_libraries(),
+                       "attention": [k.target for k in prog.attention],
+                       "compile_s": info["compile_s"]})
+    ref = next((r for r in result if r["variant"] == REFERENCE and "error" not in r), None)
+    for r in result:
+        if ref is None or "error" in r:
+            continue
+        r["estimated_ratio"] = r["estimated_ms"] / ref["estimated_ms"]
+        r["bytes_ratio"] = r["kernel_bytes"] / ref["kernel_bytes"]
+        r["temp_ratio"] = r["temp_bytes"] / ref["temp_bytes"]
+        if r["measured_ms"] and ref["measured_ms"]:
+            r["measured_ratio"] = r["measured_ms"] / ref["measured_ms"]
+            r["ratio_error"] = r["estimated_ratio"] / r["measured_ratio"] - 1
+            r["estimate_over_measured"] = r["estimated_ms"] / r["measured_ms"]
+    return result
+
+
+def table(result: list[dict]) -> str:
+    head = ("| variant | est. ms | measured ms | est. / measured | est. ratio | measured ratio "
+            "| ratio error | kernel GB | bytes ratio | temp MiB | launches |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in result:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | not built: {r['error'][:60]} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {r['variant']} | {r['estimated_ms']:.2f} | {f(r['measured_ms'], '.2f')} | "
+            f"{f(r.get('estimate_over_measured'), '.3f')} | "
+            f"{f(r.get('estimated_ratio'), '.3f')} | {f(r.get('measured_ratio'), '.3f')} | "
+            f"{f(r.get('ratio_error'), '+.1%')} | {r['kernel_bytes'] / 1e9:.1f} | "
+            f"{f(r.get('bytes_ratio'), '.3f')} | {r['temp_bytes'] / 2**20:,.0f} | "
+            f"{r['launches']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commit", default=None, help="compile this commit's code (git archive)")
+    ap.add_argument("--measured", type=Path, default=None,
+                    help="a results-gpu.json of the same code measured on an H200")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--triton-gemm", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    names = [v for v in a.variants.split(",") if v]
+    if a.child is not None:
+        child(a.child, a.triton_gemm, names)
+        return 0
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tree = ROOT
+        if a.commit:
+            tree = tmp / "tree"
+            tree.mkdir()
+            archive(a.commit, tree)
+        out = tmp / "programs"
+        out.mkdir()
+        compile_tree(tree, out, a.triton_gemm, names)
+        result = rows(out, measured_ms(a.measured), names)
+    print(table(result))
+    if a.json:
+        import jax
+
+        a.json.write_text(json.dumps({
+            "commit": a.commit or "HEAD", "target": "built-in h200",
+            "gemms": "triton" if a.triton_gemm else "cublas", "config": CONFIG,
+            "batch": BATCH, "reference": REFERENCE, "rows": result,
+            "measured_source": str(a.measured) if a.measured else None,
+            "metadata": {"command": " ".join(["python", *sys.argv]),
+                         "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+                         "wall_s": round(time.perf_counter() - started, 1)}},
+            indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,781 @@
+"""The one reader of compiled XLA:GPU HLO text: the kernels a GPU will launch (what each
+reads and writes, the matmul FLOPs it does, how often it runs), which library runs each matmul
+with which operand dtypes, and whether anything leaves the device.
+
+Pure text functions (no JAX), so they are unit-tested on CPU with handwritten XLA:GPU samples
+(``tests/test_gpu_hlo.py``), and read the program :func:`jaxamp.gpu_program` compiles (for a GPU
+or on one) and the example's compiled train step on a GPU (``tests/test_gpu.py``).
+
+What XLA:GPU emits for a matmul (target names as in XLA's ``xla/service/gpu/cublas_cudnn.h``):
+
+* a ``custom-call`` to cuBLAS, ``custom_call_target="__cublas$gemm"``, or to cuBLASLt,
+  ``"__cublas$lt$matmul"`` (``"__cublas$lt$matmul$f8"`` for float8); its result is a tuple
+  ``(out, s8[workspace])``;
+* a ``custom-call`` to cuDNN, ``"__cudnn$..."``: convolutions (``$convForward``,
+  ``$convBackwardInput``, ``$convBackwardFilter``, ``$convBiasActivationForward``) and fused
+  attention (``$fmha...``);
+* a ``fusion`` with ``kind=kCustom`` whose backend config names ``"__triton_gemm"`` or, in
+  newer XLA, ``"__triton_nested_gemm_fusion"`` (XLA's Triton GEMM emitter, chosen by
+  autotuning; on Hopper it issues wgmma, i.e. Tensor Cores, when its operands are f16/bf16), or
+  ``"__cudnn$fusion"`` (a cuDNN graph); the ``dot`` is inside the called computation, often
+  behind a ``convert`` fused into it (nested: inside a "block" fusion feeding the dot, which
+  then reads that fusion's result type);
+* a plain ``dot``/``convolution`` left in the program (not rewritten to any library): XLA's own
+  loop emitter, no Tensor Cores. :func:`tensor_core_violations` always reports these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import Counter
+
+LOW_PRECISION = ("f16", "bf16")
+CUBLAS_PREFIX = "__cublas$"
+CUDNN_PREFIX = "__cudnn$"
+# Library-backed GEMM fusions (fusion_backend_config kind).
+GEMM_FUSION_KINDS = {"__triton_gemm": "triton", "__triton_nested_gemm_fusion": "triton",
+                     "__cudnn$fusion": "cudnn-fusion", "__cublas": "cublas-fusion"}
+# Custom-call targets that run Python on the host, and ops that move data to or from it.
+HOST_CALLBACK_MARKERS = ("callback", "host_compute", "xla_python")
+HOST_TRANSFER_OPS = ("send", "send-done", "recv", "recv-done", "outfeed", "infeed")
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-$]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-$]+)\s*=\s*(.*)$")
+_ARRAY_TYPE = re.compile(r"^([a-z]\w*)\[([\d,\s]*)\]")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_CONFIG = re.compile(r'"fusion_backend_config"\s*:\s*\{')
+_CALLS = re.compile(r"\bcalls=%?([\w.\-$]+)")
+# An instruction starts "name = TYPE": an array type or a tuple (not "attr=value").
+_INSTR_START = re.compile(r"^(ROOT\s+)?%?[\w.\-$]+\s*=\s*(\(|[a-z]\w*\[)")
+_OPERAND = re.compile(r"^(?:(\(.*\)|[a-z]\w*\[[\d,\s]*\](?:\{[^}]*\})?)\s+)?%?([\w.\-$]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    computation: str
+    name: str
+    type: str  # the result type text: "bf16[8,8]{1,0}" or a tuple "(bf16[..], s8[..])"
+    opcode: str
+    operands: tuple[str, ...]  # operand texts, as written ("bf16[8,8]{1,0} %x" or "%x")
+    attrs: str  # everything after the operand list
+
+    @property
+    def dtype(self) -> str | None:
+        return first_array(self.type)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One matmul (or convolution / fused attention) of the compiled program."""
+
+    name: str
+    computation: str
+    library: str  # cublas, cublaslt, cudnn, triton, cudnn-fusion, ... or "none" (plain dot)
+    target: str  # custom-call target, fusion kind, or the opcode for a plain dot
+    operand_dtypes: tuple[str | None, ...]  # of the first two operands (lhs, rhs)
+    out_dtype: str | None
+    operand_elements: tuple[int | None, ...]
+    out_elements: int | None
+
+    @property
+    def low_precision(self) -> bool:
+        return bool(self.operand_dtypes) and all(d in LOW_PRECISION for d in self.operand_dtypes)
+
+    @property
+    def signature(self) -> tuple:
+        """Layout-free identity: sorted operand element counts and output element count."""
+        return gemm_signature(self.operand_elements, self.out_elements)
+
+
+def gemm_signature(operand_elements, out_elements) -> tuple:
+    return (tuple(sorted((e if e is not None else -1) for e in operand_elements)),
+            out_elements if out_elements is not None else -1)
+
+
+def first_array(type_text: str) -> tuple[str | None, int | None]:
+    """(dtype, element count) of an array type, or of a tuple type's first element."""
+    t = type_text.strip()
+    while t.startswith("("):
+        t = t[1:].lstrip()
+    m = _ARRAY_TYPE.match(t)
+    if not m:
+        return None, None
+    dims = [int(d) for d in m.group(2).replace(" ", "").split(",") if d]
+    n = 1
+    for d in dims:
+        n *= d
+    return m.group(1), n
+
+
+def _split_top(text: str) -> list[str]:
+    """Splits on commas outside (), [], {}."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _parse_rhs(rhs: str) -> tuple[str, str, list[str], str] | None:
+    """``TYPE opcode(operands), attrs`` -> (type, opcode, operands, attrs)."""
+    rhs = rhs.strip()
+    i = 0
+    if rhs.startswith("("):  # tuple type: up to its matching parenthesis
+        depth = 0
+        while i < len(rhs):
+            depth += rhs[i] == "("
+            depth -= rhs[i] == ")"
+            i += 1
+            if depth == 0:
+                break
+    else:
+        m = re.match(r"\S+", rhs)
+        i = m.end() if m else 0
+    type_text, rest = rhs[:i], rhs[i:].lstrip()
+    m = re.match(r"([a-z][\w\-]*)\(", rest)
+    if not m:
+        return None
+    opcode, j, depth = m.group(1), m.end(), 1
+    k = j
+    while k < len(rest) and depth:
+        depth += rest[k] == "("
+        depth -= rest[k] == ")"
+        k += 1
+    operands = _split_top(rest[j:k - 1])
+    return type_text, opcode, operands, rest[k:]
+
+
+def _balance(text: str) -> int:
+    return sum(text.count(c) for c in "([{") - sum(text.count(c) for c in ")]}")
+
+
+def parse_hlo(text: str) -> dict[str, list[Instr]]:
+    """Computations of an HLO module, in order: ``{name: [Instr, ...]}``. Instructions may span
+    several lines (handwritten HLO); comments (``/* ... */``) are dropped."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    comps: dict[str, list[str]] = {}
+    current = None
+    depth = 0  # unclosed brackets of the instruction being read: its next lines continue it
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if current is not None and depth > 0:
+            comps[current][-1] += " " + stripped
+            depth += _balance(stripped)
+            continue
+        if stripped.startswith(("HloModule", "//")):
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        is_instr = bool(_INSTR_START.match(stripped))
+        m = _COMPUTATION.match(stripped)
+        if m and not is_instr:
+            current = m.group(2)
+            comps[current] = []
+            continue
+        if current is None:
+            continue
+        if is_instr:
+            comps[current].append(stripped)
+            depth = _balance(stripped)
+        elif comps[current]:
+            comps[current][-1] += " " + stripped
+            depth += _balance(stripped)
+    out: dict[str, list[Instr]] = {}
+    for name, lines in comps.items():
+        instrs = []
+        for line in lines:
+            m = _INSTR.match(line)
+            parsed = _parse_rhs(m.group(3)) if m else None
+            if parsed is None:
+                continue
+            type_text, opcode, operands, attrs = parsed
+            instrs.append(Instr(name, m.group(2), type_text, opcode, tuple(operands), attrs))
+        out[name] = instrs
+    return out
+
+
+def _operand_info(operand: str, table: dict[str, str]) -> tuple[str | None, int | None]:
+    m = _OPERAND.match(operand.strip())
+    if not m:
+        return None, None
+    if m.group(1):
+        return first_array(m.group(1))
+    return first_array(table.get(m.group(2), ""))
+
+
+def fusion_kind(attrs: str) -> str | None:
+    """The ``"kind"`` of a fusion's ``fusion_backend_config`` (None if it has none). Read from
+    the config's own braces: XLA writes its fields in name order, so on the H200's XLA (jax
+    0.11.2) ``"kind"`` comes after a nested ``"block_level_fusion_config": {...}``."""
+    m = _FUSION_CONFIG.search(attrs)
+    if not m:
+        return None
+    depth, i = 0, m.end() - 1
+    for j in range(i, len(attrs)):
+        depth += {"{": 1, "}": -1}.get(attrs[j], 0)
+        if depth == 0:
+            try:
+                kind = json.loads(attrs[i:j + 1]).get("kind")
+            except ValueError:
+                return None
+            return kind if isinstance(kind, str) else None
+    return None
+
+
+def find_gemms(text: str) -> list[Gemm]:
+    """Every matmul/convolution of a compiled XLA:GPU module, with the library that runs it."""
+    comps = parse_hlo(text)
+    tables = {c: {i.name: i.type for i in instrs} for c, instrs in comps.items()}
+    gemms: list[Gemm] = []
+    inside_gemm_fusion: set[str] = set()
+
+    def make(instr: Instr, library: str, target: str, operands_of: Instr) -> Gemm:
+        table = tables[operands_of.computation]
+        infos = [_operand_info(o, table) for o in operands_of.operands[:2]]
+        out_dt, out_n = first_array(instr.type)
+        return Gemm(instr.name, instr.computation, library, target,
+                    tuple(d for d, _ in infos), out_dt, tuple(n for _, n in infos), out_n)
+
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.opcode == "custom-call":
+                m = _TARGET.search(ins.attrs)
+                target = m.group(1) if m else ""
+                if target.startswith(CUBLAS_PREFIX):
+                    lib = "cublaslt" if target.startswith("__cublas$lt$") else "cublas"
+                    gemms.append(make(ins, lib, target, ins))
+                elif target.startswith(CUDNN_PREFIX):
+                    gemms.append(make(ins, "cudnn", target, ins))
+            elif ins.opcode == "fusion":
+                kind = fusion_kind(ins.attrs)
+                called = _CALLS.search(ins.attrs)
+                if kind in GEMM_FUSION_KINDS and called and called.group(1) in comps:
+                    body = called.group(1)
+                    inside_gemm_fusion.add(body)
+                    dots = [i for i in comps[body] if i.opcode in ("dot", "convolution")]
+                    for dot in dots or []:
+                        g = make(ins, GEMM_FUSION_KINDS[kind], kind, dot)
+                        gemms.append(dataclasses.replace(
+                            g, out_dtype=first_array(dot.type)[0] or g.out_dtype,
+                            out_elements=first_array(dot.type)[1]))
+    for comp, instrs in comps.items():
+        if comp in inside_gemm_fusion:
+            continue
+        for ins in instrs:
+            if ins.opcode in ("dot", "convolution"):
+                gemms.append(make(ins, "none", ins.opcode, ins))
+    return gemms
+
+
+def tensor_core_violations(gemms: list[Gemm], allowed_f32: Counter | None = None,
+                           libraries: tuple[str, ...] = ("cublas", "cublaslt", "cudnn",
+                                                         "triton", "cudnn-fusion")
+                           ) -> list[str]:
+    """Why each matmul would not run on Tensor Cores in f16/bf16; empty when every one does.
+
+    A matmul violates when it is not a call into one of ``libraries`` (a plain ``dot`` left to
+    XLA's loop emitter), or when its operands are not all f16/bf16 and it is not one of the
+    float32 matmuls that the policy's float32 rules ask for: ``allowed_f32`` counts those by
+    :func:`gemm_signature` (each one allowed consumes one count)."""
+    allowed = Counter(allowed_f32 or {})
+    out = []
+    for g in gemms:
+        dts = "x".join(map(str, g.operand_dtypes))
+        where = f"{g.name} in {g.computation} ({g.target}, operands {dts})"
+        if g.library not in libraries:
+            out.append(f"{where}: not a cuBLAS/cuBLASLt/cuDNN call (library {g.library!r})")
+            continue
+        if g.low_precision:
+            continue
+        if allowed[g.signature] > 0:
+            allowed[g.signature] -= 1
+            continue
+        out.append(f"{where}: operands are not f16/bf16 and no float32 rule asks for it")
+    return out
+
+
+def host_traffic(text: str) -> list[str]:
+    """Instructions that move data between host and device or call back into Python: a loss
+    scale or skip decision taken on the host would need one of these."""
+    out = []
+    for instrs in parse_hlo(text).values():
+        for ins in instrs:
+            if ins.opcode in HOST_TRANSFER_OPS:
+                out.append(f"{ins.name}: {ins.opcode}")
+            elif ins.opcode == "custom-call":
+                m = _TARGET.search(ins.attrs)
+                target = m.group(1) if m else ""
+                if any(k in target.lower() for k in HOST_CALLBACK_MARKERS):
+                    out.append(f"{ins.name}: custom-call {target}")
+    return out
+
+
+def summarize(gemms: list[Gemm]) -> dict:
+    """Counts by library and by operand dtypes (for reports)."""
+    return {"count": len(gemms),
+            "by_library": dict(Counter(g.library for g in gemms)),
+            "by_target": dict(Counter(g.target for g in gemms)),
+            "by_operand_dtypes": dict(Counter("x".join(map(str, g.operand_dtypes))
+                                              for g in gemms))}
+
+
+def f32_dot_signatures(closed_jaxpr) -> Counter:
+    """The float32 matmuls a traced program asks for (``dot_general`` with a float32 operand,
+    sub-jaxprs included), counted by :func:`gemm_signature`: under an AMP policy these are the
+    ones the float32 rules kept, so the compiled program may hold that many f32 GEMMs."""
+    import numpy as np
+
+    from jaxamp._jaxpr import iter_eqns
+
+    out: Counter = Counter()
+    for eqn in iter_eqns(closed_jaxpr):
+        if eqn.primitive.name != "dot_general":
+            continue
+        avals = [v.aval for v in eqn.invars[:2]]
+        if not any(np.dtype(a.dtype) == np.float32 for a in avals):
+            continue
+        sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
+        out_size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+        out[gemm_signature(sizes, out_size)] += 1
+    return out
+
+
+# ---- kernels: what a GPU launches, and the bytes and FLOPs of each --------------------------
+
+#: Bits per element of each HLO element type (``pred`` is stored in a byte).
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,
+         "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+         "c64": 64, "c128": 128, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8,
+         "f8e4m3": 8, "f8e3m4": 8, "f8e4m3b11fnuz": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4,
+         "token": 0}
+# Instructions that launch nothing: buffer plumbing, and control flow whose bodies are walked.
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+              "conditional", "call", "after-all", "opt-barrier", "optimization-barrier",
+              "partition-id", "replica-id", "add-dependency", "domain", "iota-fake"}
+_ARRAY_ANY = re.compile(r"\b([a-z]\w*)\[([\d,\s]*)\]")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_BODY = re.compile(r"\bbody=%?([\w.\-$]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-$]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-$]+)|"
+                       r"false_computation=%?([\w.\-$]+)")
+_TO_APPLY = re.compile(r"\bto_apply=%?([\w.\-$]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_DIMS = {key: re.compile(key + r"=\{([\d,\s]*)\}")
+         for key in ("lhs_contracting_dims", "lhs_batch_dims")}
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_BACKEND_CONFIG = re.compile(r"backend_config=")
+_SLICING = {"slice", "dynamic-slice", "gather"}  # a parameter read only through these: rows
+_PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose", "convert"}  # same elements
+FP8_GEMM_TARGETS = ("__cublas$lt$matmul$f8",)
+
+
+def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Every array of a (possibly tuple) type: ``[(dtype, dims), ...]``."""
+    return [(m.group(1), tuple(int(d) for d in m.group(2).replace(" ", "").split(",") if d))
+            for m in _ARRAY_ANY.finditer(type_text) if m.group(1) in _BITS]
+
+
+def type_bytes(type_text: str) -> int:
+    """Bytes of every array in a (possibly tuple) type."""
+    total = 0
+    for dtype, dims in arrays(type_text):
+        n = 1
+        for d in dims:
+            n *= d
+        total += (n * _BITS[dtype] + 7) // 8
+    return total
+
+
+def _elements(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def backend_config(attrs: str) -> dict:
+    """The JSON ``backend_config`` of an instruction ({} if absent or unreadable)."""
+    m = _BACKEND_CONFIG.search(attrs)
+    if not m or m.end() >= len(attrs) or attrs[m.end()] != "{":
+        return {}
+    depth = 0
+    for j in range(m.end(), len(attrs)):
+        depth += {"{": 1, "}": -1}.get(attrs[j], 0)
+        if depth == 0:
+            try:
+                return json.loads(attrs[m.end():j + 1])
+            except ValueError:
+                return {}
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel launch of the compiled program (per execution of its computation).
+
+    ``kind``: ``gemm`` (a cuBLAS/cuBLASLt call or a Triton/cuDNN GEMM fusion), ``attention``
+    (cuDNN fused attention), ``convolution`` (cuDNN), ``fusion`` (XLA's own fused elementwise /
+    reduction kernel; ``target`` is its fusion kind, ``kLoop``, ``kInput``, ...), ``copy``, or
+    ``other`` (any other custom call or unfused op). ``times`` is how often it runs per call of
+    the program (the trip counts of the loops it sits in). ``flops`` counts the multiply-adds of
+    matmuls, convolutions and attention (x2); elementwise work is not counted.
+    """
+
+    name: str
+    computation: str
+    kind: str
+    library: str  # cublas, cublaslt, cublaslt-fp8, triton, cudnn, cudnn-fusion, xla
+    target: str  # custom-call target, fusion kind, or opcode
+    bytes_read: int
+    bytes_written: int
+    flops: int
+    dtypes: tuple[str | None, ...]  # GEMM/attention operand dtypes; () for other kernels
+    precision: str  # "HIGHEST" when a GEMM asks for full float32 products, else "DEFAULT"
+    times: int
+    op_name: str
+    f8_inputs: bool = False  # a GEMM fed float8 data (its operands, or a fusion producing them)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def _operand_name(operand: str) -> str | None:
+    m = _OPERAND.match(operand.strip())
+    return m.group(2) if m else None
+
+
+class _Program:
+    """A parsed module with name tables and instruction users, per computation."""
+
+    def __init__(self, text: str):
+        self.comps = parse_hlo(text)
+        self.types = {c: {i.name: i.type for i in ins} for c, ins in self.comps.items()}
+        self.by_name = {c: {i.name: i for i in ins} for c, ins in self.comps.items()}
+        self.entry = _entry_name(text) or (next(reversed(self.comps)) if self.comps else None)
+
+    def operand_types(self, ins: Instr) -> list[str]:
+        table = self.types.get(ins.computation, {})
+        out = []
+        for o in ins.operands:
+            m = _OPERAND.match(o.strip())
+            if m and m.group(1):
+                out.append(m.group(1))
+            else:
+                out.append(table.get(m.group(2), "") if m else "")
+        return out
+
+    def users(self, comp: str) -> dict[str, list[Instr]]:
+        out: dict[str, list[Instr]] = {}
+        for ins in self.comps.get(comp, []):
+            for o in ins.operands:
+                name = _operand_name(o)
+                if name is not None:
+                    out.setdefault(name, []).append(ins)
+        return out
+
+
+def _entry_name(text: str) -> str | None:
+    m = re.search(r"^ENTRY\s+%?([\w.\-$]+)", text, flags=re.M)
+    return m.group(1) if m else None
+
+
+def _read_bytes(prog: _Program, comp: str, param: Instr, users: dict) -> int:
+    """Bytes a fused computation reads of one parameter: all of it, or only the rows its
+    slices and gathers take when those are its only readers (a layer's slice of stacked
+    weights, an embedding's rows), or nothing when it is the buffer an in-place
+    dynamic-update-slice / scatter writes into."""
+    full = type_bytes(param.type)
+    seen, frontier, taken = set(), [param.name], 0
+    while frontier:
+        name = frontier.pop()
+        for u in users.get(name, []):
+            if u.name in seen:
+                continue
+            seen.add(u.name)
+            first = _operand_name(u.operands[0]) if u.operands else None
+            if u.opcode in _SLICING and first == name:
+                taken += type_bytes(u.type)
+            elif u.opcode in ("dynamic-update-slice", "scatter") and first == name:
+                continue  # written in place: the buffer is not read
+            elif u.opcode in ("bitcast", "reshape"):
+                frontier.append(u.name)
+            else:
+                return full
+    return min(taken, full)
+
+
+def _written_bytes(prog: _Program, comp: str, result_type: str) -> int:
+    """Bytes a fused computation writes: its result, except that an in-place
+    dynamic-update-slice or scatter root writes only its update."""
+    instrs = prog.comps.get(comp, [])
+    root = instrs[-1] if instrs else None
+    if root is None:
+        return type_bytes(result_type)
+    table = prog.by_name.get(comp, {})
+    outs = [table.get(_operand_name(o) or "") for o in root.operands] \
+        if root.opcode == "tuple" else [root]
+    total = 0
+    for out in outs:
+        if out is None:
+            continue
+        if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+            total += type_bytes(prog.operand_types(out)[1])
+        elif out.opcode == "scatter" and len(out.operands) > 2:
+            total += type_bytes(prog.operand_types(out)[2])
+        else:
+            total += type_bytes(out.type)
+    return total
+
+
+def _dims(attrs: str, key: str) -> tuple[int, ...]:
+    m = _DIMS[key].search(attrs)
+    return tuple(int(d) for d in m.group(1).replace(" ", "").split(",") if d) if m else ()
+
+
+def _dot_flops(lhs_type: str, out_type: str, contracting: tuple[int, ...]) -> int:
+    lhs = arrays(lhs_type)
+    out = arrays(out_type)
+    if not lhs or not out:
+        return 0
+    k = 1
+    for d in contracting:
+        if d < len(lhs[0][1]):
+            k *= lhs[0][1][d]
+    return 2 * _elements(out[0][1]) * k
+
+
+def _gemm_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple, str]:
+    """(flops, operand dtypes, precision) of a cuBLAS / cuBLASLt custom call."""
+    cfg = backend_config(ins.attrs).get("gemm_backend_config", {})
+    dnums = cfg.get("dot_dimension_numbers", {})
+    contracting = tuple(int(d) for d in dnums.get("lhs_contracting_dimensions", []))
+    types = prog.operand_types(ins)
+    dtypes = tuple(first_array(t)[0] for t in types[:2])
+    precision = "HIGHEST" if "HIGHEST" in cfg.get("precision_config", {}).get(
+        "operand_precision", []) else "DEFAULT"
+    return _dot_flops(types[0] if types else "", ins.type, contracting), dtypes, precision
+
+
+def _attention_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
+    """(flops, operand dtypes) of a cuDNN fused-attention call: the two GEMMs of the forward
+    (Q K^T and P V), five in the backward (S again, dP, dV, dQ, dK), half of each under a
+    causal mask. The score shape is the config's ``intermediate_tensor_shape`` and the head
+    size the query's last dimension (JAX passes cuDNN ``[batch, seq, heads, head]`` or
+    ``[batch, heads, seq, head]``)."""
+    cfg = backend_config(ins.attrs).get("cudnn_fmha_backend_config", {})
+    scores = tuple(int(d) for d in cfg.get("intermediate_tensor_shape", {})
+                   .get("dimensions", []))
+    types = prog.operand_types(ins)
+    q = arrays(types[0]) if types else []
+    if not scores or not q or not q[0][1]:
+        return 0, ()
+    gemms = 5 if "Backward" in target else 2
+    flops = 2 * gemms * _elements(scores) * q[0][1][-1]
+    causal = "CAUSAL" in str(cfg.get("mask_type", ""))
+    return (flops // 2 if causal else flops), tuple(first_array(t)[0] for t in types[:2])
+
+
+def _conv_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
+    """(flops, operand dtypes) of a cuDNN convolution: 2 x the output activation's elements x
+    the kernel's elements per output feature (forward, input and filter gradients alike)."""
+    m = _DIM_LABELS.search(ins.attrs)
+    types = prog.operand_types(ins)
+    result = ins.type
+    if not m or len(types) < 2:
+        return 0, ()
+    kernel_labels = m.group(2)
+    if "BackwardFilter" in target:
+        activation, kernel = types[1], result
+    elif "BackwardInput" in target:
+        activation, kernel = types[0], types[1]
+    else:
+        activation, kernel = result, types[1]
+    act, ker = arrays(activation), arrays(kernel)
+    if not act or not ker or "o" not in kernel_labels:
+        return 0, ()
+    dims = ker[0][1]
+    out_features = dims[kernel_labels.index("o")] if len(dims) == len(kernel_labels) else 1
+    flops = 2 * _elements(act[0][1]) * (_elements(dims) // max(out_features, 1))
+    return flops, tuple(first_array(t)[0] for t in types[:2])
+
+
+def _custom_call_kernel(prog: _Program, ins: Instr) -> dict:
+    m = _TARGET.search(ins.attrs)
+    target = m.group(1) if m else ""
+    # A library call returns (outputs..., s8/u8 workspace): the workspace is scratch.
+    outs = arrays(ins.type)
+    if ins.type.lstrip().startswith("(") and outs and outs[-1][0] in ("s8", "u8"):
+        scratch = outs[-1]
+        written = type_bytes(ins.type) - (_elements(scratch[1]) * _BITS[scratch[0]]) // 8
+    else:
+        written = type_bytes(ins.type)
+    read = sum(type_bytes(t) for t in prog.operand_types(ins))
+    out = dict(target=target, bytes_read=read, bytes_written=written, flops=0, dtypes=(),
+               precision="DEFAULT", kind="other", library="xla")
+    if target.startswith(CUBLAS_PREFIX):
+        flops, dtypes, precision = _gemm_call(prog, ins, target)
+        library = ("cublaslt-fp8" if target in FP8_GEMM_TARGETS else
+                   "cublaslt" if target.startswith("__cublas$lt$") else "cublas")
+        out.update(kind="gemm", library=library, flops=flops, dtypes=dtypes, precision=precision)
+    elif target.startswith(CUDNN_PREFIX) and "fmha" in target:
+        flops, dtypes = _attention_call(prog, ins, target)
+        out.update(kind="attention", library="cudnn", flops=flops, dtypes=dtypes)
+    elif target.startswith(CUDNN_PREFIX) and "conv" in target:
+        flops, dtypes = _conv_call(prog, ins, target)
+        out.update(kind="convolution", library="cudnn", flops=flops, dtypes=dtypes)
+    elif target.startswith(CUDNN_PREFIX):
+        out.update(library="cudnn")
+    return out
+
+
+def _fusion_kernel(prog: _Program, ins: Instr) -> dict:
+    called = _CALLS.search(ins.attrs)
+    comp = called.group(1) if called else None
+    kind = fusion_kind(ins.attrs)
+    m = re.search(r"\bkind=(\w+)", ins.attrs)
+    fusion_type = m.group(1) if m else "fusion"
+    types = prog.operand_types(ins)
+    if comp not in prog.comps:
+        return dict(target=kind or fusion_type, bytes_read=sum(map(type_bytes, types)),
+                    bytes_written=type_bytes(ins.type), flops=0, dtypes=(),
+                    precision="DEFAULT", kind="fusion", library="xla")
+    users = prog.users(comp)
+    params = {int(p.operands[0]): p for p in prog.comps[comp]
+              if p.opcode == "parameter" and p.operands and p.operands[0].isdigit()}
+    read = 0
+    for k, t in enumerate(types):
+        p = params.get(k)
+        read += _read_bytes(prog, comp, p, users) if p is not None else type_bytes(t)
+    written = _written_bytes(prog, comp, ins.type)
+    out = dict(target=kind or fusion_type, bytes_read=read, bytes_written=written, flops=0,
+               dtypes=(), precision="DEFAULT", kind="fusion", library="xla")
+    if kind in GEMM_FUSION_KINDS:
+        dots = [i for i in prog.comps[comp] if i.opcode in ("dot", "convolution")]
+        flops, dtypes = 0, ()
+        for d in dots:
+            d_types = prog.operand_types(d)
+            flops += _dot_flops(d_types[0] if d_types else "", d.type,
+                                _dims(d.attrs, "lhs_contracting_dims"))
+            dtypes = dtypes or tuple(first_array(t)[0] for t in d_types[:2])
+        precision = "HIGHEST" if any("HIGHEST" in d.attrs for d in dots) else "DEFAULT"
+        out.update(kind="gemm", library=GEMM_FUSION_KINDS[kind], flops=flops, dtypes=dtypes,
+                   precision=precision)
+    return out
+
+
+def _plain_kernel(prog: _Program, ins: Instr) -> dict:
+    types = prog.operand_types(ins)
+    out = dict(target=ins.opcode, bytes_read=sum(map(type_bytes, types)),
+               bytes_written=type_bytes(ins.type), flops=0, dtypes=(), precision="DEFAULT",
+               kind="copy" if ins.opcode == "copy" else "other", library="xla")
+    if ins.opcode == "dot":
+        out.update(kind="gemm", library="none", dtypes=tuple(first_array(t)[0]
+                                                              for t in types[:2]),
+                   flops=_dot_flops(types[0] if types else "", ins.type,
+                                    _dims(ins.attrs, "lhs_contracting_dims")))
+    return out
+
+
+def _is_f8(type_text: str) -> bool:
+    return any(d.startswith("f8") for d, _ in arrays(type_text))
+
+
+def _computes_f8(prog: _Program, comp: str) -> bool:
+    return any(_is_f8(i.type) for i in prog.comps.get(comp, []))
+
+
+def _made_from_f8(prog: _Program, comp: str, name: str | None, depth: int = 0) -> bool:
+    """Whether value ``name`` of ``comp`` is float8 or made from float8 data: followed back
+    through tuple elements, bitcasts and copies to a fusion (any float8 value inside it) or a
+    convert of a float8 value."""
+    ins = prog.by_name.get(comp, {}).get(name or "")
+    if ins is None or depth > 8:
+        return False
+    if _is_f8(ins.type):
+        return True
+    if ins.opcode in ("get-tuple-element", "bitcast", "copy", "reshape", "transpose"):
+        return bool(ins.operands) and _made_from_f8(prog, comp, _operand_name(ins.operands[0]),
+                                                    depth + 1)
+    if ins.opcode == "fusion":
+        called = _CALLS.search(ins.attrs)
+        return bool(called) and _computes_f8(prog, called.group(1))
+    if ins.opcode == "convert":
+        return any(_is_f8(t) for t in prog.operand_types(ins))
+    return False
+
+
+def _reads_f8(prog: _Program, ins: Instr) -> bool:
+    """Whether a GEMM kernel is fed float8 data: an f8 operand, float8 values in its own fused
+    computation, or an operand made from float8 data (XLA's ``TurnF8DotIntoF16Dot`` converts
+    a float8 operand up, usually inside the fusion that quantized it)."""
+    called = _CALLS.search(ins.attrs) if ins.opcode == "fusion" else None
+    if called and _computes_f8(prog, called.group(1)):
+        return True
+    return any(_made_from_f8(prog, ins.computation, _operand_name(o)) for o in ins.operands)
+
+
+def kernels(text: str) -> list[Kernel]:
+    """Every kernel the compiled module launches, walked from its entry computation through
+    loops (each body's kernels run its known trip count times; a loop without one counts
+    once), conditionals (every branch is listed, as if each ran) and calls."""
+    prog = _Program(text)
+    out: list[Kernel] = []
+
+    def walk(comp: str, times: int, depth: int) -> None:
+        if depth > 32 or comp not in prog.comps:
+            return
+        for ins in prog.comps[comp]:
+            op = ins.opcode
+            if op == "while":
+                trip = _TRIP_COUNT.search(ins.attrs)
+                n = int(trip.group(1)) if trip else 1
+                body, cond = _BODY.search(ins.attrs), _CONDITION.search(ins.attrs)
+                if cond:
+                    walk(cond.group(1), times * (n + 1), depth + 1)
+                if body:
+                    walk(body.group(1), times * n, depth + 1)
+                continue
+            if op == "conditional":
+                for m in _BRANCHES.finditer(ins.attrs):
+                    names = m.group(1).split(",") if m.group(1) else [m.group(2) or m.group(3)]
+                    for name in names:
+                        walk(name.strip().lstrip("%"), times, depth + 1)
+                continue
+            if op in ("call", "async-start"):
+                called = _TO_APPLY.search(ins.attrs) or _CALLS.search(ins.attrs)
+                if called:
+                    walk(called.group(1), times, depth + 1)
+                continue
+            if op in _NO_KERNEL or op.endswith("-done") or op.endswith("-update"):
+                continue
+            if op == "custom-call":
+                info = _custom_call_kernel(prog, ins)
+            elif op == "fusion":
+                info = _fusion_kernel(prog, ins)
+            else:
+                info = _plain_kernel(prog, ins)
+            name = _OP_NAME.search(ins.attrs)
+            f8 = info["kind"] == "gemm" and _reads_f8(prog, ins)
+            out.append(Kernel(ins.name, comp, info["kind"], info["library"], info["target"],
+                              info["bytes_read"], info["bytes_written"], info["flops"],
+                              info["dtypes"], info["precision"], times,
+                              name.group(1) if name else "", f8))
+
+    if prog.entry is not None:
+        walk(prog.entry, 1, 0)
+    return out

@@ -1,0 +1,271 @@
+"""``jaxamp.gpu_program``: the GPU program compiled for an H200 on this CPU machine.
+
+Tests marked ``gpu_compile`` need JAX's CUDA plugin (the ``gpu-compile`` extra) and skip
+without it; CI installs it in one of its two venvs. What they check is read independently of
+the report where it can be: XLA's ``memory_analysis()`` of the same compile, the ``dot_general``
+equations of the step's jaxpr (traced for the same device), and the float8 ones among them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp._jaxpr import iter_eqns
+from jaxamp.diagnostics import gpu as gpu_mod
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+try:
+    from gpt import GPT, GPTConfig, init, lm_loss, make_batch
+finally:
+    sys.path.remove(str(ROOT / "bench"))
+
+PLUGIN = gpu_mod._plugin_installed()
+BF16 = "params=float32,compute=bfloat16,output=float32"
+F16 = "params=float32,compute=float16,output=float32"
+FP8 = BF16 + ",matmul=float8"
+
+
+def gpu_compile(test):
+    """Marked ``gpu_compile``; skips where JAX's CUDA plugin is not installed."""
+    return pytest.mark.gpu_compile(pytest.mark.skipif(
+        not PLUGIN, reason="JAX's CUDA plugin is not installed (pip install -e "
+                           "'.[gpu-compile]')")(test))
+
+
+def _h200_device():
+    return gpu_mod._compile_only_device(gpu_mod.gpu_target("h200").config)
+
+
+def tiny_gpt(policy: str, attention: str = "manual", op_rules=None):
+    cfg = GPTConfig(layers=2, d_model=256, heads=4, seq=256, attention=attention)
+    model = GPT(cfg)
+    params = init(model, cfg)
+    state = jaxamp.TrainState.create(model, params, optax.adamw(1e-3), policy=policy)
+    kw = {} if op_rules is None else {"op_rules": op_rules}
+    step = jaxamp.make_train_step(model, lm_loss, clip_norm=1.0, **kw)
+    return step, state, make_batch(cfg, 4)
+
+
+def traced_dots(step, state, batch):
+    """The ``dot_general`` equations of the step traced for the H200 (as gpu_program traces
+    it): (all, float8 ones)."""
+    with jax.default_device(_h200_device()):
+        closed = jax.make_jaxpr(step.traceable)(state, batch)
+    dots = [e for e in iter_eqns(closed) if e.primitive.name == "dot_general"]
+    f8 = [e for e in dots if all("float8" in str(v.aval.dtype) for v in e.invars[:2])]
+    return dots, f8
+
+
+# ---- targets and errors (no plugin needed) -----------------------------------------------
+
+def test_h200_rates_from_its_description():
+    t = gpu_mod.gpu_target("h200")
+    assert t.name == "NVIDIA H200" and t.compute_capability == (9, 0)
+    assert t.memory_bandwidth == 4.8e12 and t.sm_count == 132
+    peaks = t.peak_flops
+    assert peaks["bf16"] == pytest.approx(132 * 1.98e9 * 4096)
+    assert peaks["fp8"] == 2 * peaks["bf16"] and peaks["tf32"] == peaks["bf16"] / 2
+    assert peaks["fp32"] == pytest.approx(2 * 128 * 132 * 1.98e9)
+    assert gpu_mod.gpu_target("H100").memory_bandwidth == 3352320000000
+
+
+def test_a_target_file_and_bad_targets(tmp_path):
+    text = (ROOT / "jaxamp/diagnostics/gpu_targets/h100.txtpb").read_text()
+    path = tmp_path / "mine.txtpb"
+    path.write_text(text.replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 1e12"))
+    assert gpu_mod.gpu_target(str(path)).memory_bandwidth == 1e12
+    with pytest.raises(ValueError, match=r"target='a100': expected one of h100, h200, a path"):
+        jaxamp.gpu_program(lambda x: x, jnp.ones(2), target="a100")
+    bad = tmp_path / "bad.txtpb"
+    bad.write_text("gpu_device_info {\n  core_count: 132\n  fpus_per_core: 128\n}\n")
+    with pytest.raises(ValueError, match=r"\(missing: memory_bandwidth, clock_rate_ghz\)"):
+        gpu_mod.gpu_target(bad)
+    with pytest.raises(ValueError, match="a device target must be a GPU, got a cpu device"):
+        gpu_mod.gpu_target(jax.devices("cpu")[0])
+
+
+def test_without_the_plugin_the_error_names_the_install(monkeypatch):
+    monkeypatch.setattr(gpu_mod, "_PLUGINS", ("jax_plugins.no_such_plugin",))
+    gpu_mod._compile_only_device.cache_clear()
+    try:
+        with pytest.raises(ModuleNotFoundError,
+                           match=r"CUDA plugin, which is not installed\. Install it: pip "
+                                 r"install \"jaxamp-flax\[gpu-compile\]\""):
+            jaxamp.gpu_program(lambda x: x * 2, jnp.ones(4))
+    finally:
+        gpu_mod._compile_only_device.cache_clear()
+
+
+@pytest.mark.skipif(PLUGIN, reason="the plugin is installed here")
+def test_really_without_the_plugin():
+    with pytest.raises(ModuleNotFoundError, match=r"gpu-compile"):
+        jaxamp.gpu_program(lambda x: x * 2, jnp.ones(4))
+
+
+# ---- the program, compiled for the H200 ----------------------------------------------------
+
+@gpu_compile
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("policy", [BF16, F16])
+def test_gemm_libraries_and_temp_of_the_bench_gpt(policy, triton):
+    step, state, batch = tiny_gpt(policy)
+    report = jaxamp.gpu_program(step, state, batch, triton_gemm=triton)
+    dots, _ = traced_dots(step, state, batch)
+    low = "bf16" if "bfloat16" in policy else "f16"
+    library = "triton" if triton else "cublaslt"
+    # every dot_general of the step is one GEMM of that library, in the compute dtype
+    assert report.gemm_libraries() == {f"{library} {low} x {low}": len(dots)}
+    assert len(dots) == 39  # 2 layers x (qkv, scores, P@V, out, fc, proj) x 3 + head x 3
+    # temp bytes: XLA's own memory_analysis of the same program
+    sharding = jax.sharding.SingleDeviceSharding(_h200_device())
+    sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                       (state, batch))
+    with jax.default_device(_h200_device()):
+        compiled = step.lower(*sds).compile(
+            compiler_options={"xla_gpu_enable_triton_gemm": triton})
+    assert report.memory["temp"] == compiled.memory_analysis().temp_size_in_bytes > 0
+    assert report.hlo == compiled.as_text()
+    assert report.estimated_seconds > 0 and report.bytes > 0
+    assert report.flops == sum(
+        2 * int(np.prod(e.outvars[0].aval.shape)) * int(np.prod(
+            [e.invars[0].aval.shape[d] for d in e.params["dimension_numbers"][0][0]]))
+        for e in dots)
+
+
+@gpu_compile
+@pytest.mark.parametrize("triton", [False, True])
+def test_planned_fp8_dots_are_formed_fp8_gemms(triton):
+    rules = jaxamp.DEFAULT_OP_RULES.extend(
+        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+    step, state, batch = tiny_gpt(FP8, op_rules=rules)
+    report = jaxamp.gpu_program(step, state, batch, triton_gemm=triton)
+    dots, f8 = traced_dots(step, state, batch)
+    # 2 layers x (qkv, out, fc, proj) x (forward, dgrad, wgrad), less the first matmul that
+    # reads a param (block 0's qkv) and the head (the last), kept bf16
+    assert len(f8) == 21
+    assert report.fp8_planned == len(f8) == report.fp8_formed
+    assert report.fp8_fallbacks == []
+    # E4M3 x E4M3 forward GEMMs, E5M2 output gradients x E4M3 in dgrad and wgrad
+    library = "triton" if triton else "cublaslt-fp8"
+    low = "triton" if triton else "cublaslt"
+    assert report.gemm_libraries() == {f"{library} f8e4m3fn x f8e4m3fn": 7,
+                                       f"{library} f8e5m2 x f8e4m3fn": 14,
+                                       f"{low} bf16 x bf16": len(dots) - len(f8)}
+    # fp8_gemms works on CPU through it
+    counts = jaxamp.fp8_gemms(step, state, batch, target="h200", warn=False)
+    assert counts["planned"] == counts["fused"] == len(f8) and counts["checked"]
+    assert counts["fallback"] == 0
+
+
+@gpu_compile
+def test_fp8_on_a_gpu_without_fp8_is_named_as_fallbacks(tmp_path):
+    """Compute capability 8.0 (an A100) has no FP8 GEMM: XLA converts every planned FP8 dot's
+    operands up (TurnF8DotIntoF16Dot), silently; the report names each such GEMM."""
+    text = (ROOT / "jaxamp/diagnostics/gpu_targets/h100.txtpb").read_text()
+    a100 = tmp_path / "a100.txtpb"
+    a100.write_text(text.replace("major: 9", "major: 8"))
+    rules = jaxamp.DEFAULT_OP_RULES.extend(
+        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+    step, state, batch = tiny_gpt(FP8, op_rules=rules)
+    report = jaxamp.gpu_program(step, state, batch, target=a100)
+    assert report.target.compute_capability == (8, 0)
+    assert report.fp8_planned == 21 and report.fp8_formed == 0
+    assert len(report.fp8_fallbacks) == 21
+    assert all(k.dtypes in (("f16", "f16"), ("bf16", "bf16")) for k in report.fp8_fallbacks)
+    with pytest.warns(RuntimeWarning, match="21 FP8 matmuls were planned but XLA emitted 0"):
+        counts = jaxamp.fp8_gemms(step, state, batch, target=a100)
+    assert counts["fallback"] == 21
+
+
+@gpu_compile
+@pytest.mark.parametrize("policy", [BF16, F16])
+def test_fused_attention_becomes_cudnn_forward_and_backward(policy):
+    step, state, batch = tiny_gpt(policy, attention="fused")
+    report = jaxamp.gpu_program(step, state, batch)
+    low = "bf16" if "bfloat16" in policy else "f16"
+    att = report.attention
+    assert Counter(k.target for k in att) == {"__cudnn$fmhaSoftmax": 2,
+                                               "__cudnn$fmhaSoftmaxBackward": 2}
+    assert all(k.dtypes == (low, low) for k in att)
+    # causal: the forward does Q K^T and P V on half the scores, the backward five GEMMs
+    fwd = next(k for k in att if k.target == "__cudnn$fmhaSoftmax")
+    assert fwd.flops == 2 * 2 * (4 * 4 * 256 * 256) * 64 // 2
+    # the other matmuls stay GEMMs: 39 - 2 layers x 6 attention dots
+    dots, _ = traced_dots(step, state, batch)
+    assert len(dots) == 27
+    assert report.gemm_libraries()[f"cublaslt {low} x {low}"] == 27
+
+
+@gpu_compile
+def test_the_platform_is_read_from_where_the_step_is_traced_for():
+    """The same fused-attention step traced for the CPU keeps JAX's XLA attention (its
+    matmuls in the jaxpr); traced for the H200 (``jax.default_device``, as gpu_program and a
+    step on GPU devices set it) it binds cuDNN's fused attention instead."""
+    step, state, batch = tiny_gpt(BF16, attention="fused")
+    names = Counter(e.primitive.name for e in iter_eqns(jax.make_jaxpr(step.traceable)(
+        state, batch)))
+    with jax.default_device(_h200_device()):
+        gpu = Counter(e.primitive.name for e in iter_eqns(jax.make_jaxpr(step.traceable)(
+            state, batch)))
+    assert names["dot_product_attention_fwd_wrapper"] == 0 and names["dot_general"] == 39
+    assert gpu["dot_product_attention_fwd_wrapper"] == 2  # one per layer
+    assert gpu["dot_product_attention_bwd_wrapper"] == 2
+    assert gpu["dot_general"] == 27
+
+
+@gpu_compile
+def test_function_form_report_and_cli(tmp_path):
+    def f(x, w):
+        return jnp.tanh(x @ w).sum()
+
+    x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 1024), jnp.bfloat16)
+    report = jaxamp.gpu_program(jax.jit(jax.grad(f, argnums=1)), x, w, target="h100")
+    assert report.target.name == "NVIDIA H100 80GB HBM3"
+    assert report.gemm_libraries() == {"cublaslt bf16 x bf16": 2}  # x @ w, x^T @ dy
+    assert [g.flops for g in report.gemms()] == [2 * 256 * 512 * 1024] * 2
+    data = json.loads(report.to_json())
+    assert data["summary"]["gemm_libraries"] == {"cublaslt bf16 x bf16": 2}
+    assert data["memory"]["temp"] == report.memory["temp"]
+    assert "| GEMMs | 2 cublaslt bf16 x bf16 |" in report.to_markdown()
+    script = tmp_path / "make.py"
+    script.write_text("import jax, jax.numpy as jnp\n"
+                      "def make():\n"
+                      "    f = lambda x, w: jnp.tanh(x @ w).sum()\n"
+                      "    return (jax.grad(f, argnums=1), jnp.ones((256, 512), jnp.bfloat16),"
+                      " jnp.ones((512, 1024), jnp.bfloat16))\n")
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "jaxamp.diagnostics.gpu", f"{script}:make",
+                           "--json", str(out)], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr
+    assert "GEMMs            2 cublaslt bf16 x bf16" in proc.stdout
+    assert json.loads(out.read_text())["summary"]["gemm_libraries"] == {
+        "cublaslt bf16 x bf16": 2}
+
+
+@gpu_compile
+def test_without_jax_platforms_cpu_the_error_says_so():
+    code = ("import jaxamp, jax.numpy as jnp\n"
+            "try:\n"
+            "    jaxamp.gpu_program(lambda x: x * 2, jnp.ones(4))\n"
+            "except RuntimeError as e:\n"
+            "    print('ERR', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("a GPU machine: the plugin starts without JAX_PLATFORMS=cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "ERR jaxamp.gpu_program: JAX's CUDA plugin gave no compile-only GPU" in proc.stdout
+    assert "JAX_PLATFORMS=cpu" in proc.stdout
