@@ -4,6 +4,10 @@ today's code, compiled for the H200 on CPU (``jaxamp.gpu_program``; no GPU neede
     JAX_PLATFORMS=cpu python bench/gpu_estimate.py --commit 104ae84 \\
         --measured bench/results-gpu.json --json bench/results-gpu-estimate-104ae84.json
     JAX_PLATFORMS=cpu python bench/gpu_estimate.py --json bench/results-gpu-estimate.json
+    JAX_PLATFORMS=cpu python bench/gpu_estimate.py --model example \\
+        --json bench/results-gpu-estimate-example.json
+    JAX_PLATFORMS=cpu python bench/gpu_estimate.py --model llama \\
+        --json bench/results-gpu-estimate-llama.json
 
 ``--commit C`` compiles the variants of ``bench/gpu.sh`` as commit ``C`` built them (its
 ``jaxamp`` and ``bench/`` from ``git archive``, in a subprocess) for the built-in H200
@@ -12,9 +16,13 @@ description, and reads each program with today's reader; ``--measured`` (a
 per variant, the estimate, the measured time, and both as ratios to a reference variant (the
 hand-cast step), with the error of the estimated ratio. Without ``--commit``: today's code.
 
-Each variant is the gpt2-small-shape step of ``bench/gpu.sh`` (``bench/gpt.py``, 12 layers,
-d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0); GEMMs as cuBLAS calls (no autotuner
-without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
+``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
+(``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
+hand-cast twin; ``example``: the example's ``gpt2-small`` preset as ``examples/train_lm.py``
+builds its step (batch 8 x 1024); ``llama``: tunix's Llama3 (an NNX library we did not write:
+RMSNorm, SwiGLU, rotary, grouped-query attention) at gpt2-small size (12 layers, d 768, 12
+query / 4 key-value heads, MLP 2048, vocabulary 32768, batch 8 x 1024). GEMMs as cuBLAS calls
+(no autotuner without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
 """
 
 from __future__ import annotations
@@ -36,24 +44,119 @@ TARGET = ROOT / "jaxamp" / "diagnostics" / "gpu_targets" / "h200.txtpb"
 VARIANTS = ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
             "jaxamp-norecompute/float16", "hand/bfloat16", "hand/float16", "jaxamp/float32",
             "hand/float32", "jaxamp-fused/bfloat16")
+MODELS = {"bench-gpt": VARIANTS,
+          "example": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
+                      "jaxamp/float32"),
+          "llama": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
+                    "jaxamp/float32")}
 REFERENCE = "hand/bfloat16"
 CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
 BATCH = 16
+LLAMA = dict(num_layers=12, vocab_size=32768, embed_dim=768, hidden_dim=2048, num_heads=12,
+             head_dim=64, num_kv_heads=4, rope_theta=500_000, norm_eps=1e-5)
+SMALL_BATCH = 8  # the example's and the Llama's steps: 8 x 1024 tokens
 
 
-def child(out: Path, triton_gemm: bool, names: list[str]) -> None:
-    """Builds and compiles each variant with the ``jaxamp`` and ``bench/`` on ``sys.path``
-    (today's or an archived commit's); writes ``<variant>.hlo`` and ``<variant>.json``. Uses
-    only JAX's public API, so it runs on old trees too."""
-    import jax
-    from jax.experimental import topologies
-
-    sys.path.insert(0, str(Path.cwd() / "bench"))
+def _bench_gpt(name: str, sds, device):
+    """(lower thunk) of one ``bench/gpt.py`` variant, as ``bench/_gpu.py`` builds it."""
     from _steps import POLICIES, AmpRunner, HandRunner, make_tx, setup
     from gpt import GPT, GPTConfig
 
     import jaxamp
 
+    cfg = GPTConfig(**CONFIG)
+    model, params, batch = setup(cfg, BATCH)
+    side, dt = name.split("/")
+    if side.startswith("jaxamp"):
+        if side == "jaxamp-fused" and "attention" not in GPTConfig.__dataclass_fields__:
+            raise ValueError("this code's GPTConfig has no attention= option")
+        m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
+        rules = (jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+                 if side == "jaxamp-norecompute" else None)
+        r = AmpRunner(m, params, make_tx(), batch, POLICIES[dt],
+                      jaxamp.default_loss_scale(POLICIES[dt]), op_rules=rules)
+        return lambda: r.step.lower(sds(r.state), sds(batch))
+    r = HandRunner(cfg, params, make_tx(), batch, dt)
+    return lambda: r.step.lower(*sds(r.args()))
+
+
+POLICY = {"bfloat16": "params=float32,compute=bfloat16,output=float32",
+          "float16": "params=float32,compute=float16,output=float32", "float32": "float32"}
+
+
+def _example(name: str, sds, device):
+    """The example's gpt2-small step, as ``examples/train_lm.py`` builds it."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lm_cli
+    import lm_model
+    import train_lm
+
+    import jaxamp
+
+    side, dt = name.split("/")
+    args = train_lm.build_parser().parse_args(
+        ["--preset", "gpt2-small", "--policy", POLICY[dt], "--batch-size", str(SMALL_BATCH)])
+    config = lm_model.PRESETS["gpt2-small"]
+    policy = jaxamp.get_policy(POLICY[dt])
+    kind = "dynamic" if dt == "float16" else "none"
+    loss_scale = lm_cli.make_loss_scale(kind, args)
+    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
+        if side == "jaxamp-norecompute" else None
+    model, tx = lm_model.GPT(config), train_lm.make_optimizer(args)
+    step = jaxamp.make_train_step(model, train_lm.loss_fn, tx, policy=policy,
+                                  clip_norm=args.clip_norm or None,
+                                  **({} if rules is None else {"op_rules": rules}))
+    state = jax.eval_shape(lambda p: jaxamp.TrainState.create(
+        model, p, tx, loss_scale=loss_scale, policy=policy), lm_model.abstract_params(config))
+    ids = jax.ShapeDtypeStruct((SMALL_BATCH, config.block_size), jnp.int32)
+    return lambda: step.lower(sds(state), sds({"inputs": ids, "targets": ids}))
+
+
+def _llama(name: str, sds, device):
+    """tunix's Llama3 (NNX) at gpt2-small size under jaxamp's step, as its users run it."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from third_party import import_bare
+
+    import jaxamp
+
+    m = import_bare("tunix.models.llama3.model")
+    side, dt = name.split("/")
+    model = m.Llama3(m.ModelConfig(**LLAMA), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((SMALL_BATCH, 1024), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(1024), tokens.shape)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((1024, 1024), bool)), (SMALL_BATCH, 1024, 1024))
+
+    def loss(model, batch):
+        logits, _ = model(batch["inputs"], batch["positions"], None, batch["mask"])
+        return jaxamp.softmax_cross_entropy(logits, batch["targets"])
+
+    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
+        if side == "jaxamp-norecompute" else None
+    state = jaxamp.TrainState.create(model, tx=optax.adamw(1e-3), policy=POLICY[dt])
+    step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0,
+                                  **({} if rules is None else {"op_rules": rules}))
+    batch = {"inputs": tokens, "targets": tokens, "positions": positions, "mask": mask}
+    return lambda: step.lower(sds(state), sds(batch))
+
+
+BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama}
+
+
+def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
+    """Builds and compiles each variant with the ``jaxamp`` and ``bench/`` on ``sys.path``
+    (today's or an archived commit's); writes ``<variant>.hlo`` and ``<variant>.json``. Uses
+    only JAX's public API, so the bench GPT's variants build on old trees too."""
+    import jax
+    from jax.experimental import topologies
+
+    sys.path.insert(0, str(Path.cwd() / "bench"))
     topo = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
                                         topology="1x1x1")
     device = topo.devices[0]
@@ -63,27 +166,12 @@ def child(out: Path, triton_gemm: bool, names: list[str]) -> None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
                             if hasattr(x, "shape") else x, tree)
 
-    cfg = GPTConfig(**CONFIG)
-    model, params, batch = setup(cfg, BATCH)
-    tx = make_tx()
     for name in names:
-        side, dt = name.split("/")
         t0 = time.perf_counter()
         try:
-            if side.startswith("jaxamp"):
-                if side == "jaxamp-fused" and "attention" not in GPTConfig.__dataclass_fields__:
-                    raise ValueError("this code's GPTConfig has no attention= option")
-                m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
-                rules = (jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
-                         if side == "jaxamp-norecompute" else None)
-                r = AmpRunner(m, params, tx, batch, POLICIES[dt],
-                              jaxamp.default_loss_scale(POLICIES[dt]), op_rules=rules)
-                with jax.default_device(device):
-                    lowered = r.step.lower(sds(r.state), sds(batch))
-            else:
-                r = HandRunner(cfg, params, tx, batch, dt)
-                with jax.default_device(device):
-                    lowered = r.step.lower(*sds(r.args()))
+            lower = BUILDERS[model](name, sds, device)
+            with jax.default_device(device):
+                lowered = lower()
             compiled = lowered.compile(
                 compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
         except Exception as e:  # a variant this code cannot build
@@ -96,17 +184,17 @@ def child(out: Path, triton_gemm: bool, names: list[str]) -> None:
         (out / f"{name.replace('/', '_')}.json").write_text(json.dumps({
             "temp": ma.temp_size_in_bytes, "argument": ma.argument_size_in_bytes,
             "output": ma.output_size_in_bytes, "alias": ma.alias_size_in_bytes,
-            "stablehlo_fp8_dots": lowered.as_text().count("xf8E"),
             "compile_s": round(time.perf_counter() - t0, 1)}))
         print(f"[estimate] {name}: compiled in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
 
 
-def compile_tree(tree: Path, out: Path, triton_gemm: bool, names: list[str]) -> None:
+def compile_tree(tree: Path, out: Path, triton_gemm: bool, model: str,
+                 names: list[str]) -> None:
     """Runs :func:`child` in a subprocess whose ``jaxamp`` is the one in ``tree``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(tree))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out),
-           "--variants", ",".join(names)] + (["--triton-gemm"] if triton_gemm else [])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--model",
+           model, "--variants", ",".join(names)] + (["--triton-gemm"] if triton_gemm else [])
     subprocess.run(cmd, cwd=tree, env=env, check=True)
 
 
@@ -151,7 +239,9 @@ def rows(out: Path, measured: dict[str, float], names: list[str]) -> list[dict]:
                        "gemm_libraries": prog.gemm_libraries(),
                        "attention": [k.target for k in prog.attention],
                        "compile_s": info["compile_s"]})
-    ref = next((r for r in result if r["variant"] == REFERENCE and "error" not in r), None)
+    reference = REFERENCE if any(r["variant"] == REFERENCE for r in result) else \
+        "jaxamp-norecompute/bfloat16"
+    ref = next((r for r in result if r["variant"] == reference and "error" not in r), None)
     for r in result:
         if ref is None or "error" in r:
             continue
@@ -193,15 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="compile this commit's code (git archive)")
     ap.add_argument("--measured", type=Path, default=None,
                     help="a results-gpu.json of the same code measured on an H200")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--model", choices=sorted(MODELS), default="bench-gpt")
+    ap.add_argument("--variants", default=None, help="comma-separated (default: the model's)")
     ap.add_argument("--triton-gemm", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    names = [v for v in a.variants.split(",") if v]
+    names = [v for v in (a.variants or ",".join(MODELS[a.model])).split(",") if v]
     if a.child is not None:
-        child(a.child, a.triton_gemm, names)
+        child(a.child, a.triton_gemm, a.model, names)
         return 0
+    if a.commit and a.model != "bench-gpt":
+        ap.error("--commit builds the bench GPT's variants only")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -212,16 +305,17 @@ def main(argv: list[str] | None = None) -> int:
             archive(a.commit, tree)
         out = tmp / "programs"
         out.mkdir()
-        compile_tree(tree, out, a.triton_gemm, names)
+        compile_tree(tree, out, a.triton_gemm, a.model, names)
         result = rows(out, measured_ms(a.measured), names)
     print(table(result))
     if a.json:
         import jax
 
         a.json.write_text(json.dumps({
-            "commit": a.commit or "HEAD", "target": "built-in h200",
-            "gemms": "triton" if a.triton_gemm else "cublas", "config": CONFIG,
-            "batch": BATCH, "reference": REFERENCE, "rows": result,
+            "commit": a.commit or "HEAD", "model": a.model, "target": "built-in h200",
+            "gemms": "triton" if a.triton_gemm else "cublas",
+            "config": {"bench-gpt": CONFIG, "llama": LLAMA}.get(a.model, "gpt2-small preset"),
+            "batch": BATCH if a.model == "bench-gpt" else SMALL_BATCH, "rows": result,
             "measured_source": str(a.measured) if a.measured else None,
             "metadata": {"command": " ".join(["python", *sys.argv]),
                          "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,

@@ -269,3 +269,31 @@ def test_without_jax_platforms_cpu_the_error_says_so():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "ERR jaxamp.gpu_program: JAX's CUDA plugin gave no compile-only GPU" in proc.stdout
     assert "JAX_PLATFORMS=cpu" in proc.stdout
+
+
+@gpu_compile
+def test_the_readme_example_prints_what_readme_shows(capsys):
+    """README's GPU-program block, run on what it names (the bench GPT at gpt2-small shape,
+    bf16, batch 16 x 1024, from ShapeDtypeStructs), prints the lines README shows."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The GPU program, from a laptop"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    cfg = GPTConfig(layers=12, d_model=768, heads=12, seq=1024)
+    model = GPT(cfg)
+    params = jax.eval_shape(lambda: init(model, cfg))
+    state = jax.eval_shape(lambda p: jaxamp.TrainState.create(
+        model, p, optax.adamw(1e-3), policy=BF16), params)
+    batch = jax.eval_shape(lambda: make_batch(cfg, 16))
+    step = jaxamp.make_train_step(model, lm_loss, clip_norm=1.0)
+    exec(compile(code, "README.md", "exec"), {"jaxamp": jaxamp, "step": step, "state": state,
+                                              "batch": batch})
+    shown = [line[2:] for line in code.splitlines() if line.startswith("# ")]
+    printed = capsys.readouterr().out.splitlines()
+    if jax.__version__.startswith("0.10."):  # README's figures are jax 0.10.2's
+        assert printed == shown
+    else:  # a newer XLA moves the figures a little, not what runs where
+        keep = ("target", "GEMMs", "fused attention", "FP8 GEMMs")
+        assert [p for p in printed if p.startswith(keep)] == \
+            [p for p in shown if p.startswith(keep)]

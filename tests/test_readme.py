@@ -57,6 +57,11 @@ def test_ci_runs_what_the_readme_says():
     assert re.search(r"^TORCH_CMD='pip install torch==2\.13\.0'$", ci, re.M)
     first = ci[ci.index("=== 1/2"):ci.index("=== 2/2")]
     assert 'eval "${TORCH_CMD}"' in first and 'eval "${DOCS_CMD}"' in first
+    # the gpu_compile tests run in the first venv, with the extra README names
+    gpu = re.search(r"^GPU_COMPILE_CMD='(.*)'$", ci, re.M).group(1)
+    assert gpu == 'pip install -e ".[gpu-compile]"' and gpu in setup
+    assert 'eval "${GPU_COMPILE_CMD}"' in first
+    assert "GPU_COMPILE_CMD" not in ci[ci.index("=== 2/2"):]
 
 
 def test_usage_snippet_runs():
