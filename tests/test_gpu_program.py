@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -67,6 +68,14 @@ def traced_dots(step, state, batch):
     dots = [e for e in iter_eqns(closed) if e.primitive.name == "dot_general"]
     f8 = [e for e in dots if all("float8" in str(v.aval.dtype) for v in e.invars[:2])]
     return dots, f8
+
+
+def _dot_flops(eqn) -> int:
+    """2 x output elements x contracted size of a traced ``dot_general``."""
+    lhs = eqn.invars[0].aval.shape
+    contracting = eqn.params["dimension_numbers"][0][0]
+    return 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(
+        np.prod([lhs[d] for d in contracting]))
 
 
 # ---- targets and errors (no plugin needed) -----------------------------------------------
@@ -139,10 +148,7 @@ def test_gemm_libraries_and_temp_of_the_bench_gpt(policy, triton):
     assert report.memory["temp"] == compiled.memory_analysis().temp_size_in_bytes > 0
     assert report.hlo == compiled.as_text()
     assert report.estimated_seconds > 0 and report.bytes > 0
-    assert report.flops == sum(
-        2 * int(np.prod(e.outvars[0].aval.shape)) * int(np.prod(
-            [e.invars[0].aval.shape[d] for d in e.params["dimension_numbers"][0][0]]))
-        for e in dots)
+    assert report.flops == sum(_dot_flops(e) for e in dots)
 
 
 @gpu_compile
@@ -185,7 +191,9 @@ def test_fp8_on_a_gpu_without_fp8_is_named_as_fallbacks(tmp_path):
     assert report.fp8_planned == 21 and report.fp8_formed == 0
     assert len(report.fp8_fallbacks) == 21
     assert all(k.dtypes in (("f16", "f16"), ("bf16", "bf16")) for k in report.fp8_fallbacks)
-    with pytest.warns(RuntimeWarning, match="21 FP8 matmuls were planned but XLA emitted 0"):
+    with pytest.warns(RuntimeWarning, match=r"21 FP8 matmuls were planned .* but XLA formed "
+                                            r"FP8 GEMMs for 0 of those FLOPs \(0 GEMMs; 21 "
+                                            r"silently ran as 16-bit dots"):
         counts = jaxamp.fp8_gemms(step, state, batch, target=a100)
     assert counts["fallback"] == 21
 
@@ -297,3 +305,67 @@ def test_the_readme_example_prints_what_readme_shows(capsys):
         keep = ("target", "GEMMs", "fused attention", "FP8 GEMMs")
         assert [p for p in printed if p.startswith(keep)] == \
             [p for p in shown if p.startswith(keep)]
+
+
+def _tunix_llama3(policy: str, op_rules=None):
+    """tunix's Llama3 as its users build it (``tests/third_party.py``'s loader), at a size
+    whose every matmul XLA keeps a GEMM (at the corpus' 12 tokens and 16-wide heads it turns
+    some into loop fusions): 2 layers, d 128, 4 query / 2 key-value heads of 32, MLP 256,
+    64 tokens."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import third_party
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    if not third_party.installed("tunix"):
+        pytest.skip("tunix is not installed (.ci/run installs it)")
+    m = third_party.import_bare("tunix.models.llama3.model")
+    config = m.ModelConfig(num_layers=2, vocab_size=256, embed_dim=128, hidden_dim=256,
+                           num_heads=4, head_dim=32, num_kv_heads=2, rope_theta=10_000,
+                           norm_eps=1e-5)
+    model = third_party._dummy(m, "Llama3", config, 1)
+    ids = jax.random.randint(jax.random.key(2), (2, 65), 0, 256)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+    state = jaxamp.TrainState.create(model, tx=optax.adamw(1e-3), policy=policy)
+    kw = {} if op_rules is None else {"op_rules": op_rules}
+    return (jaxamp.make_train_step(loss_fn=third_party._tunix_loss, clip_norm=1.0, **kw),
+            state, batch)
+
+
+@gpu_compile
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("policy", [BF16, F16, FP8])
+def test_a_model_we_did_not_write(policy, triton):
+    """tunix's NNX Llama3 (RoPE, grouped-query attention, SwiGLU, its own RMSNorm) under each
+    policy: the GEMMs are the traced dot_generals, in the compute dtype or FP8 as planned, and
+    the temp bytes are XLA's own."""
+    rules = jaxamp.DEFAULT_OP_RULES.extend(
+        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))}) if policy == FP8 else None
+    step, state, batch = _tunix_llama3(policy, rules)
+    report = jaxamp.gpu_program(step, state, batch, triton_gemm=triton)
+    dots, f8 = traced_dots(step, state, batch)
+    low = "bf16" if "bfloat16" in policy else "f16"
+    library = "triton" if triton else "cublaslt"
+    libs = report.gemm_libraries()
+    assert libs.pop(f"{library} {low} x {low}") > 0
+    assert all(k.startswith("triton f8" if triton else "cublaslt-fp8 f8") for k in libs)
+    # XLA's DotMerger makes one GEMM of two dots that share an operand (k_proj and v_proj,
+    # SwiGLU's gate and up read the same input): the FLOPs are the traced dots' all the same
+    assert report.flops == sum(_dot_flops(e) for e in dots)
+    assert report.fp8_planned == len(f8) and report.fp8_formed == sum(libs.values())
+    assert report.fp8_formed_flops == report.fp8_planned_flops == sum(_dot_flops(e)
+                                                                       for e in f8)
+    assert report.fp8_fallbacks == []
+    if policy == FP8:
+        assert len(f8) == 39 and report.fp8_formed == 29  # 10 merged, none lost
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # merged FP8 dots are no shortfall
+            counts = jaxamp.fp8_gemms(step, state, batch, target="h200")
+        assert counts["fallback"] == 0 and counts["fused_flops"] == counts["planned_flops"]
+    sharding = jax.sharding.SingleDeviceSharding(_h200_device())
+    sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                       (state, batch))
+    with jax.default_device(_h200_device()):
+        compiled = step.lower(*sds).compile(
+            compiler_options={"xla_gpu_enable_triton_gemm": triton})
+    assert report.memory["temp"] == compiled.memory_analysis().temp_size_in_bytes

@@ -32,12 +32,35 @@ __all__ = ["FP8_GEMM_TARGET", "count_fp8_gemm_calls", "count_planned_fp8_dots", 
 #: The custom-call target of cuBLASLt's FP8 GEMM in compiled XLA:GPU HLO.
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 
-_F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<[^>]*xf8E\w+>, tensor<[^>]*xf8E\w+>\)")
+_F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([^>]*)xf8E\w+>, "
+                     r"tensor<[^>]*xf8E\w+>\) -> tensor<([^>]*)x\w+>")
+_CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
+
+
+def planned_fp8_dots(stablehlo: str) -> list[int]:
+    """The FLOPs of each ``dot_general`` with two FP8 operands in StableHLO text
+    (``lower(...).as_text()``): 2 x output elements x contracted size."""
+    out = []
+    for line in stablehlo.splitlines():
+        m = _F8_DOT.search(line)
+        if not m:
+            continue
+        lhs = [int(d) for d in m.group(1).split("x") if d]
+        res = [int(d) for d in m.group(2).split("x") if d]
+        c = _CONTRACTING.search(line)
+        k = 1
+        for d in (int(x) for x in c.group(1).split(",") if x.strip()) if c else ():
+            k *= lhs[d] if d < len(lhs) else 1
+        n = 1
+        for d in res:
+            n *= d
+        out.append(2 * n * k)
+    return out
 
 
 def count_planned_fp8_dots(stablehlo: str) -> int:
     """``dot_general`` s with two FP8 operands in StableHLO text (``lower(...).as_text()``)."""
-    return sum(1 for line in stablehlo.splitlines() if _F8_DOT.search(line))
+    return len(planned_fp8_dots(stablehlo))
 
 
 def count_fp8_gemm_calls(compiled_hlo: str) -> int:
@@ -56,41 +79,48 @@ def fp8_gemms(fn: Callable, *args: Any, warn: bool = True, target: Any = None) -
     :func:`jaxamp.gpu_program`, which needs JAX's CUDA plugin) it is compiled for that GPU, on
     any machine.
 
-    Returns ``{"backend", "planned", "fused", "checked", "fallback"}``: ``fused`` the number of
+    Planned and formed are compared by FLOPs: XLA merges two FP8 dots that share an operand
+    (SwiGLU's gate and up projections read the same quantised input) into one GEMM, so a
+    program may form fewer FP8 GEMMs than it planned dots with none lost.
+
+    Returns ``{"backend", "planned", "fused", "checked", "fallback"}`` (plus
+    ``"planned_flops"`` and ``"fused_flops"`` when compiled for a GPU): ``fused`` the number of
     FP8 GEMMs (``__cublas$lt$matmul$f8`` calls, or Triton GEMMs of float8 operands, which XLA
     forms when Triton GEMMs are on; :attr:`jaxamp.diagnostics.gpu.GpuProgram.fp8_formed`; None
     when not compiled for a GPU), ``checked`` whether the
     comparison was made, ``fallback`` how many planned FP8 dots did not become an FP8 GEMM
-    (None when not compiled for a GPU). With ``warn`` (default), a ``RuntimeWarning`` names the
-    shortfall.
+    (the GEMMs fed FP8 data that multiply in 16 bits; None when not compiled for a GPU). With
+    ``warn`` (default), a ``RuntimeWarning`` names the shortfall.
     """
     if target is not None:
         from jaxamp.diagnostics.gpu import gpu_program
 
         report = gpu_program(fn, *args, target=target)
-        planned, fused = report.fp8_planned, report.fp8_formed
-        out = {"backend": "gpu", "planned": planned, "fused": fused, "checked": True,
-               "fallback": max(planned - fused, 0)}
     else:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         lowered = jitted.lower(*args)
-        planned = count_planned_fp8_dots(lowered.as_text())
         backend = jax.default_backend()
-        out = {"backend": backend, "planned": planned, "fused": None, "checked": False,
-               "fallback": None}
-        if backend != "gpu" or planned == 0:
-            return out
+        if backend != "gpu" or count_planned_fp8_dots(lowered.as_text()) == 0:
+            return {"backend": backend, "planned": count_planned_fp8_dots(lowered.as_text()),
+                    "fused": None, "checked": False, "fallback": None}
         from jaxamp.diagnostics.gpu import GpuProgram
 
-        fused = GpuProgram.read(lowered.compile(), jax.devices()[0]).fp8_formed
-        out.update(fused=fused, checked=True, fallback=max(planned - fused, 0))
-    if warn and fused < planned:
+        report = GpuProgram.read(lowered.compile(), jax.devices()[0], lowered=lowered)
+    planned, fused = report.fp8_planned, report.fp8_formed
+    short = report.fp8_formed_flops < report.fp8_planned_flops
+    fallbacks = report.fp8_fallbacks
+    out = {"backend": "gpu", "planned": planned, "fused": fused, "checked": True,
+           "fallback": len(fallbacks) or (max(planned - fused, 1) if short else 0),
+           "planned_flops": report.fp8_planned_flops, "fused_flops": report.fp8_formed_flops}
+    if warn and short:
+        names = ", ".join(k.name for k in fallbacks[:5]) or "no GEMM reads FP8 data"
         warnings.warn(
-            f"jaxamp: {planned} FP8 matmuls were planned but XLA emitted {fused} "
-            f"{FP8_GEMM_TARGET} GEMMs: {planned - fused} silently ran as f16 dots (no FP8 "
-            "speed-up). Usual causes: a GPU older than Hopper (SM < 8.9), dims XLA cannot "
-            "align, or a layout it does not rewrite; see jaxamp.audit(...).matmuls for the "
-            "planned matmuls and raise the size threshold (FP8Matmuls(small=...)) or exclude "
-            "the module with an override {'path': 'matmul=bfloat16'}.",
+            f"jaxamp: {planned} FP8 matmuls were planned ({report.fp8_planned_flops:.3g} FLOPs) "
+            f"but XLA formed FP8 GEMMs for {report.fp8_formed_flops:.3g} of those FLOPs "
+            f"({fused} GEMMs; {out['fallback']} silently ran as 16-bit dots: {names}; no FP8 "
+            "speed-up there). Usual causes: a GPU older than Hopper (SM < 8.9), dims XLA "
+            "cannot align, or a layout it does not rewrite; see jaxamp.audit(...).matmuls for "
+            "the planned matmuls and raise the size threshold (FP8Matmuls(small=...)) or "
+            "exclude the module with an override {'path': 'matmul=bfloat16'}.",
             RuntimeWarning, stacklevel=2)
     return out

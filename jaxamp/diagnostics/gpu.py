@@ -60,7 +60,7 @@ import numpy as np
 
 from jaxamp._compat import compile_only_gpu, device_target_config
 from jaxamp.diagnostics._hlo import Kernel, kernels
-from jaxamp.diagnostics.fp8_hlo import count_planned_fp8_dots
+from jaxamp.diagnostics.fp8_hlo import planned_fp8_dots
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
 
@@ -252,8 +252,8 @@ class GpuProgram:
         loop trips).
       memory: XLA's ``memory_analysis()`` in bytes: ``temp``, ``argument``, ``output``,
         ``alias``, ``generated_code``.
-      fp8_planned: FP8 ``dot_general`` s in the lowered program (jaxamp's plan: forward, dgrad,
-        wgrad).
+      fp8_planned_dots: the FLOPs of each FP8 ``dot_general`` of the lowered program
+        (jaxamp's plan: forward, dgrad, wgrad).
       options: how it was compiled (``triton_gemm``, ``autotuned``, compiler options).
       hlo: the compiled HLO text.
     """
@@ -261,7 +261,7 @@ class GpuProgram:
     target: GpuTarget
     kernels: list[Kernel]
     memory: dict[str, int]
-    fp8_planned: int
+    fp8_planned_dots: list[int]
     options: dict[str, Any]
     hlo: str = dataclasses.field(repr=False, default="")
 
@@ -277,10 +277,8 @@ class GpuProgram:
         memory = {key: int(getattr(ma, f"{key}_size_in_bytes", 0) or 0)
                   for key in ("temp", "argument", "output", "alias", "generated_code")} \
             if ma is not None else {}
-        planned = 0
-        if lowered is not None:
-            planned = count_planned_fp8_dots(lowered if isinstance(lowered, str)
-                                             else lowered.as_text())
+        planned = [] if lowered is None else planned_fp8_dots(
+            lowered if isinstance(lowered, str) else lowered.as_text())
         return cls(gpu_target(target), kernels(text), memory, planned, dict(options or {}),
                    text)
 
@@ -321,11 +319,27 @@ class GpuProgram:
         return [k for k in self.kernels if k.kind == "attention"]
 
     @property
+    def fp8_planned(self) -> int:
+        """FP8 ``dot_general`` s in the lowered program (jaxamp's plan)."""
+        return len(self.fp8_planned_dots)
+
+    @property
+    def fp8_planned_flops(self) -> int:
+        return sum(self.fp8_planned_dots)
+
+    @property
+    def fp8_formed_flops(self) -> int:
+        """FLOPs of the FP8 GEMMs, per instruction: equal to :attr:`fp8_planned_flops` when
+        every planned FP8 dot became (part of) an FP8 GEMM."""
+        return sum(k.flops for k in self.kernels if k.kind == "gemm" and _is_fp8(k))
+
+    @property
     def fp8_formed(self) -> int:
         """GEMM kernels that multiply float8 operands: cuBLASLt FP8 GEMMs
         (``__cublas$lt$matmul$f8``) and Triton GEMM fusions whose dot reads float8 (XLA gives
         FP8 dots to Triton when Triton GEMMs are on). Counted per instruction, as the planned
-        dots are (a loop body's GEMM once)."""
+        dots are (a loop body's GEMM once); XLA's DotMerger may make one GEMM of two planned
+        dots that share an operand, so compare :attr:`fp8_formed_flops`."""
         return sum(1 for k in self.kernels if k.kind == "gemm" and _is_fp8(k))
 
     @property
@@ -363,6 +377,8 @@ class GpuProgram:
                 "gemm_libraries": self.gemm_libraries(),
                 "attention_calls": [k.target for k in self.attention],
                 "fp8_planned": self.fp8_planned, "fp8_formed": self.fp8_formed,
+                "fp8_planned_flops": self.fp8_planned_flops,
+                "fp8_formed_flops": self.fp8_formed_flops,
                 "fp8_fallbacks": [k.name for k in self.fp8_fallbacks]}
 
     def to_dict(self, kernels: bool = True) -> dict[str, Any]:
@@ -379,7 +395,8 @@ class GpuProgram:
     def _lines(self) -> list[tuple[str, str]]:
         s = self.summary()
         mem = self.memory
-        fp8 = (f"{s['fp8_formed']} formed of {s['fp8_planned']} planned"
+        fp8 = (f"{s['fp8_formed']} GEMMs for {s['fp8_planned']} planned dots, "
+               f"{s['fp8_formed_flops'] / max(s['fp8_planned_flops'], 1):.0%} of their FLOPs"
                + (f"; NOT FP8 GEMMs: {', '.join(s['fp8_fallbacks'])}" if s["fp8_fallbacks"]
                   else "")) if s["fp8_planned"] or s["fp8_formed"] else "none planned"
         how = ("compiled on the device (autotuned)" if self.options.get("autotuned") else
