@@ -16,6 +16,9 @@ description, and reads each program with today's reader; ``--measured`` (a
 per variant, the estimate, the measured time, and both as ratios to a reference variant (the
 hand-cast step), with the error of the estimated ratio. Without ``--commit``: today's code.
 
+``--recompute-study``: the default bf16 step with one piece of autocast's recompute switched
+off at a time (``bench/recompute_gpu.py``'s variants), against recompute off.
+
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
 hand-cast twin; ``example``: the example's ``gpt2-small`` preset as ``examples/train_lm.py``
@@ -147,6 +150,21 @@ def _llama(name: str, sds, device):
 
 
 BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama}
+#: ``--recompute-study``: the default step with one piece of recompute off at a time
+#: (``bench/recompute_gpu.py``'s patches, applied while tracing), and recompute off.
+STUDY = ("jaxamp-norecompute/bfloat16", "jaxamp/bfloat16", "jaxamp+on-no-softmax/bfloat16",
+         "jaxamp+on-no-stats/bfloat16", "jaxamp+param-casts-only/bfloat16",
+         "jaxamp+on-no-param-casts/bfloat16")
+
+
+def _patched(patch: str):
+    import contextlib
+
+    if not patch:
+        return contextlib.nullcontext()
+    from recompute_gpu import patched
+
+    return patched(patch)
 
 
 def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
@@ -168,10 +186,13 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
 
     for name in names:
         t0 = time.perf_counter()
+        side, dt = name.split("/")
+        side, _, patch = side.partition("+")  # "jaxamp+on-no-softmax/bfloat16"
         try:
-            lower = BUILDERS[model](name, sds, device)
-            with jax.default_device(device):
-                lowered = lower()
+            with _patched(patch):
+                lower = BUILDERS[model](f"{side}/{dt}", sds, device)
+                with jax.default_device(device):
+                    lowered = lower()
             compiled = lowered.compile(
                 compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
         except Exception as e:  # a variant this code cannot build
@@ -286,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="bench-gpt")
     ap.add_argument("--variants", default=None, help="comma-separated (default: the model's)")
     ap.add_argument("--triton-gemm", action="store_true")
+    ap.add_argument("--recompute-study", action="store_true",
+                    help="the default step with each piece of recompute off (bf16)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    names = [v for v in (a.variants or ",".join(MODELS[a.model])).split(",") if v]
+    default = STUDY if a.recompute_study else MODELS[a.model]
+    names = [v for v in (a.variants or ",".join(default)).split(",") if v]
     if a.child is not None:
         child(a.child, a.triton_gemm, a.model, names)
         return 0

@@ -20,7 +20,8 @@ Variants (bf16 unless named; ``off`` is ``recompute=False``, ``on`` today's defa
 ``off``, ``on``, ``on-no-param-casts`` (params cast once in the forward and kept),
 ``on-no-cse-barrier`` (``jax.checkpoint(prevent_cse=False)``), ``on-no-rounding``
 (segments read low inputs without ``_recompute._rounded``'s barrier), ``on-no-softmax``
-(segments holding an ``exp`` are evaluated plainly), ``param-casts-only`` (no segments),
+(segments holding an ``exp`` are evaluated plainly), ``on-no-stats`` (nor segments holding a
+reduction: norms, softmax), ``param-casts-only`` (no segments),
 and ``off``/``on`` in float16.
 
 Usage: ``python bench/recompute_gpu.py --out DIR`` on a GPU (gpt2-small shape, batch 16;
@@ -97,6 +98,8 @@ def patched(variant: str):
         put(rc, "_rounded", list)
     if base == "on-no-softmax":
         put(rc, "plan", plan_without({"exp"}))
+    if base == "on-no-stats":  # no segment holding a row statistic (norms, softmax)
+        put(rc, "plan", plan_without({"reduce_sum", "reduce_max"}))
     if base == "param-casts-only":
         put(rc, "plan", lambda ev, jaxpr, taken, cuts: {})
     try:
