@@ -69,6 +69,7 @@ module itself is matched by its class name (``"GPT"``), as every jaxamp report p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -322,17 +323,34 @@ def _embed_within(inherited: jmp.Policy) -> jmp.Policy:
 ClassPolicy = jmp.Policy | Callable[[jmp.Policy], jmp.Policy]
 
 
-def _rule_policy(value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
+def _key_text(key: Any) -> str:
+    """An override key as its error messages name it: ``overrides['blocks_*/mlp']``,
+    ``overrides[Dense]``."""
+    return f"overrides[{key.__name__ if isinstance(key, type) else repr(key)}]"
+
+
+@contextlib.contextmanager
+def _naming(key: Any):
+    """A bad override value's error, prefixed with the key it was given under."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{_key_text(key)}: {e}") from None
+
+
+def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
     """An override's policy: a string that sets only ``matmul=`` (``"matmul=bfloat16"``) is
     relative (the inherited policy with that matmul dtype); anything else is absolute."""
-    if isinstance(value, str) and set(policy_spec.parse_given(value)) == {"matmul"}:
-        with_matmul(default, value)  # validate now (against the default), before tracing
-        return functools.partial(_matmul_within, spec=value)
-    return get_policy(value)
+    with _naming(key):
+        if isinstance(value, str) and set(policy_spec.parse_given(value)) == {"matmul"}:
+            with_matmul(default, value)  # validate now (against the default), before tracing
+            return functools.partial(_matmul_within, spec=value, key=key)
+        return get_policy(value)
 
 
-def _matmul_within(inherited: jmp.Policy, spec: str) -> jmp.Policy:
-    return with_matmul(inherited, spec)
+def _matmul_within(inherited: jmp.Policy, spec: str, key: Any) -> jmp.Policy:
+    with _naming(key):  # under an ancestor's rule with compute=float16, while tracing
+        return with_matmul(inherited, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +379,7 @@ class ModuleRules:
         class_rules: list[tuple[type, ClassPolicy]] = []
         path_rules: list[tuple[str, re.Pattern[str], jmp.Policy]] = []
         for key, value in overrides.items():
-            pol = _rule_policy(value, default)
+            pol = _rule_policy(key, value, default)
             if isinstance(key, str):
                 pattern = key.strip().strip("/")
                 if not pattern:

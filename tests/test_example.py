@@ -456,6 +456,16 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "--mesh data=3" in line and "devices" in line
 
 
+def test_a_bad_matmul_value_in_policy_names_the_matmul_choices(tmp_path, capsys):
+    """Issue 46: before, "Allowed dtypes: float32/f32/full, ..." and an example without
+    matmul=, never naming float8/fp8/f8."""
+    line = run_error(capsys, ["--policy", "c=bf16,matmul=float9", "--out", str(tmp_path)])
+    assert line == ("error: --policy 'c=bf16,matmul=float9': Unknown matmul dtype 'float9' in "
+                    "'matmul=float9'. Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible "
+                    "matmuls), float32/f32, float16/f16, bfloat16/bf16, half. Example: "
+                    "'params=float32,compute=bfloat16,output=float32,matmul=float8'.")
+
+
 @pytest.fixture
 def quiet_orbax_cleanup(monkeypatch):
     """After a failed restore, tensorstore threads report their remaining reads to orbax's
