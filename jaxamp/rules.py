@@ -28,7 +28,9 @@ and bit operations, random numbers, typed sub-computations such as ``scatter-add
 ``reduce``. A primitive in no list (one that a newer JAX adds) runs as traced too, and autocast
 warns with its name, so it never goes unnoticed; classify it with :meth:`OpRules.extend`.
 An equation with a float64 operand or result (under ``jax_enable_x64``) runs as traced
-whatever its class: autocast never narrows float64 (as torch autocast leaves it alone).
+whatever its class: autocast never narrows float64 (as torch autocast leaves it alone), FP8
+matmuls included; where that leaves a matmul of a low-precision region in float64, autocast
+warns, naming the float64 inputs (the policy changes nothing there).
 
 A primitive can also get a **handler** of its own (``DEFAULT_OP_RULES.extend(handlers={
 "dot_general": my_rule})``): a function of a :class:`jaxamp.RuleCall` (the equation, its
