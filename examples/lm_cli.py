@@ -27,8 +27,8 @@ import numpy as np
 import jaxamp
 import jaxamp.policy_spec
 
-__all__ = ["EXIT_USAGE", "Parser", "Setup", "UsageError", "build_parser", "check_number",
-           "make_loss_scale", "validate"]
+__all__ = ["EXIT_USAGE", "FP8_SMALL", "Parser", "Setup", "UsageError", "build_parser",
+           "check_number", "check_writable", "make_loss_scale", "validate"]
 
 EXIT_USAGE = 2
 #: Upper bounds of flags that end up in int32 device counters or in host memory.
@@ -280,7 +280,7 @@ def validate(args: argparse.Namespace) -> Setup:
         raise UsageError(str(e)) from None
     folder.writer = jax.process_index() == 0  # several hosts: the first writes --out
     # Every input is valid: only now is the disk touched (the folder created, if new).
-    _check_writable(folder.path)
+    check_writable(folder.path)
     held = None
     if folder.writer:
         try:
@@ -331,9 +331,10 @@ def _check_loss_scale(kind: str, args):
         raise UsageError(f"{flag} {value}: {e}{hint}") from None
 
 
-def _check_writable(out: Path) -> None:
+def check_writable(out: Path) -> None:
     """--out and the subfolder the run writes (checkpoints/, if there) take a new file, and
-    the path is UTF-8 (orbax and tensorstore take paths as UTF-8 text)."""
+    the path is UTF-8 (orbax and tensorstore take paths as UTF-8 text); creates --out. Both
+    examples call it once every other input is valid."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder; choose a folder to write to")
     try:
