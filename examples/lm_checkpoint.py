@@ -238,7 +238,7 @@ def run_config(s: Setup) -> dict:
         "growth_interval": a.growth_interval, "lr": a.lr, "schedule": a.schedule,
         "warmup": a.warmup, "clip_norm": a.clip_norm, "batch_size": a.batch_size,
         "micro_batches": a.micro_batches, "seed": a.seed, "eval_batches": a.eval_batches,
-        "data_fingerprint": s.corpus.fingerprint,
+        "data_fingerprint": s.corpus.fingerprint, "fp8_small": s.fp8_small,
     }
 
 
@@ -247,7 +247,10 @@ _FLAG_OF = {"preset": "--preset", "model": "--preset", "policy": "--policy",
             "growth_interval": "--growth-interval", "lr": "--lr", "schedule": "--schedule",
             "warmup": "--warmup", "clip_norm": "--clip-norm", "batch_size": "--batch-size",
             "micro_batches": "--micro-batches", "seed": "--seed",
-            "eval_batches": "--eval-batches", "data_fingerprint": "--data"}
+            "eval_batches": "--eval-batches", "data_fingerprint": "--data",
+            "fp8_small": "--fp8-small"}
+#: Settings recorded since a later version: a checkpoint without one is not compared on it.
+_RECORDED_LATER = frozenset({"fp8_small"})
 
 
 class SaveError(OSError):
@@ -441,6 +444,8 @@ def _differences(old: dict, now: dict):
     """(flag, old value, new value) of each setting that differs; the model config field by
     field, under the flag that sets it (--dropout, else --preset)."""
     for k, v in now.items():
+        if k in _RECORDED_LATER and k not in old:
+            continue  # an older checkpoint: the setting was not recorded
         was = old.get(k)
         if k == "model" and isinstance(was, dict) and isinstance(v, dict):
             if old.get("preset") != now.get("preset"):

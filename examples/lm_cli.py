@@ -13,6 +13,8 @@ import argparse
 import dataclasses
 import math
 import os
+import re
+import sys
 from pathlib import Path
 
 import jax
@@ -25,8 +27,8 @@ import numpy as np
 import jaxamp
 import jaxamp.policy_spec
 
-__all__ = ["EXIT_USAGE", "Parser", "Setup", "UsageError", "build_parser", "check_number",
-           "make_loss_scale", "validate"]
+__all__ = ["EXIT_USAGE", "FP8_SMALL", "Parser", "Setup", "UsageError", "build_parser",
+           "check_number", "check_writable", "make_loss_scale", "validate"]
 
 EXIT_USAGE = 2
 #: Upper bounds of flags that end up in int32 device counters or in host memory.
@@ -36,6 +38,10 @@ MAX_SEED = 2**32 - 1
 #: run of these presets, low enough that a typo cannot allocate the host's memory for indices.
 MAX_BATCH_TOKENS = 2**22
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+#: A command-line value argparse would take for an option: '-' and a digit ('-1,0', '-3').
+_NEGATIVE = re.compile(r"-\d")
+#: --fp8-small when not given: torchao's threshold, FP8Matmuls' default.
+FP8_SMALL = "1024,4096"
 
 
 class UsageError(Exception):
@@ -57,6 +63,19 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump, no traceback
         raise UsageError(message)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """A value that starts with '-' and a digit (``--fp8-small -1,0``) is the value of the
+        ``--flag`` before it, as ``--flag=-1,0`` is: argparse took ``-1,0`` for an option and
+        said "expected one argument" instead of what is wrong with the value."""
+        args = list(sys.argv[1:] if args is None else args)
+        out: list[str] = []
+        for arg in args:
+            if out and _NEGATIVE.match(arg) and out[-1].startswith("--") and "=" not in out[-1]:
+                out[-1] = f"{out[-1]}={arg}"
+            else:
+                out.append(arg)
+        return super().parse_known_args(out, namespace)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of train_lm.py, one ``add_argument`` each (range checks go in validate)."""
@@ -76,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jaxamp/jmp policy string: params/compute/output dtypes, e.g. "
                         "'params=float32,compute=bfloat16,output=float32', 'c=f16' or "
                         "'float32' (full precision); add ',matmul=float8' for FP8 matmuls")
-    m.add_argument("--fp8-small", default="1024,4096", metavar="K,N",
-                   help="with matmul=float8: a matmul with contracting size <= K and output "
-                        "features <= N stays in the compute dtype (default: torchao's "
-                        "threshold; '0,0' runs every aligned matmul in FP8)")
+    m.add_argument("--fp8-small", default=None, metavar="K,N",
+                   help="with matmul=float8 only: a matmul with contracting size <= K and "
+                        f"output features <= N stays in the compute dtype (default: {FP8_SMALL}, "
+                        "torchao's threshold; '0,0' runs every aligned matmul in FP8)")
     m.add_argument("--dropout", type=float, default=0.0,
                    help="dropout rate (embeddings and residual branches), in [0, 1)")
     m.add_argument("--loss-scale", default="auto",
@@ -158,6 +177,7 @@ class Setup:
     loss_scale: object = None  # jaxamp.DynamicLossScale / StaticLossScale / NoOpLossScale
     lock: lm_files.FolderLock | None = None  # --out's lock, held for the run (first host)
     op_rules: object = jaxamp.DEFAULT_OP_RULES  # --fp8-small (jaxamp.FP8Matmuls)
+    fp8_small: str | None = None  # 'K,N' of a matmul=float8 run (run config, summary); else None
 
     def release(self) -> None:
         """Drops --out's lock (at the end of the run)."""
@@ -214,7 +234,7 @@ def validate(args: argparse.Namespace) -> Setup:
     except (ValueError, TypeError) as e:
         raise UsageError(f"--policy {args.policy!r}: {e}") from None
     policy_str = jaxamp.policy_to_str(policy)
-    op_rules = _fp8_rules(args.fp8_small)
+    fp8_small, op_rules = _fp8_rules(args.fp8_small, policy, policy_str)
     compute = np.dtype(policy.compute_dtype).name
     kind = args.loss_scale
     if kind == "auto":
@@ -260,7 +280,7 @@ def validate(args: argparse.Namespace) -> Setup:
         raise UsageError(str(e)) from None
     folder.writer = jax.process_index() == 0  # several hosts: the first writes --out
     # Every input is valid: only now is the disk touched (the folder created, if new).
-    _check_writable(folder.path)
+    check_writable(folder.path)
     held = None
     if folder.writer:
         try:
@@ -271,19 +291,28 @@ def validate(args: argparse.Namespace) -> Setup:
             raise UsageError(f"--out {folder.path}: cannot lock it ({e.strerror or e}); choose "
                              "a folder on a filesystem that supports flock") from None
     return Setup(args, config, policy, policy_str, kind, folder.path, corpus, folder, note,
-                 loss_scale, held, op_rules)
+                 loss_scale, held, op_rules, fp8_small)
 
 
-def _fp8_rules(text: str):
-    """``--fp8-small K,N`` -> op rules whose FP8 rule has that size threshold."""
-    parts = text.split(",")
+def _fp8_rules(text: str | None, policy, policy_str: str):
+    """``--fp8-small K,N`` -> ``('K,N', op rules whose FP8 rule has that size threshold)``;
+    ``(None, the default rules)`` for a policy without matmul=float8, which refuses the flag."""
+    small = FP8_SMALL if text is None else text
     try:
-        small = tuple(int(v) for v in parts)
-        rule = jaxamp.FP8Matmuls(small=small)
+        rule = jaxamp.FP8Matmuls(small=tuple(int(v) for v in small.split(",")))
     except ValueError:
-        raise UsageError(f"--fp8-small must be two integers >= 0 as K,N (e.g. 1024,4096 or "
+        raise UsageError(f"--fp8-small must be two integers >= 0 as K,N (e.g. {FP8_SMALL} or "
                          f"0,0), got {text!r}") from None
-    return jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": rule})
+    fp8 = np.dtype(getattr(policy, "matmul_dtype", None) or np.float32).itemsize == 1
+    if not fp8:
+        if text is not None:
+            raise UsageError(f"--fp8-small {text} sets which matmuls of a matmul=float8 policy "
+                             f"stay in the compute dtype, and --policy {policy_str!r} has no "
+                             "matmul=float8; add ',matmul=float8' to a compute=bfloat16 "
+                             "--policy, or drop --fp8-small")
+        return None, jaxamp.DEFAULT_OP_RULES
+    return ",".join(map(str, rule.small)), jaxamp.DEFAULT_OP_RULES.extend(
+        handlers={"dot_general": rule})
 
 
 def _check_loss_scale(kind: str, args):
@@ -302,9 +331,10 @@ def _check_loss_scale(kind: str, args):
         raise UsageError(f"{flag} {value}: {e}{hint}") from None
 
 
-def _check_writable(out: Path) -> None:
+def check_writable(out: Path) -> None:
     """--out and the subfolder the run writes (checkpoints/, if there) take a new file, and
-    the path is UTF-8 (orbax and tensorstore take paths as UTF-8 text)."""
+    the path is UTF-8 (orbax and tensorstore take paths as UTF-8 text); creates --out. Both
+    examples call it once every other input is valid."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder; choose a folder to write to")
     try:

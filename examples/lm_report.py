@@ -138,7 +138,8 @@ def summary(s: Setup, state, rows: list[dict], *, start_step: int, initial_val: 
     return {
         "preset": args.preset, "model": dataclasses.asdict(config),
         "params": lm_model.param_count(state.params),
-        "flops_per_token": fpt, "policy": s.policy_str, "loss_scale_mode": s.loss_scale_kind,
+        "flops_per_token": fpt, "policy": s.policy_str, "fp8_small": s.fp8_small,
+        "loss_scale_mode": s.loss_scale_kind,
         "steps": args.steps, "resumed_from": start_step if args.resume else None,
         "batch_size": args.batch_size, "micro_batches": args.micro_batches,
         "tokens_per_step": args.batch_size * config.block_size,

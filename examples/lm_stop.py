@@ -90,7 +90,9 @@ class Run:
 def main(setup: Callable[[], Setup], train: Callable[[Setup, Run], int]) -> int:
     """``train(setup(), run)`` with every failure as one line: bad input (``UsageError``,
     exit 2), a signal (130 / 143), a file system error (2); --help exits 0. --out's lock is
-    released at the end."""
+    released at the end. ``setup()`` may return any object with ``out`` (the run folder's
+    path), ``folder`` (its ``lm_files.RunFolder``) and ``release()``; one whose
+    ``resumable`` is False (train_vision.py) is told to start again, not to ``--resume``."""
     s = None
     with Run() as run:
         try:
@@ -130,9 +132,12 @@ def kept(s: Setup | None) -> str:
     """What a stopped run leaves to continue from: its latest complete checkpoint, or none."""
     if s is None:
         return "nothing was written"
+    again = " plus --overwrite" if s.folder.holds_run() else ""
+    if not getattr(s, "resumable", True):
+        return (f"{s.out} keeps what was written (this script does not resume): start again "
+                f"with the same flags{again}")
     step = lm_checkpoint.latest_step(s.out)
     if step is None:
-        again = " plus --overwrite" if s.folder.holds_run() else ""
         return (f"no checkpoint was saved in {s.out / lm_files.CHECKPOINT_DIR}, so there is "
                 f"nothing to resume: start again with the same flags{again}")
     return (f"kept: the checkpoint of step {step} in {s.out / lm_files.CHECKPOINT_DIR} "

@@ -15,9 +15,10 @@ The model has no dtype code: jaxamp runs it under ``--policy`` (convolutions and
 the compute dtype, BatchNorm statistics and the loss in float32). What keeps the run safe and
 reports on it is the LM example's, shared: ``lm_cli.py`` (flag checks, one ``error:`` line and
 exit status 2 before anything runs), ``lm_files.py`` (which ``--out``; nothing it did not write
-is ever replaced), ``lm_checkpoint.py`` (a checksummed orbax checkpoint of the final state),
-``lm_report.py`` (compiled memory, ``curves.png``) and jaxamp's run-log format
-(``metrics.jsonl``, ``summary.json``) that ``python -m jaxamp.review`` reads.
+is ever replaced; ``--out`` checked writable), ``lm_stop.py`` (Ctrl-C, SIGTERM or a disk
+error: one line and an exit status), ``lm_checkpoint.py`` (a checksummed orbax checkpoint of
+the final state), ``lm_report.py`` (compiled memory, ``curves.png``) and jaxamp's run-log
+format (``metrics.jsonl``, ``summary.json``) that ``python -m jaxamp.review`` reads.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import jax.numpy as jnp  # noqa: E402
 import lm_checkpoint  # noqa: E402
 import lm_files  # noqa: E402
 import lm_report  # noqa: E402
+import lm_stop  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from lm_cli import EXIT_USAGE, Parser, UsageError, check_number  # noqa: E402
+from lm_cli import Parser, UsageError, check_number, check_writable  # noqa: E402
 
 import jaxamp  # noqa: E402
 import jaxamp.policy_spec  # noqa: E402
@@ -134,25 +136,20 @@ def parse(argv):
             overwrite=args.overwrite)
     except lm_files.FolderError as e:
         raise UsageError(str(e)) from None
+    check_writable(args.folder.path)  # every input is valid: only now is --out touched
+    # what lm_stop reports a stop with: the run folder; no lock to release, no --resume
+    args.out, args.release, args.resumable = args.folder.path, lambda: None, False
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        try:
-            args = parse(argv)
-        except SystemExit as e:  # --help
-            return int(e.code or 0)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return train(args)
+    """Exit status 0, 2 (bad input, disk error), 130 / 143 (SIGINT / SIGTERM): one line."""
+    return lm_stop.main(lambda: parse(argv), train)
 
 
-def train(args) -> int:
+def train(args, run: lm_stop.Run) -> int:
     console = lm_report.Console(highlight=False)
     folder, out, policy = args.folder, args.folder.path, args.policy_obj
-    out.mkdir(parents=True, exist_ok=True)  # every input is valid: only now is --out touched
     for note in lm_files.prepare(folder, overwrite=args.overwrite, note=args.note):
         console.print(lm_report.esc(note))
 
@@ -171,7 +168,7 @@ def train(args) -> int:
         return float(np.mean([np.mean(np.asarray(eval_fn(state, b["images"])) == b["labels"])
                               for b in val]))
 
-    t0 = time.perf_counter()
+    run.phase, t0 = "compiling the train step", time.perf_counter()
     compiled = step_fn.lower(state, make_batch(args.seed, 0, args.batch_size)).compile()
     compile_s, memory = time.perf_counter() - t0, lm_report.compiled_memory(compiled)
     console.print(f"{jaxamp.policy_to_str(policy)} on {jax.default_backend()}: compiled in "
@@ -181,7 +178,7 @@ def train(args) -> int:
     rows, train_s = [], 0.0
     with lm_files.metrics_writer(folder, keep_through=0) as log:
         for step in range(1, args.steps + 1):
-            t = time.perf_counter()
+            run.phase, t = f"training step {step}", time.perf_counter()
             state, m = compiled(state, make_batch(args.seed, step, args.batch_size))
             m = jax.device_get(m)
             dt = time.perf_counter() - t
@@ -193,13 +190,17 @@ def train(args) -> int:
                               f"{m['loss_scale']:g}  skipped {m['skipped_steps']}  "
                               f"val accuracy {extra['val_accuracy']:.3f}")
             rows.append(metrics.step_record(step, m, **extra))
-            log.write(rows[-1])
+            with run.deferred(f"writing step {step} to {out / metrics.METRICS_FILE}"):
+                log.write(rows[-1])  # a whole line, whatever signal arrives
+                run.step = step
 
-    mgr = lm_checkpoint.manager(out / lm_files.CHECKPOINT_DIR)
-    folder.record(step=args.steps)
-    lm_checkpoint.save(mgr, args.steps, state, {"step": args.steps, "seed": args.seed,
-                                                "policy": jaxamp.policy_to_str(policy)})
-    mgr.close()
+    with run.deferred(f"saving the checkpoint of step {args.steps}"):
+        mgr = lm_checkpoint.manager(out / lm_files.CHECKPOINT_DIR)
+        folder.record(step=args.steps)
+        lm_checkpoint.save(mgr, args.steps, state, {"step": args.steps, "seed": args.seed,
+                                                    "policy": jaxamp.policy_to_str(policy)})
+        mgr.close()
+    run.phase = "writing the summary and plots"
     final_acc = rows[-1]["val_accuracy"]
     precision = jaxamp.precision_table(step_fn, state, make_batch(args.seed, 0, 8))
     summary = {
@@ -215,9 +216,10 @@ def train(args) -> int:
         "compile_seconds": compile_s, "memory_bytes": memory,
         "backend": jax.default_backend(), "jax_version": jax.__version__,
     }
-    lm_files.write_outputs(folder, summary, precision)
-    lm_report.plot_curves(rows, out / "curves.png", f"ResNet | {summary['policy']}",
-                          clip_norm=summary["clip_norm"], ylabel="loss (cross-entropy)")
+    with run.deferred():  # no half-written summary
+        lm_files.write_outputs(folder, summary, precision)
+        lm_report.plot_curves(rows, out / "curves.png", f"ResNet | {summary['policy']}",
+                              clip_norm=summary["clip_norm"], ylabel="loss (cross-entropy)")
     console.print(f"validation accuracy {final_acc:.3f} (chance {1 / len(CLASSES):.2f}), "
                   f"{summary['images_per_s']:,.0f} images/s, {int(state.skipped_steps)} "
                   f"skipped steps; review: python -m jaxamp.review {lm_report.esc(str(out))}")
@@ -225,4 +227,4 @@ def train(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lm_stop.exit_process(main())  # skips the interpreter's teardown after a signal

@@ -103,6 +103,9 @@ class Evaluator:
         self.attention_calls = attention_calls  # jax.nn.dot_product_attention calls recorded
         self.call = call  # region markers of other autocast calls (nested ones) are ignored
         self.unknown: set[str] = set()  # primitives in no op list that were met (warned once)
+        # the low-precision matmul dtypes ("float16", "float8", ...) of regions whose matmuls
+        # ran in float64 (jax_enable_x64: float64 is left alone; warned once)
+        self.float64_matmuls: set[str] = set()
         self.marks: dict = {}  # name stack -> the region ids of this call's markers in it
         self.bodies: dict = {}  # Body cache (see body())
         self.evaluations: collections.Counter = collections.Counter()  # id(jaxpr) -> count

@@ -40,6 +40,7 @@ from jaxamp._values import (
 )
 from jaxamp._values import convert as convert_dtype
 from jaxamp._wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
+from jaxamp.policy import matmul_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxamp._evaluator import Evaluator
@@ -70,9 +71,16 @@ def bind_eqn(eqn, vals, site: Site, *, params=None, stored=False, const=False) -
     return results(eqn, out, site.region, stored=stored, const=const)
 
 
+def _traced_float(var) -> bool:
+    """``var`` was traced as a float autocast may cast to: float16/bfloat16/float32, or
+    float64 (a value the rules made narrower, e.g. a user's handler of a float64 matmul,
+    goes back to the float64 it was traced in)."""
+    return is_float(var.aval.dtype) or dtype_of(var.aval) == F64
+
+
 def as_traced(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs an equation exactly as traced (its original input dtypes)."""
-    vals = [cast(v, var.aval.dtype) if v.is_float and is_float(var.aval.dtype) else v.val
+    vals = [cast(v, var.aval.dtype) if v.is_float and _traced_float(var) else v.val
             for v, var in zip(ins, eqn.invars)]
     out = bind_with_params(eqn, vals)
     floats = [v for v in ins if v.is_float]
@@ -221,6 +229,14 @@ def _float64_in(eqn) -> bool:
                if hasattr(v.aval, "dtype"))
 
 
+def _note_float64_matmul(ev: Evaluator, site: Site) -> None:
+    """A matmul left in float64 where its region's policy asks for a low-precision one: the
+    policy changes nothing there (autocast warns, naming the float64 inputs)."""
+    dtype = np.dtype(matmul_dtype(ev.policy(site.region)))
+    if dtype.itemsize < 4:
+        ev.float64_matmuls.add("float8" if dtype.itemsize == 1 else dtype.name)
+
+
 def first_order(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     """The rule of ``eqn``'s op class (a constant computation, a float64 one and a
     primitive with sub-programs that autocast does not know run as traced)."""
@@ -231,6 +247,8 @@ def first_order(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]
     if not ev.op_rules.known(name):
         ev.unknown.add(name)
     if sub_jaxprs(eqn) or _float64_in(eqn):
+        if kind == "matmul" and _float64_in(eqn):
+            _note_float64_matmul(ev, site)
         kind = "as_traced"
     elif kind in ("promote", "matmul", "fp32") and all(v.const for v in ins):
         kind = "as_traced"

@@ -15,11 +15,15 @@ after it keep their own low-precision inputs). A segment runs past a matmul that
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
 matmul is evaluated first, outside the checkpoint. A segment's last op whose derivative reads
 only its output (``tanh`` before a matmul) is a segment of its own that keeps that output,
-the array the matmul keeps anyway (:data:`_SELF_DERIVED`). The forward pass computes the same values
-in the same dtypes; only what is kept changes (a low-precision input is read rounded, through
-an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). (The matmul rule,
-likewise, casts a param operand inside a ``jax.checkpoint`` that keeps nothing: the backward
-casts it again instead of keeping its low copy; :func:`jaxamp._op_rules.recompute_param_casts`.)
+the array the matmul keeps anyway (:data:`_SELF_DERIVED`). The forward pass runs the same
+operations in the same dtypes; only what is kept changes (a low-precision input is read rounded,
+through an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). Compiled, that
+rounding is the one difference: without segments XLA's excess precision may use a low-precision
+matmul output unrounded where it fuses it into the next op; with
+``--xla_allow_excess_precision=false`` the results with and without segments are
+bit-identical. (The matmul rule, likewise, casts a param operand inside a ``jax.checkpoint``
+that keeps nothing: the backward casts it again instead of keeping its low copy;
+:func:`jaxamp._op_rules.recompute_param_casts`.)
 
 Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
 module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the

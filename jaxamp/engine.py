@@ -43,7 +43,9 @@ Value bookkeeping that keeps casts minimal:
   activations to its ``compute_dtype``; the function's own float outputs get the default
   policy's ``output_dtype``; the updated collections of a linen ``apply(..., mutable=...)``
   (a decode cache, batch statistics, sown values) come back in their stored dtype;
-* float64 values (``jax_enable_x64``) are left alone, as torch autocast leaves them.
+* float64 values (``jax_enable_x64``) are left alone, as torch autocast leaves them; a matmul
+  of a float16/bfloat16/FP8 region left in float64 that way is warned about (once per trace),
+  naming the function's float64 inputs (:func:`float64_inputs`) and the cast that fixes it.
 
 Where a batch contraction may be a sum across devices (traced under ``jax.set_mesh``, as
 ``make_train_step(mesh=...)`` does, or with more than one device visible, as for plain
@@ -78,6 +80,7 @@ import collections
 import contextlib
 import difflib
 import functools
+import inspect
 import itertools
 import os
 import sys
@@ -94,11 +97,12 @@ from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import Tracer, mesh_is_set
 from jaxamp._evaluator import COUNTERS, REGION_MARKER, Evaluator
 from jaxamp._jaxpr import param_matmuls
-from jaxamp._values import Value, cast
+from jaxamp._values import F64, Value, cast, dtype_of
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
-__all__ = ["REGION_MARKER", "autocast", "check_options", "counting_evaluations"]
+__all__ = ["REGION_MARKER", "autocast", "check_options", "counting_evaluations",
+           "float64_cause", "float64_inputs"]
 
 _CALLS = itertools.count(1)
 #: Evaluate module calls whose structure repeats (a Transformer's layers) once and replay them
@@ -297,6 +301,7 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
         ins = [Value(leaves[i], True, False, ()) for i in dyn]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
         _warn_unknown(evaluator.unknown)
+        _warn_float64(evaluator.float64_matmuls, fn, args, kwargs)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         n_result = len(out_leaves)
         if (apply_module is not None and kwargs.get("mutable")) or modules is not None:
@@ -366,6 +371,56 @@ def _warn_no_fp8_rule(policies, op_rules: OpRules) -> None:
             "handler (the FP8 rule), so every matmul runs in the compute dtype. Build the rules "
             "from jaxamp.DEFAULT_OP_RULES, or add handlers={'dot_general': "
             "jaxamp.FP8Matmuls()}.", stacklevel=_user_stacklevel())
+
+
+def float64_inputs(fn: Callable, args: tuple, kwargs: Mapping[str, Any] | None = None,
+                   ) -> list[str]:
+    """The float64 array leaves of ``fn(*args, **kwargs)``, each named by ``fn``'s parameter
+    and its path, with its type: ``["batch['x'] (float64[16,8])"]``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature
+        params = []
+    positional = [p.name for p in itertools.takewhile(
+        lambda p: p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD), params)]
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path((tuple(args), dict(kwargs or {}))):
+        if not _is_array(leaf) or dtype_of(leaf) != F64:
+            continue
+        where, key, rest = path[0].idx, path[1], path[2:]
+        if where == 1:
+            name = key.key
+        elif key.idx < len(positional):
+            name = positional[key.idx]
+        else:
+            name = f"args[{key.idx}]"
+        found.append(f"{name}{jax.tree_util.keystr(tuple(rest))} "
+                     f"(float64[{','.join(map(str, np.shape(leaf)))}])")
+    return found
+
+
+def float64_cause(inputs: list[str]) -> str:
+    """Why matmuls ran in float64 and the cast that fixes it (``inputs``:
+    :func:`float64_inputs`): the end of autocast's warning and of the audit's finding."""
+    if not inputs:
+        return ("float64 values the function closes over or makes (a NumPy float64 array or "
+                "constant) made them float64, so the policy changes nothing there. Cast them to "
+                "float32 where they are made (np.asarray(x, np.float32)).")
+    shown = ", ".join(inputs[:4]) + (f" and {len(inputs) - 4} more" if len(inputs) > 4 else "")
+    one = len(inputs) == 1
+    return (f"the float64 input{'' if one else 's'} {shown} made them float64, so the policy "
+            f"changes nothing there. Cast {'it' if one else 'them'} to float32 before the call "
+            "(np.asarray(x, np.float32) where the batch is made).")
+
+
+def _warn_float64(dtypes: set[str], fn: Callable, args: tuple, kwargs: Mapping) -> None:
+    if dtypes:
+        warnings.warn(
+            f"jaxamp.autocast: matmuls ran in float64 where the policy asks for "
+            f"{', '.join(sorted(dtypes))}: with jax_enable_x64 on, float64 values are left "
+            f"alone (as torch autocast leaves them), and "
+            f"{float64_cause(float64_inputs(fn, args, kwargs))}",
+            stacklevel=_user_stacklevel())
 
 
 def _warn_unknown(names: set[str]) -> None:

@@ -220,7 +220,9 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
                  small: tuple[int, int] = (1024, 4096)) -> str | None:
     """Why this ``dot_general`` should not run in FP8, or None when it is eligible.
 
-    Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"batched"`` (batch
+    Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"float64"`` (a
+    float64 operand, under ``jax_enable_x64``: float64 is left alone, as everywhere in
+    autocast, and the matmul runs as traced), ``"batched"`` (batch
     dimensions: attention's q @ k and weights @ v, which have no weight to scale once and are
     best left to the fused attention), ``"unaligned"`` (the contracting size K or the
     weight's output features N not a multiple of 16, torchao's rule: cuBLASLt's FP8 GEMM
@@ -231,6 +233,8 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
     """
     if not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
         return "not float"
+    if any(np.dtype(d) == np.float64 for d in (lhs_dtype, rhs_dtype)):
+        return "float64"
     (lc, rc), (lb, rb) = _dims(dimension_numbers)
     if lb or rb:
         return "batched"

@@ -74,16 +74,21 @@ def matmul_dtype(policy: jmp.Policy) -> Any:
     return policy.compute_dtype if found is None else found
 
 
-def _check_matmul(names: dict[str, str], compute, spec: str) -> Any:
+def _check_matmul(names: dict[str, str], compute, spec: str,
+                  inherited: jmp.Policy | None = None) -> Any:
+    """The matmul dtype ``spec`` sets (None: unset); ``inherited``: the policy a string that
+    sets only ``matmul=`` overrides (where its compute dtype comes from)."""
     name = names.get("matmul")
     if name is None:
         return None
     if name != policy_spec.FLOAT8:
         return _dtype(name)
     if np.dtype(compute) == np.dtype(jnp.float16):
+        source = "" if inherited is None else \
+            f" (from the policy it overrides, {policy_to_str(inherited)!r})"
         raise ValueError(
             f"Policy {spec!r}: matmul=float8 needs compute=bfloat16 or compute=float32, got "
-            "compute=float16. FP8 matmuls return the compute dtype: float16's range (max "
+            f"compute=float16{source}. FP8 matmuls return the compute dtype: float16's range (max "
             "65504) overflows where the FP8 product of two scaled tensors does not, and "
             "float16 also needs a global loss scale on top of FP8's per-tensor scales. Write "
             "'params=float32,compute=bfloat16,output=float32,matmul=float8'.")
@@ -158,7 +163,7 @@ def with_matmul(policy: jmp.Policy, spec: str) -> jmp.Policy:
     """``policy`` with the ``matmul=`` of ``spec`` (a string that sets only ``matmul=``, as an
     override ``{"lm_head": "matmul=bfloat16"}`` does): its other fields unchanged."""
     names = policy_spec.parse_given(spec)
-    matmul = _check_matmul(names, policy.compute_dtype, spec)
+    matmul = _check_matmul(names, policy.compute_dtype, spec, inherited=policy)
     return MatmulPolicy(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
                         matmul_dtype=matmul)
 

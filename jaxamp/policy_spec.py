@@ -64,47 +64,48 @@ ALLOWED_MATMUL = ("Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible matmul
                   "float16/f16, bfloat16/bf16, half.")
 _ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o, matmul."
 EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
+MATMUL_EXAMPLE = "Example: 'params=float32,compute=bfloat16,output=float32,matmul=float8'."
+#: FP8 format names a ``matmul=`` value may be written as: all mean ``float8``.
+_FP8_LIKE = ("float8", "f8", "fp8", "e4m3", "e5m2")
 
 
-def _error(message: str, *hints: str) -> ValueError:
-    return ValueError(" ".join((message, *hints, EXAMPLE)))
+def _error(message: str, *hints: str, example: str = EXAMPLE) -> ValueError:
+    return ValueError(" ".join((message, *hints, example)))
 
 
-def _parse_dtype(value: str, part: str, spec: str) -> str:
+def _parse_dtype(value: str, part: str, spec: str, *, what: str = "dtype",
+                 allowed: str = ALLOWED_DTYPES, example: str = EXAMPLE) -> str:
+    """A dtype name of a policy field (``what``, ``allowed`` and ``example``: the words of the
+    errors, which ``matmul=`` replaces with its own choices)."""
     name = value.strip().lower()
     where = f"'{value.strip()}' in '{part.strip()}'"
     if not name:
-        raise _error(f"Empty dtype in '{part.strip()}' of '{spec}'.", ALLOWED_DTYPES)
+        raise _error(f"Empty {what} in '{part.strip()}' of '{spec}'.", allowed, example=example)
     if name == HALF:
         return HALF
     if name in DTYPE_ALIASES:
         return DTYPE_ALIASES[name]
     if name in _FLOAT64_NAMES:
         raise _error(
-            f"Unsupported dtype {where}: JAX computes in float64 only with jax_enable_x64, "
-            "and mixed precision has no use for it.",
-            ALLOWED_DTYPES,
-        )
+            f"Unsupported {what} {where}: JAX computes in float64 only with jax_enable_x64, "
+            "and mixed precision has no use for it.", allowed, example=example)
     if name in _NON_FLOAT_NAMES:
         raise _error(
-            f"Dtype {where} is not a floating type; policies only cast floating-point values.",
-            ALLOWED_DTYPES,
-        )
-    raise _error(f"Unknown dtype {where}.", ALLOWED_DTYPES)
+            f"{what[0].upper()}{what[1:]} {where} is not a floating type; policies only cast "
+            "floating-point values.", allowed, example=example)
+    raise _error(f"Unknown {what} {where}.", allowed, example=example)
 
 
 def _parse_matmul(value: str, part: str, spec: str) -> str:
     name = value.strip().lower()
     if name in MATMUL_ALIASES:
         return MATMUL_ALIASES[name]
-    if name == HALF:
-        return HALF
-    if name.startswith(("float8", "f8", "fp8")):
-        raise _error(f"Unknown matmul dtype '{value.strip()}' in '{part.strip()}' of '{spec}': "
-                     "write float8 (E4M3 forward operands, E5M2 gradients).", ALLOWED_MATMUL)
-    _parse_dtype(value, part, spec)  # raises with the dtype's own message
-    raise _error(f"Unknown matmul dtype '{value.strip()}' in '{part.strip()}'.",
-                 ALLOWED_MATMUL)  # pragma: no cover - _parse_dtype raised
+    if name.startswith(_FP8_LIKE):
+        raise _error(f"Unknown matmul dtype '{value.strip()}' in '{part.strip()}': "
+                     "write float8 (E4M3 forward operands, E5M2 gradients).", ALLOWED_MATMUL,
+                     example=MATMUL_EXAMPLE)
+    return _parse_dtype(value, part, spec, what="matmul dtype", allowed=ALLOWED_MATMUL,
+                        example=MATMUL_EXAMPLE)
 
 
 def parse(spec: str) -> dict[str, str]:

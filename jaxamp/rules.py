@@ -28,7 +28,9 @@ and bit operations, random numbers, typed sub-computations such as ``scatter-add
 ``reduce``. A primitive in no list (one that a newer JAX adds) runs as traced too, and autocast
 warns with its name, so it never goes unnoticed; classify it with :meth:`OpRules.extend`.
 An equation with a float64 operand or result (under ``jax_enable_x64``) runs as traced
-whatever its class: autocast never narrows float64 (as torch autocast leaves it alone).
+whatever its class: autocast never narrows float64 (as torch autocast leaves it alone), FP8
+matmuls included; where that leaves a matmul of a low-precision region in float64, autocast
+warns, naming the float64 inputs (the policy changes nothing there).
 
 A primitive can also get a **handler** of its own (``DEFAULT_OP_RULES.extend(handlers={
 "dot_general": my_rule})``): a function of a :class:`jaxamp.RuleCall` (the equation, its
@@ -69,6 +71,7 @@ module itself is matched by its class name (``"GPT"``), as every jaxamp report p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -322,17 +325,34 @@ def _embed_within(inherited: jmp.Policy) -> jmp.Policy:
 ClassPolicy = jmp.Policy | Callable[[jmp.Policy], jmp.Policy]
 
 
-def _rule_policy(value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
+def _key_text(key: Any) -> str:
+    """An override key as its error messages name it: ``overrides['blocks_*/mlp']``,
+    ``overrides[Dense]``."""
+    return f"overrides[{key.__name__ if isinstance(key, type) else repr(key)}]"
+
+
+@contextlib.contextmanager
+def _naming(key: Any):
+    """A bad override value's error, prefixed with the key it was given under."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{_key_text(key)}: {e}") from None
+
+
+def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
     """An override's policy: a string that sets only ``matmul=`` (``"matmul=bfloat16"``) is
     relative (the inherited policy with that matmul dtype); anything else is absolute."""
-    if isinstance(value, str) and set(policy_spec.parse_given(value)) == {"matmul"}:
-        with_matmul(default, value)  # validate now (against the default), before tracing
-        return functools.partial(_matmul_within, spec=value)
-    return get_policy(value)
+    with _naming(key):
+        if isinstance(value, str) and set(policy_spec.parse_given(value)) == {"matmul"}:
+            with_matmul(default, value)  # validate now (against the default), before tracing
+            return functools.partial(_matmul_within, spec=value, key=key)
+        return get_policy(value)
 
 
-def _matmul_within(inherited: jmp.Policy, spec: str) -> jmp.Policy:
-    return with_matmul(inherited, spec)
+def _matmul_within(inherited: jmp.Policy, spec: str, key: Any) -> jmp.Policy:
+    with _naming(key):  # under an ancestor's rule with compute=float16, while tracing
+        return with_matmul(inherited, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +381,7 @@ class ModuleRules:
         class_rules: list[tuple[type, ClassPolicy]] = []
         path_rules: list[tuple[str, re.Pattern[str], jmp.Policy]] = []
         for key, value in overrides.items():
-            pol = _rule_policy(value, default)
+            pol = _rule_policy(key, value, default)
             if isinstance(key, str):
                 pattern = key.strip().strip("/")
                 if not pattern:

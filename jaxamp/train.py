@@ -252,20 +252,29 @@ class TrainState(train_state.TrainState):
 
 
 def _batch_size(batch: Any, where: str) -> int:
-    sizes = {}
+    sizes, shapes = {}, {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = np.shape(leaf)
         if not shape:
             raise ValueError(f"{where}: every batch leaf needs a leading batch axis; "
                              f"{jax.tree_util.keystr(path)} is a scalar.")
         sizes[jax.tree_util.keystr(path)] = shape[0]
+        shapes[jax.tree_util.keystr(path)] = shape
     if not sizes:
         raise ValueError(f"{where}: the batch has no array leaves.")
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(f"{where}: batch leaves disagree on the batch size ({listing}). Every "
                          "leaf must have the same leading dimension.")
-    return next(iter(sizes.values()))
+    size = next(iter(sizes.values()))
+    if size == 0:
+        first = next(iter(shapes))
+        raise ValueError(
+            f"{where}: the batch has 0 rows (batch{first} has shape {tuple(shapes[first])}); a "
+            "train step needs at least one example: the mean loss over none is NaN, and the "
+            "step would be skipped. Leave empty batches out of the loop (e.g. drop a last, "
+            "empty batch).")
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -631,7 +640,9 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
       :data:`SKIP_NONFINITE_LOSS`), ``skipped_steps`` (running total),
       ``loss_scale_at_min``, and ``aux`` with ``has_aux=True``. On a skipped step params,
       optimizer state and collections come back bit-identical; the loss scale backs off on
-      non-finite gradients only.
+      non-finite gradients only. Every leaf of ``batch`` has the same leading (batch)
+      dimension, at least 1: a batch of 0 rows is refused before compiling (its mean loss
+      would be NaN and the step skipped).
     """
     where = "make_train_step"
     _misplaced(where, misplaced, set())

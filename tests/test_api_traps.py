@@ -99,7 +99,8 @@ def test_policy_with_integer_compute_is_refused_where_it_is_taken(where):
     with pytest.raises(ValueError) as e:
         calls[where]()
     msg = str(e.value)
-    assert msg.startswith("jmp.Policy with compute_dtype=int8: the compute dtype is not a "
+    key = "overrides[MLP]: " if where == "autocast overrides" else ""  # the key it came under
+    assert msg.startswith(f"{key}jmp.Policy with compute_dtype=int8: the compute dtype is not a "
                           "floating type"), msg
     assert "Use float32, float16 or bfloat16" in msg
 

@@ -292,3 +292,32 @@ def test_audit_step_flags_clipping_scaled_micro_batch_gradients(step_setup):
     ls, opt_state = jaxamp.DynamicLossScale(), tx.init(params)
     report = jaxamp.audit_step(accumulate_clip_unscale, params, opt_state, jnp.ones((4, 3)), ls)
     assert [f.kind for f in report.findings] == ["clip_before_unscale"]
+
+
+def test_float64_matmuls_in_a_low_precision_region_are_a_finding():
+    """Issue 46: under x64 a float64 batch made the matmuls float64 and the audit reported
+    nothing: a policy that changes nothing is a finding, naming the input and the cast."""
+    import numpy as np
+
+    model = nn.Sequential([nn.Dense(8), nn.gelu, nn.Dense(4)])
+
+    def loss(params, batch):
+        return jnp.mean(model.apply({"params": params}, batch["x"]) ** 2)
+
+    with jax.enable_x64(True):
+        batch = {"x": np.ones((4, 3))}
+        params = model.init(jax.random.key(0), batch["x"].astype(np.float32))["params"]
+        with pytest.warns(UserWarning, match="matmuls ran in float64"):
+            report = jaxamp.audit(loss, params, batch, policy=F16)
+        assert [(f.kind, f.module) for f in report.findings] == [
+            ("matmul_f64_in_low_precision_region", "layers_0"),
+            ("matmul_f64_in_low_precision_region", "layers_2")]
+        assert report.findings[0].detail == (
+            "matmul(s) ran in float64 although this module's policy computes in float16: "
+            "dot_general (backward, float64), dot_general (forward, float64). With "
+            "jax_enable_x64 on, float64 values are left alone, and the float64 input "
+            "batch['x'] (float64[4,3]) made them float64, so the policy changes nothing there. "
+            "Cast it to float32 before the call (np.asarray(x, np.float32) where the batch is "
+            "made).")
+        report = jaxamp.audit(loss, params, {"x": batch["x"].astype(np.float32)}, policy=F16)
+        assert report.findings == []

@@ -219,11 +219,48 @@ def test_float64_is_left_alone():
         out64, out32 = jaxamp.autocast(f, "float32")(x, w)
         assert out64.dtype == jnp.float64 and float(out64[0] - jnp.tanh(3.0)) != 0.0
         np.testing.assert_array_equal(out64, f(x, w)[0])  # bit for bit as plain JAX
-        closed = jax.make_jaxpr(jaxamp.autocast(f, F16))(x, w)
+        with pytest.warns(UserWarning, match=r"the float64 inputs x \(float64\[2\]\), w "
+                                             r"\(float64\[2,2\]\) made them float64"):
+            closed = jax.make_jaxpr(jaxamp.autocast(f, F16))(x, w)
         assert _dots(closed) == ["float64"]
         # the one cast of a float64 value is the function's own astype (its float32 result
         # is then autocast's to place: exp runs in float32)
         assert [c for c in _casts(closed) if c[0] == "float64"] == [("float64", "float32")]
+
+
+def test_a_policy_that_float64_inputs_make_do_nothing_says_so_once():
+    """Issue 46: under x64 a float64 NumPy batch made every matmul float64, forward and
+    backward, so float16 and bfloat16 runs gave the same loss, in silence. The loss is still
+    the same (float64 is left alone), but the step warns once, naming the input and the cast."""
+    from models import MLP, ce_loss
+
+    with jax.enable_x64(True):
+        batch = {"x": np.random.default_rng(0).standard_normal((16, 8)), "y": np.arange(16) % 4}
+        model = MLP()
+        params = model.init(jax.random.key(1), batch["x"].astype(np.float32))["params"]
+        losses = {}
+        for compute in ("float16", "bfloat16"):
+            policy = f"params=float32,compute={compute},output=float32"
+            state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=policy)
+            step = jaxamp.make_train_step(model, ce_loss)
+            with pytest.warns(UserWarning) as seen:
+                state, metrics = step(state, batch)
+            assert [str(w.message) for w in seen] == [
+                f"jaxamp.autocast: matmuls ran in float64 where the policy asks for {compute}: "
+                "with jax_enable_x64 on, float64 values are left alone (as torch autocast "
+                "leaves them), and the float64 input batch['x'] (float64[16,8]) made them "
+                "float64, so the policy changes nothing there. Cast it to float32 before the "
+                "call (np.asarray(x, np.float32) where the batch is made)."]
+            with warnings_as_errors():  # once: the step is traced once
+                state, _ = step(state, batch)
+            losses[compute] = float(metrics["loss"])
+        assert losses["float16"] == losses["bfloat16"]
+        # the cast it names: float32 inputs run the policy, and nothing is said
+        state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=F16)
+        with warnings_as_errors():
+            _, metrics = jaxamp.make_train_step(model, ce_loss)(
+                state, {**batch, "x": batch["x"].astype(np.float32)})
+        assert float(metrics["loss"]) != losses["float16"]
 
 
 # ---- handlers ---------------------------------------------------------------------------------

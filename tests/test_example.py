@@ -456,6 +456,33 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "--mesh data=3" in line and "devices" in line
 
 
+def test_a_bad_matmul_value_in_policy_names_the_matmul_choices(tmp_path, capsys):
+    """Issue 46: before, "Allowed dtypes: float32/f32/full, ..." and an example without
+    matmul=, never naming float8/fp8/f8."""
+    line = run_error(capsys, ["--policy", "c=bf16,matmul=float9", "--out", str(tmp_path)])
+    assert line == ("error: --policy 'c=bf16,matmul=float9': Unknown matmul dtype 'float9' in "
+                    "'matmul=float9'. Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible "
+                    "matmuls), float32/f32, float16/f16, bfloat16/bf16, half. Example: "
+                    "'params=float32,compute=bfloat16,output=float32,matmul=float8'.")
+
+
+def test_fp8_small_without_fp8_or_with_a_negative_size_is_one_line(tmp_path, capsys):
+    """Issue 46: --fp8-small without matmul=float8 was accepted in silence, and '-1,0' got
+    argparse's "expected one argument"."""
+    out = str(tmp_path / "out")
+    line = run_error(capsys, ["--fp8-small", "0,0", "--out", out])
+    assert line == ("error: --fp8-small 0,0 sets which matmuls of a matmul=float8 policy stay "
+                    "in the compute dtype, and --policy 'params=float32,compute=float16,"
+                    "output=float32' has no matmul=float8; add ',matmul=float8' to a "
+                    "compute=bfloat16 --policy, or drop --fp8-small")
+    fp8 = "params=float32,compute=bfloat16,output=float32,matmul=float8"
+    for argv in (["--fp8-small", "-1,0"], ["--fp8-small=-1,0"]):
+        line = run_error(capsys, ["--policy", fp8, *argv, "--out", out])
+        assert line == ("error: --fp8-small must be two integers >= 0 as K,N (e.g. 1024,4096 "
+                        "or 0,0), got '-1,0'")
+    assert not Path(out).exists()
+
+
 @pytest.fixture
 def quiet_orbax_cleanup(monkeypatch):
     """After a failed restore, tensorstore threads report their remaining reads to orbax's

@@ -618,6 +618,22 @@ def test_resume_with_another_dropout_names_dropout(part, capsys):
                     "flags or choose another --out")
 
 
+def test_resume_with_another_fp8_small_names_both_values(tmp_path, capsys):
+    """Issue 46: --resume took a changed --fp8-small (a run with 16 FP8 matmuls resumed with
+    none), which neither the checkpoint's run config nor summary.json recorded."""
+    out = tmp_path / "fp8"
+    fp8 = ["--policy", "params=float32,compute=bfloat16,output=float32,matmul=float8"]
+    assert train_lm.main(args(out, 2, *fp8, "--fp8-small", "0,0")) == 0
+    assert json.loads((out / "summary.json").read_text())["fp8_small"] == "0,0"
+    before = snapshot(out)
+    line = run_error(capsys, args(out, 4, *fp8, "--resume"))
+    assert line == (f"error: --resume: the checkpoint in {out / 'checkpoints'} was made with "
+                    "other settings (--fp8-small: checkpoint has 0,0, now 1024,4096); pass the "
+                    "original flags or choose another --out")
+    assert snapshot(out) == before
+    assert train_lm.main(args(out, 4, *fp8, "--fp8-small", "0,0", "--resume")) == 0
+
+
 def _mount_tmpfs(where: Path, size: int) -> bool:
     where.mkdir()
     res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -171,6 +173,60 @@ def test_bad_input_is_one_line_before_any_file(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and re.match(r"error: " + pattern, err[0]), err
     assert not out.exists()
+
+
+def test_a_read_only_out_is_one_line(tmp_path, capsys, monkeypatch):
+    """Issue 46: on a read-only file system it exited 1 with a traceback (OSError: [Errno 30]
+    from out.mkdir); the LM example's run-folder checks (which README says the two share)
+    print one error line and exit 2."""
+    import errno
+    import pathlib
+
+    out = tmp_path / "ro" / "run"
+    mkdir = pathlib.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    capsys.readouterr()
+    assert train_vision.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --out {out}: cannot write in {out} (Read-only file system); choose "
+                   "a writable folder\n")
+
+
+RUNNER = r'''
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import lm_stop, train_vision
+make_batch, me = train_vision.make_batch, os.getpid()
+def make(seed, step, batch_size, *a, **k):
+    if step == 3 and batch_size != 2:  # the batch of step 3 (not init's)
+        os.kill(me, signal.SIGTERM)
+    return make_batch(seed, step, batch_size, *a, **k)
+train_vision.make_batch = make
+lm_stop.exit_process(train_vision.main(sys.argv[2:]))
+'''
+
+
+def test_sigterm_is_one_line_and_143(tmp_path):
+    """Issue 46: SIGTERM exited 143 without a word; as the LM example, it names where the run
+    was and what it leaves (train_vision.py has no --resume)."""
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, str(script), str(ROOT / "examples"), "--steps", "6",
+                          "--batch-size", "8", "--eval-interval", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 143, res.stderr[-3000:]
+    assert res.stderr == (f"interrupted by SIGTERM while training step 3, after step 2; {out} "
+                          "keeps what was written (this script does not resume): start "
+                          "again with the same flags plus --overwrite\n")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
 
 
 def test_reuses_the_lm_examples_modules_and_no_copies():

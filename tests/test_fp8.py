@@ -267,6 +267,102 @@ def test_bad_options_are_refused_before_tracing():
                                compute_dtype=jnp.bfloat16, margin=1.5)
 
 
+# ---- float64 under jax_enable_x64 (issue 46) ---------------------------------------------------
+
+
+class _Mlp(nn.Module):
+    """An input Dense, a residual GELU block, a head: four aligned matmuls."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64, name="inp")(x)
+        x = x + nn.Dense(64, name="fc2")(nn.gelu(nn.Dense(64, name="fc1")(x)))
+        return nn.Dense(16, name="head")(x)
+
+
+def _x64_step(api: str):
+    """(step, state, plain float64 loss of the state's params) for a float64 NumPy batch."""
+    from flax import nnx
+
+    batch = {"x": np.random.default_rng(0).standard_normal((8, 64)), "y": np.arange(8) % 16}
+    rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
+        small=(0, 0))})
+    if api == "linen":
+        model = _Mlp()
+        params = model.init(jax.random.key(0), batch["x"].astype(np.float32))["params"]
+        state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=FP8)
+        step = jaxamp.make_train_step(model, _xy_loss, op_rules=rules, donate=False)
+        ref = _xy_loss(model.apply, params, batch)
+    else:
+        class Mlp(nnx.Module):
+            def __init__(self, rngs):
+                self.inp, self.fc1 = nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 64, rngs=rngs)
+                self.fc2, self.head = nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+
+            def __call__(self, x):
+                x = self.inp(x)
+                return self.head(x + self.fc2(nnx.gelu(self.fc1(x))))
+
+        model = Mlp(nnx.Rngs(0))
+        state = jaxamp.TrainState.create(model, tx=optax.sgd(0.1), policy=FP8)
+
+        def loss(model, batch):
+            return jaxamp.softmax_cross_entropy(model(batch["x"]), batch["y"])
+
+        step = jaxamp.make_train_step(loss_fn=loss, op_rules=rules, donate=False)
+        ref = loss(model, batch)
+    return step, state, batch, ref
+
+
+def _xy_loss(apply_fn, params, batch):
+    return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, batch["x"]), batch["y"])
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_float64_batch_under_x64_leaves_fp8_matmuls_in_float64_as_documented(api):
+    """Before: the linen and the NNX step died while tracing with "TypeError: lax.add requires
+    arguments to have the same dtypes, got bfloat16, float64" from the engine's as-traced rule
+    (the FP8 rule quantised a float64 matmul). float64 is left alone, FP8 too: the matmuls run
+    as traced, the step's loss is the plain float64 one, and autocast says so."""
+    with jax.enable_x64(True):
+        step, state, batch, ref = _x64_step(api)
+        with pytest.warns(UserWarning) as seen:
+            text = step.lower(state, batch).as_text()
+        assert [str(w.message) for w in seen] == [
+            "jaxamp.autocast: matmuls ran in float64 where the policy asks for float8: with "
+            "jax_enable_x64 on, float64 values are left alone (as torch autocast leaves them), "
+            "and the float64 input batch['x'] (float64[8,64]) made them float64, so the policy "
+            "changes nothing there. Cast it to float32 before the call (np.asarray(x, "
+            "np.float32) where the batch is made)."]
+        assert "f8E4M3FN" not in text and "bf16" not in text
+        _, metrics = step(state, batch)
+        assert float(metrics["loss"]) == float(np.float32(ref)) and not bool(metrics["skipped"])
+        # the cast the warning names: float32 inputs, and the FP8 matmuls are back (fc1, fc2)
+        f32 = {"x": batch["x"].astype(np.float32), "y": batch["y"]}
+        dots = _dots(step.lower(state, f32).as_text())
+        assert sum(d[1:3] == ("f8E4M3FN", "f8E4M3FN") for d in dots) == 2
+        if api == "linen":  # the audit says why each matmul stayed out of FP8
+            with pytest.warns(UserWarning, match="float64 values the function closes over"):
+                report = jaxamp.audit(step, state, batch)  # the step's loss closes over it
+            assert sorted((m["module"], m["reason"]) for m in report.matmuls) == [
+                ("fc1", "float64"), ("fc2", "float64"), ("head", "last"), ("inp", "first")]
+
+
+def test_a_handlers_narrower_result_goes_back_to_the_traced_float64():
+    """The as-traced rule cast a float operand back to its traced dtype only for float16/
+    bfloat16/float32: a handler's bfloat16 result of a float64 matmul reached ``lax.add``
+    with the float64 bias uncast (the traceback of issue 46)."""
+    def bf16_dot(call):  # (call.cast leaves float64 alone: a handler of its own makes it)
+        lhs, rhs = (a.astype(jnp.bfloat16) for a in call.args)
+        return [jax.lax.dot_general(lhs, rhs, call.eqn.params["dimension_numbers"])]
+
+    rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": bf16_dot})
+    with jax.enable_x64(True):
+        x, w, b = np.ones((2, 16)), np.full((16, 16), 0.5), np.ones(16)
+        out = jaxamp.autocast(lambda x, w, b: x @ w + b, "float32", op_rules=rules)(x, w, b)
+        assert out.dtype == jnp.float64 and np.array_equal(out, np.full((2, 16), 9.0))
+
+
 # ---- training: faults, models we did not write, NNX ------------------------------------------
 
 

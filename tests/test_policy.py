@@ -286,3 +286,63 @@ def test_a_matmul_only_override_keeps_the_inherited_policy():
     # validated eagerly against the default policy, before any tracing
     with pytest.raises(ValueError, match="matmul=float8 needs compute=bfloat16"):
         ModuleRules.create("p=f32,c=f16,o=f32", {"lm_head": "matmul=fp8"})
+
+
+# ---- errors that name the right choices (issue 46) --------------------------------------------
+
+ALLOWED_MATMUL = re.escape("Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible matmuls), "
+                           "float32/f32, float16/f16, bfloat16/bf16, half.")
+MATMUL_EXAMPLE = re.escape(
+    "Example: 'params=float32,compute=bfloat16,output=float32,matmul=float8'.")
+BAD_MATMUL = [
+    ("float9", r"Unknown matmul dtype 'float9' in 'matmul=float9'\. "),
+    ("fp9", r"Unknown matmul dtype 'fp9' in 'matmul=fp9'\. "),
+    ("e4m3", r"Unknown matmul dtype 'e4m3' in 'matmul=e4m3': write float8 \(E4M3 forward "
+             r"operands, E5M2 gradients\)\. "),
+    ("", r"Empty matmul dtype in 'matmul=' of 'c=bf16,matmul='\. "),
+    ("int8", r"Matmul dtype 'int8' in 'matmul=int8' is not a floating type; policies only cast "
+             r"floating-point values\. "),
+    ("float64", r"Unsupported matmul dtype 'float64' in 'matmul=float64': JAX computes in "
+                r"float64 only with jax_enable_x64, and mixed precision has no use for it\. "),
+]
+
+
+@pytest.mark.parametrize(("value", "message"), BAD_MATMUL,
+                         ids=[v or "empty" for v, _ in BAD_MATMUL])
+def test_a_bad_matmul_value_lists_the_matmul_choices(value, message):
+    """Before: "Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half." and an
+    example without matmul=: float8/fp8/f8, what the key takes, were never named."""
+    with pytest.raises(ValueError) as info:
+        get_policy(f"c=bf16,matmul={value}")
+    assert re.fullmatch(message + ALLOWED_MATMUL + " " + MATMUL_EXAMPLE, str(info.value)), \
+        str(info.value)
+
+
+def test_an_override_refused_for_fp8_with_float16_names_its_key():
+    """Before: "Policy 'matmul=float8': matmul=float8 needs compute=bfloat16 ..." without the
+    override it came from."""
+    import flax.linen as nn
+
+    from jaxamp.rules import ModuleRules
+
+    with pytest.raises(ValueError) as info:
+        ModuleRules.create("p=f32,c=f16,o=f32", {"blocks_0/mlp": "matmul=float8"})
+    assert str(info.value).startswith(
+        "overrides['blocks_0/mlp']: Policy 'matmul=float8': matmul=float8 needs "
+        "compute=bfloat16 or compute=float32, got compute=float16 (from the policy it "
+        "overrides, 'params=float32,compute=float16,output=float32'). "), str(info.value)
+    with pytest.raises(ValueError) as info:
+        ModuleRules.create("p=f32,c=bf16,o=f32", {nn.Dense: "c=f16,matmul=fp8"})
+    assert str(info.value).startswith(
+        "overrides[Dense]: Policy 'c=f16,matmul=fp8': matmul=float8 needs compute=bfloat16 or "
+        "compute=float32, got compute=float16. "), str(info.value)
+    # under an ancestor's float16 rule the refusal comes while tracing: it names the key too
+    rules = ModuleRules.create("p=f32,c=bf16,o=f32", {"blocks_0": "c=f16", nn.Dense:
+                                                      "matmul=float8"})
+    with pytest.raises(ValueError, match=r"^overrides\[Dense\]: Policy 'matmul=float8': "
+                                         r"matmul=float8 needs .*got compute=float16 \(from "
+                                         r"the policy it overrides, 'params=float32,"
+                                         r"compute=float16,output=float16'\)"):
+        rules.match(nn.Dense(4), path=("blocks_0", "fc"), inherited=get_policy("c=f16"))
+    with pytest.raises(ValueError, match=r"^overrides\['head'\]: Unknown dtype 'f15'"):
+        ModuleRules.create("p=f32,c=bf16,o=f32", {"head": "c=f15"})

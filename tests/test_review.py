@@ -293,6 +293,23 @@ def test_a_torn_last_line_that_does_not_parse_is_dropped(tmp_path, kind):
     assert review.num_steps == STEPS and review.ok, review.to_text()
 
 
+def test_a_dropped_torn_last_line_is_said(tmp_path, capsys):
+    """Issue 46: the review dropped a torn last line and reported "no problems found (9 steps
+    reviewed)" without a word about it."""
+    rows = healthy_rows(10)
+    run = write_run(tmp_path / "run", rows[:9])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(rows[9])[:30])  # killed mid-line: no newline, does not parse
+    assert main([str(run)]) == 0
+    note = (f"note: {run / 'metrics.jsonl'} line 10 was dropped: the last line, without its "
+            "newline, does not parse (not valid JSON (Expecting ',' delimiter)); the "
+            "writer was stopped while writing it")
+    assert capsys.readouterr().out == f"{run}: no problems found (9 steps reviewed)\n{note}\n"
+    review = review_run(run)
+    assert review.ok and review.notes == [note[len("note: "):]]
+    assert review.to_dict()["notes"] == review.notes
+
+
 def test_review_memory_does_not_grow_with_the_file_size(tmp_path):
     """Issue #27: the whole file was read (peak ~7.5x its size; 20 MB -> 64 MB here). Now it is
     read line by line: a 20 MB and a 2 MB file of the same 1000 steps peak alike (each

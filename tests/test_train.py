@@ -299,6 +299,24 @@ def test_data_parallel_on_8_virtual_devices(tmp_path):
 
 # ---- bad input, rejected before compiling ------------------------------------------------
 
+def test_a_batch_of_zero_rows_is_refused_before_jit():
+    """Issue 46: it was accepted and became a skipped step (loss nan, skip_reason 2); the
+    batch size is known before jit."""
+    model, params, batch = _setup()
+    state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=F16)
+    step = jaxamp.make_train_step(model, ce_loss)
+    empty = {"x": batch["x"][:0], "y": batch["y"][:0]}
+    with pytest.raises(ValueError) as info:
+        step(state, empty)
+    assert str(info.value) == (
+        "step: the batch has 0 rows (batch['x'] has shape (0, 8)); a train step needs at least "
+        "one example: the mean loss over none is NaN, and the step would be skipped. Leave "
+        "empty batches out of the loop (e.g. drop a last, empty batch).")
+    with pytest.raises(ValueError, match=r"^step: the batch has 0 rows"):
+        jaxamp.make_train_step(model, ce_loss, micro_batches=2)(state, empty)
+    assert int(state.step) == 0  # nothing ran
+
+
 def test_bad_inputs_are_rejected_before_jit():
     model, params, batch = _setup()
     tx = optax.sgd(0.1)

@@ -26,6 +26,10 @@ findings are the seed's advice and hold whatever the rules say:
     a ``custom_vjp`` function in ``OpRules.custom_vjp_as_traced`` (run as traced) or another
     primitive autocast does not rewrite. (A manual ``.astype(jnp.float32)`` before a matmul does
     not cause it: autocast casts matmul operands to the region's compute dtype regardless.)
+``matmul_f64_in_low_precision_region``
+    the same with float64 operands (under ``jax_enable_x64``): float64 is left alone, so a
+    float64 input (a NumPy batch) makes every matmul it reaches float64 and the policy changes
+    nothing there; the finding names the float64 inputs of the audited call and the cast.
 ``softmax_low_precision``
     exp/log (and the sums of the same module) in float16/bfloat16 inside a module.
 ``normalisation_low_precision``
@@ -100,6 +104,7 @@ from jaxamp.diagnostics._trace import (
     table_rows,
     trace_model,
 )
+from jaxamp.engine import float64_cause, float64_inputs
 from jaxamp.policy import policy_to_str
 from jaxamp.rules import OpRules
 
@@ -191,11 +196,13 @@ def _prims(recs: Sequence[Eqn]) -> str:
     return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
-def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> list[Finding]:
+def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None,
+              float64_names: Sequence[str] = ()) -> list[Finding]:
     """The findings of trace ``t``. What must be a matmul in the compute dtype and what must
     run in float32 comes from ``op_rules`` (default: the rules autocast ran ``t`` by, so the
     audit expects what autocast did); the softmax/sum/loss/normalisation findings are the
-    seed's advice and hold under any rules."""
+    seed's advice and hold under any rules. ``float64_names``: the float64 inputs of the
+    audited call (:func:`jaxamp.engine.float64_inputs`), named by a float64 matmul finding."""
     rules = t.op_rules if op_rules is None else op_rules
     mods = t.modules
     low_default = dtype_name(t.policy.compute_dtype) in LOW
@@ -207,8 +214,12 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
         prim = r.prim
         if prim in rules.matmul:
             compute = mods[r.key].compute if r.key in mods else dtype_name(t.policy.compute_dtype)
-            if (compute in LOW or (not r.key and low_default)) and "float32" in r.in_dtypes:
+            low = compute in LOW or (not r.key and low_default)
+            if low and "float32" in r.in_dtypes:
                 by_kind.setdefault(("matmul_f32_in_low_precision_region", r.module),
+                                   []).append(r)
+            elif low and "float64" in r.in_dtypes:
+                by_kind.setdefault(("matmul_f64_in_low_precision_region", r.module),
                                    []).append(r)
             continue
         if not is_low(r.dtypes) or not r.rounds or r.bounded:
@@ -238,6 +249,10 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
             "higher-order primitive): drop it from custom_vjp_as_traced, cast its inputs to "
             "the compute dtype inside it, or give the module a float32 rule in overrides= if "
             "float32 is intended.", None),
+        "matmul_f64_in_low_precision_region": (
+            "matmul(s) ran in float64 although this module's policy computes in {low}: {ops}. "
+            "With jax_enable_x64 on, float64 values are left alone, and "
+            + float64_cause(float64_names), None),
         "softmax_low_precision": (
             "softmax exp/log and its sums ran in low precision: {ops}. exp overflows float16 "
             "above ~11 and the normaliser loses small probabilities; keep exp/log/reduce_sum in "
@@ -266,7 +281,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
         text, row = explain[kind]
         if kind == "normalisation_low_precision":
             row = norm_row({mods[r.key].cls.__name__ for r in recs if r.key in mods})
-        if kind == "matmul_f32_in_low_precision_region":
+        if kind in ("matmul_f32_in_low_precision_region", "matmul_f64_in_low_precision_region"):
             compute = mods[recs[0].key].compute if recs[0].key in mods else \
                 dtype_name(t.policy.compute_dtype)
             text = text.replace("{low}", compute)
@@ -298,7 +313,8 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None) -> l
     raw += storage_findings(params, opt_state)
     order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
              "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
-             "matmul_f32_in_low_precision_region", "lossy_round_trip", "duplicate_cast"]
+             "matmul_f32_in_low_precision_region", "matmul_f64_in_low_precision_region",
+             "lossy_round_trip", "duplicate_cast"]
     found = group_findings(raw)
     found.sort(key=lambda f: (order.index(f.kind) if f.kind in order else len(order),
                               f.module))
@@ -349,6 +365,7 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
     """
     call = resolve_call("audit", fn, args, policy=policy, overrides=overrides,
                         op_rules=op_rules)
+    given = args  # as the caller passed them: (state, batch) for a step
     if call.program is not None:
         args, argnums = call.args, 0
         opt_state = call.program.opt_state if opt_state is None else opt_state
@@ -366,7 +383,7 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
         row["category"] = _category(row["module"], row["op"], keys.get(row["module"], ""),
                                     t.modules, explog, t.out_scalar)
     params = args[argnums] if argnums is not None else None
-    findings = _findings(t, params, opt_state)
+    findings = _findings(t, params, opt_state, float64_names=float64_inputs(fn, given))
     return AuditReport(rows, findings, policy_to_str(t.policy), t,
                        _float_leaf_dtypes(params) if params is not None else [],
                        _float_leaf_dtypes(opt_state) if opt_state is not None else [])

@@ -56,7 +56,7 @@ import errno
 import json
 import math
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +180,9 @@ MAX_LINE_BYTES = 1 << 20
 _NUMBERS = ("loss", "loss_scale", "grad_norm", "tokens_per_s", "val_loss")
 
 
-def iter_metrics(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_metrics(path: str | os.PathLike, *,
+                 on_dropped: Callable[[str], None] | None = None,
+                 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` for each line of ``metrics.jsonl``, in file order, read one
     line at a time (memory bounded by :data:`MAX_LINE_BYTES`, whatever the file's size).
 
@@ -190,7 +192,8 @@ def iter_metrics(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
     ``loss_scale_at_min`` ``true``/``false``; ``skipped_steps`` a whole number. Every parse
     failure (bad UTF-8, invalid JSON, nesting too deep, a number too long to convert) is a
     :class:`MetricsError` too. A last line without its newline (the writer was killed
-    mid-line) that does not parse is dropped. Blank lines are skipped.
+    mid-line) that does not parse is dropped, and ``on_dropped`` (if given) is called with a
+    sentence that says so (the review prints it as a note). Blank lines are skipped.
     """
     path = Path(path)
     try:
@@ -216,20 +219,27 @@ def iter_metrics(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
                 continue
             try:
                 yield n, _row(raw, path, n)
-            except MetricsError:
+            except MetricsError as e:
                 if torn:  # cut short by a kill: the last line, not a record
+                    if on_dropped is not None:
+                        reason = str(e).removeprefix(f"{path} line {n}: ")
+                        on_dropped(f"{path} line {n} was dropped: the last line, without its "
+                                   f"newline, does not parse ({reason}); the writer was "
+                                   "stopped while writing it")
                     return
                 raise
 
 
 def read_metrics(path: str | os.PathLike, *, missing_ok: bool = False,
-                 keys: Collection[str] | None = None) -> list[dict[str, Any]]:
+                 keys: Collection[str] | None = None,
+                 on_dropped: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The rows of ``metrics.jsonl``, sorted by step (the last line of a repeated step wins),
     read line by line (:func:`iter_metrics`, which checks every line and says what an
     unreadable one is).
 
     ``missing_ok``: a missing file reads as no rows. ``keys``: keep only these keys of each
     row (``step`` always), so the rows kept in memory stay small however long the lines.
+    ``on_dropped``: told about a torn last line that was dropped (:func:`iter_metrics`).
     """
     path = Path(path)
     if not path.is_file():
@@ -238,7 +248,7 @@ def read_metrics(path: str | os.PathLike, *, missing_ok: bool = False,
         raise MetricsError(f"{path}: no such file")
     keep = None if keys is None else frozenset(keys) | {"step"}
     rows: dict[int, dict] = {}
-    for _, row in iter_metrics(path):
+    for _, row in iter_metrics(path, on_dropped=on_dropped):
         if keep is not None:
             row = {k: v for k, v in row.items() if k in keep}
         rows[row["step"]] = row

@@ -181,10 +181,11 @@ def _num(x) -> float:
     return math.nan
 
 
-def read_run(run_dir: str | Path) -> tuple[list[dict], dict]:
+def read_run(run_dir: str | Path, notes: list[str] | None = None) -> tuple[list[dict], dict]:
     """``metrics.jsonl`` rows (sorted by step, the last line of a repeated step wins) and
     ``summary.json`` (``{}`` if absent), read by :mod:`jaxamp.diagnostics.metrics`. Raises
-    :class:`ReviewError` on a missing run directory or a missing/corrupt file."""
+    :class:`ReviewError` on a missing run directory or a missing/corrupt file. ``notes``:
+    gets a sentence for what was read but left out (a torn last line)."""
     d = Path(run_dir)
     if not d.exists():
         raise ReviewError(f"{d}: no such run directory")
@@ -194,7 +195,8 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], dict]:
     if not (d / metrics.METRICS_FILE).is_file():
         raise ReviewError(f"{d}: no {metrics.METRICS_FILE} in the run directory")
     try:
-        rows = metrics.read_metrics(d / metrics.METRICS_FILE, keys=metrics.STEP_KEYS)
+        rows = metrics.read_metrics(d / metrics.METRICS_FILE, keys=metrics.STEP_KEYS,
+                                    on_dropped=None if notes is None else notes.append)
         summary = metrics.read_summary(d / metrics.SUMMARY_FILE)
     except metrics.MetricsError as e:
         raise ReviewError(str(e)) from None
@@ -575,9 +577,11 @@ def review_run(run_dir: str | Path, *, clip_norm: float | None = None,
                **thresholds: float) -> RunReview:
     """Reads ``run_dir/metrics.jsonl`` (and ``summary.json`` if present) and reviews the run
     (see :func:`review_metrics`). Raises :class:`ReviewError` for a missing/corrupt run dir."""
-    rows, summary = read_run(run_dir)
+    dropped: list[str] = []
+    rows, summary = read_run(run_dir, dropped)
     review = review_metrics(rows, summary, clip_norm=clip_norm, **thresholds)
     review.run_dir = str(run_dir)
+    review.notes[:0] = dropped  # a torn last line left out: said first
     return review
 
 
