@@ -45,9 +45,10 @@ from jaxamp._compat import Tracer, jit_cache_size, mesh_context
 from jaxamp.engine import autocast, check_options
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.policy import get_policy, opt_state_dtype, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
+from jaxamp.state_dtype import with_state_dtype
 from jaxamp.transform import (
     AmpState,
     PerShape,
@@ -125,6 +126,15 @@ def _check_rng(rng: Any, where: str) -> None:
         raise TypeError(f"{where}: rng must be one PRNG key (jax.random.key(seed) or "
                         f"jax.random.PRNGKey(seed)), got {type(rng).__name__} with "
                         f"dtype={dtype}, shape={np.shape(rng)}.")
+
+
+def _stored_tx(tx: optax.GradientTransformation, policy: jmp.Policy | None,
+               where: str) -> optax.GradientTransformation:
+    """The optimizer as the state holds it: ``tx``, its floating state stored in the
+    policy's ``opt_state=`` dtype when it sets one (:func:`jaxamp.state_dtype.with_state_dtype`);
+    the one place the train state and the step decide it."""
+    dtype = None if policy is None else opt_state_dtype(policy)
+    return tx if dtype is None else with_state_dtype(tx, dtype, where=where)
 
 
 def _check_not_amp(opt_state: Any, where: str) -> None:
@@ -243,7 +253,7 @@ class TrainState(train_state.TrainState):
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
                 "Omit loss_scale= for dynamic scaling (or pass jaxamp.DynamicLossScale()).",
                 UserWarning, stacklevel=2)
-        opt_state = tx.init(params)
+        opt_state = _stored_tx(tx, policy, where).init(params)
         _check_not_amp(opt_state, where)
         return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
                    opt_state=opt_state, loss_scale=copy_tree(loss_scale),
@@ -693,7 +703,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
     def step(state: TrainState, batch, shardings=None):
         pol, use_rng, loss_of = build(state)
-        check(state, batch)  # trace time: before compiling (the loss: as it is traced)
+        check(state, batch, pol)  # trace time: before compiling (the loss: as it is traced)
         amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides,
                             op_rules=op_rules, f32_weight_grads=f32_weight_grads)
         collections0 = state.collections
@@ -756,7 +766,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         ls = state.loss_scale
         loss_finite = jnp.isfinite(loss)
         updates, out, grads_finite = amp_update(
-            optax.with_extra_args_support(state.tx).update, clip_norm, scaled_grads,
+            optax.with_extra_args_support(_stored_tx(state.tx, pol, "step")).update, clip_norm,
+            scaled_grads,
             AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
                      jnp.ones((), bool)), state.params, {}, loss_finite,
             group_vectors=mesh is None)
@@ -806,13 +817,14 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                 f"({micro_batches}) x data-parallel devices ({n_shards}).")
         return size // micro_batches
 
-    def check(state, batch):
+    def check(state, batch, pol):
         if tx is not None and state.tx is not tx:
             raise ValueError("step: the state was created with a different optimizer than the "
                              "one given to make_train_step; pass the same tx to both (or omit "
                              "it: the step uses the state's).")
         check_loss_scale(state.loss_scale, "step")
-        check_opt_state(state.tx, state.opt_state, state.params, "step")
+        check_opt_state(_stored_tx(state.tx, pol, "step"), state.opt_state, state.params,
+                        "step")
         _check_not_amp(state.opt_state, "step")
         _check_float_params(state.params, "step")
         micro_size(batch)

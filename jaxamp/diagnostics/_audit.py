@@ -52,7 +52,8 @@ findings are the seed's advice and hold whatever the rules say:
     float leaves of ``args[argnums]`` (the parameters) stored in float16/bfloat16 (e.g. a model
     cast wholesale with ``.astype(jnp.float16)``): the update then rounds to low precision.
 ``opt_state_low_precision``
-    float leaves of ``opt_state=`` in float16/bfloat16.
+    float leaves of ``opt_state=`` in float16/bfloat16 (except a state the policy's
+    ``opt_state=bfloat16`` stores with stochastic rounding: :mod:`jaxamp.state_dtype`).
 
 Dead code is removed before auditing (``jax``'s DCE), so values a program computes and throws
 away (e.g. the JVP of a ``stop_gradient``'ed max) are not reported.
