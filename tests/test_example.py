@@ -404,7 +404,8 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--preset", "--policy", "--loss-scale", "--init-scale", "--growth-interval",
                  "--clip-norm", "--lr", "--schedule", "--warmup", "--batch-size",
                  "--micro-batches", "--seed", "--steps", "--eval-interval", "--eval-batches",
-                 "--checkpoint-interval", "--resume", "--data", "--out", "--mesh"):
+                 "--checkpoint-interval", "--resume", "--data", "--out", "--mesh",
+                 "--opt-state"):
         assert flag in text, flag
     for word in ("dynamic", "static", "auto", "cosine", "constant", "gpt2-small", "tiny"):
         assert word in text, word
