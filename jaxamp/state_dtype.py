@@ -38,22 +38,16 @@ from jax import lax
 from jaxamp._jaxpr import evaluate_rerouted
 from jaxamp.policy import check_state_dtype
 
-__all__ = ["INITIAL_SEED", "RNG_IMPL", "StoredState", "is_stored", "stochastic_round",
-           "with_state_dtype"]
+__all__ = ["INITIAL_SEED", "RNG_IMPL", "StoredState", "is_stored", "rounding_bits",
+           "stochastic_round", "with_state_dtype"]
 
 #: The seed of the first rounding key: every run starts from the same key, so two runs with the
 #: same data round alike. Replace ``StoredState.rounding_key`` to vary it.
 INITIAL_SEED = 0
 
-#: The PRNG of the rounding bits: Threefry-4x32-20, a JAX PRNG implementation (``jax.random.key(
-#: seed, impl="threefry4x32")``), counter-based like JAX's default and partitionable (the same
-#: bits on one device as sharded over a mesh). It lowers to integer adds, rotations and xors
-#: on every backend, which XLA fuses into the rounding: JAX's default, threefry2x32, runs as a
-#: loop on CPU that materialised 24 bytes of temporaries per parameter in the compiled step,
-#: more than bfloat16 storage saves, at 5x the time (measured on Adam over 1.3M parameters);
-#: philox2x32 fuses too, but its ``mulhi`` fails to compile under SPMD partitioning on JAX
-#: 0.10.
-RNG_IMPL = "threefry4x32"
+#: The PRNG of the rounding key (pinned, whatever ``jax_default_prng_impl`` says, so the key
+#: in a checkpoint always has the same shape: ``uint32[2]``).
+RNG_IMPL = "threefry2x32"
 
 
 class StoredState(NamedTuple):
@@ -64,9 +58,9 @@ class StoredState(NamedTuple):
         dimension (moments, accumulated gradients) in the storage dtype; scalars (counts,
         injected hyperparameters) and integer leaves as the optimizer made them.
       rounding_key: uint32 key data of a :data:`RNG_IMPL` PRNG key (``jax.random.key_data``;
-        plain integers, so it checkpoints like any array); each update splits it once and
-        rounds with the half it does not keep. None when the storage dtype is float32
-        (nothing to round).
+        plain integers, so it checkpoints like any array); each update splits it, keeps one
+        half and draws the rounding bits from the other (:func:`rounding_bits`). None when the
+        storage dtype is float32 (nothing to round).
     """
 
     inner_state: Any
@@ -83,6 +77,40 @@ def is_stored(leaf: Any) -> bool:
 
 
 _LOW_BITS = np.uint32(0xFFFF)
+_MIX = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """Wellons' ``lowbias32`` integer hash: a bijection of uint32 whose output bits each flip
+    with probability ~1/2 when any input bit does."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * _MIX[0]
+    x = x ^ (x >> np.uint32(15))
+    x = x * _MIX[1]
+    return x ^ (x >> np.uint32(16))
+
+
+def rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 random bits for an array of ``shape``: the element's row-major index (modulo
+    2**32) through a hash keyed by ``key`` (``uint32[2]``, a fresh JAX PRNG key per leaf and
+    update), ``mix(mix(index + key[0]) ^ key[1])``.
+
+    Why not ``jax.random.bits``: its bits must be computed where the rounding is, or they
+    are stored (2-4 bytes per parameter, the saving itself). JAX's default, threefry2x32, runs
+    as a loop on XLA:CPU (24 bytes of temporaries per parameter in the compiled step);
+    threefry4x32 fuses but its 20 unrolled rounds per leaf made the step compile 3.5x as long
+    (a 2-layer Llama with AdamW); philox2x32's ``mulhi`` does not compile under SPMD
+    partitioning on JAX 0.10. This is ten integer operations per element, fused into the
+    rounding, computed from the global index (so the same on one device as sharded over a
+    mesh). Stochastic rounding needs each element's 16 bits uniform and unrelated to its
+    value, which a keyed hash of a distinct index gives; the key changes every update.
+    """
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride % 2**32)
+        stride *= shape[d]
+    return _mix(_mix(index + key[0]) ^ key[1])
 
 
 def stochastic_round(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -114,7 +142,8 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype: Any, *,
     ``init`` casts the state's floating arrays (:func:`is_stored`) to ``dtype`` (to nearest:
     an optimizer's initial state is zeros or the params). ``update`` upcasts them to float32,
     runs ``tx.update`` and writes them back in ``dtype``: with :func:`stochastic_round` for
-    bfloat16 (a fresh 16 random bits per element, drawn from the key in the state), plainly
+    bfloat16 (16 fresh random bits per element, :func:`rounding_bits`, from the key in the
+    state), plainly
     for float32. The updates it returns are ``tx``'s, computed from its new state as stored
     (Adam's step reads the rounded moments, upcast: unbiased, within one bfloat16 ulp of the
     float32 values), so the compiled step updates the state in place.
@@ -155,8 +184,8 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype: Any, *,
                 [_as(n, o) for n, o in zip(new, old)]), None)
         key, now = jax.random.split(jax.random.wrap_key_data(state.rounding_key, impl=RNG_IMPL))
         targets = [x for x, o in zip(upcast, old) if is_stored(o)]
-        bits = iter(optax.tree_utils.tree_random_like(now, targets, sampler=jax.random.bits,
-                                                      dtype=jnp.uint16))
+        keys = jax.random.key_data(jax.random.split(now, max(len(targets), 1)))
+        bits = iter([rounding_bits(keys[i], x.shape) for i, x in enumerate(targets)])
         # The new state is rounded where the optimizer computes it, and what the optimizer
         # reads of it afterwards (Adam's update reads its new moments) is the rounded value,
         # behind a barrier: XLA then computes the update from the buffer the new state is
