@@ -12,7 +12,9 @@ One step, in the order the methodology prescribes:
    clips them, and on a non-finite norm or loss the update is skipped (params and the whole
    optimizer state bit-identical, so schedules do not advance);
 4. params, optimizer state and the mutable collections (BatchNorm ``batch_stats``) take their
-   new values by a per-leaf select on applied steps only (no ``lax.cond``);
+   new values by a per-leaf select on applied steps only (no ``lax.cond``); with the policy's
+   ``opt_state=bfloat16`` the optimizer state is stored in bfloat16, written back with
+   stochastic rounding (:mod:`jaxamp.state_dtype`);
 5. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
 
 ``TrainState.step`` counts every step, skipped or not; the optimizer's own counter (which drives
@@ -198,6 +200,10 @@ class TrainState(train_state.TrainState):
             ``NoOpLossScale()`` with float16 compute warns: small gradients underflow.
           policy: the policy (string or :class:`jmp.Policy`); ``None`` is
             :data:`DEFAULT_POLICY` (float16 compute), the default of ``make_train_step``.
+            With ``opt_state=bfloat16`` the optimizer's floating state is stored in bfloat16
+            and written back with stochastic rounding (``opt_state`` is then a
+            :class:`jaxamp.state_dtype.StoredState`: the optimizer's state and the rounding
+            key; see :func:`jaxamp.amp`'s ``state_dtype=``).
           rng: the base PRNG key for dropout (see ``rng`` above), or ``None``.
           **kwargs: other fields (``collections=``, a subclass's fields). An option of the
             step (``overrides=``, ``clip_norm=``, ``micro_batches=``, ...) is refused with the

@@ -391,6 +391,11 @@ def test_audit_step_accepts_the_rounded_state_and_flags_a_plain_bfloat16_one():
     step = jaxamp.make_train_step(model, ce_loss)
     kinds = {f.kind for f in jaxamp.audit_step(step, state, batch).findings}
     assert "opt_state_low_precision" not in kinds
+    # audit(step, ...): the reference table's "Parameter update" row is float32 (the update
+    # runs in float32; the moments are only stored in bfloat16)
+    row = next(r for r in jaxamp.audit(step, state, batch).reference_table()
+               if r["row"] == "Parameter update")
+    assert row["backward"] == "float32" and row["ok"], row
     plain = state.replace(policy=jaxamp.get_policy(BF16_POLICY), tx=optax.adam(1e-3),
                           opt_state=jax.tree.map(
                               lambda x: x.astype(jnp.bfloat16) if x.ndim else x,

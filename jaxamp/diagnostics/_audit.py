@@ -85,6 +85,7 @@ from jaxamp.diagnostics._report import (
     format_precision_table,
     group_findings,
     storage_findings,
+    without_rounded_state,
 )
 from jaxamp.diagnostics._step import audit_step
 from jaxamp.diagnostics._trace import (
@@ -370,4 +371,5 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
     findings = _findings(t, params, opt_state)
     return AuditReport(rows, findings, policy_to_str(t.policy), t,
                        _float_leaf_dtypes(params) if params is not None else [],
-                       _float_leaf_dtypes(opt_state) if opt_state is not None else [])
+                       _float_leaf_dtypes(without_rounded_state(opt_state))
+                       if opt_state is not None else [])

@@ -62,9 +62,10 @@ def group_findings(findings: list[tuple[str, str, str, str | None]]) -> list[Fin
     return [Finding(k, m, " ".join(d), row) for (k, m), (d, row) in merged.items()]
 
 
-def _without_rounded(opt_state: Any) -> Any:
+def without_rounded_state(opt_state: Any) -> Any:
     """``opt_state`` without the states stored by stochastic rounding (``opt_state=bfloat16``,
-    ``jaxamp.amp(state_dtype=...)``): bfloat16 there is by design, not a finding."""
+    ``jaxamp.amp(state_dtype=...)``): bfloat16 there is by design, not a finding, and the
+    update itself runs in float32 (the reference table's "Parameter update" row)."""
     def drop(x):
         return x._replace(inner_state=None) if isinstance(x, StoredState) \
             and x.rounding_key is not None else x
@@ -76,7 +77,7 @@ def storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, s
     (an optimizer state stored in bfloat16 with stochastic rounding is not one)."""
     raw = []
     param_low = low_leaves(params) if params is not None else []
-    opt_low = low_leaves(_without_rounded(opt_state)) if opt_state is not None else []
+    opt_low = low_leaves(without_rounded_state(opt_state)) if opt_state is not None else []
 
     def listing(low):
         more = f" and {len(low) - 4} more" if len(low) > 4 else ""
