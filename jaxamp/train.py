@@ -771,9 +771,9 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         # params, optimizer state and collections take their new values by a per-leaf select.
         ls = state.loss_scale
         loss_finite = jnp.isfinite(loss)
+        inner_tx = _stored_tx(state.tx, pol, "step")  # opt_state=: stored in bfloat16
         updates, out, grads_finite = amp_update(
-            optax.with_extra_args_support(_stored_tx(state.tx, pol, "step")).update, clip_norm,
-            scaled_grads,
+            optax.with_extra_args_support(inner_tx).update, clip_norm, scaled_grads,
             AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
                      jnp.ones((), bool)), state.params, {}, loss_finite,
             group_vectors=mesh is None)
