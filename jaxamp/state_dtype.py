@@ -76,18 +76,22 @@ def is_stored(leaf: Any) -> bool:
         and jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
-_LOW_BITS = np.uint32(0xFFFF)
+_LOW_BITS, _HIGH_BITS = np.uint32(0xFFFF), np.uint32(0xFFFF0000)
 _MIX = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
+_SHIFTS = (np.uint32(16), np.uint32(15))
+
+# lax, not jnp, below: scalar operands stay literals (no broadcast per leaf to trace, lower
+# and compile), and no jnp wrapper to trace per call.
 
 
 def _mix(x: jax.Array) -> jax.Array:
     """Wellons' ``lowbias32`` integer hash: a bijection of uint32 whose output bits each flip
     with probability ~1/2 when any input bit does."""
-    x = x ^ (x >> np.uint32(16))
-    x = x * _MIX[0]
-    x = x ^ (x >> np.uint32(15))
-    x = x * _MIX[1]
-    return x ^ (x >> np.uint32(16))
+    x = lax.bitwise_xor(x, lax.shift_right_logical(x, _SHIFTS[0]))
+    x = lax.mul(x, _MIX[0])
+    x = lax.bitwise_xor(x, lax.shift_right_logical(x, _SHIFTS[1]))
+    x = lax.mul(x, _MIX[1])
+    return lax.bitwise_xor(x, lax.shift_right_logical(x, _SHIFTS[0]))
 
 
 def rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -105,12 +109,13 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     mesh). Stochastic rounding needs each element's 16 bits uniform and unrelated to its
     value, which a keyed hash of a distinct index gives; the key changes every update.
     """
-    index = jnp.zeros(shape, jnp.uint32)
+    index = lax.full(shape, np.uint32(0), jnp.uint32)
     stride = 1
     for d in reversed(range(len(shape))):
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride % 2**32)
+        term = lax.broadcasted_iota(jnp.uint32, shape, d)
+        index = lax.add(index, term if stride == 1 else lax.mul(term, np.uint32(stride % 2**32)))
         stride *= shape[d]
-    return _mix(_mix(index + key[0]) ^ key[1])
+    return _mix(lax.bitwise_xor(_mix(lax.add(index, key[0])), key[1]))
 
 
 def stochastic_round(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -126,13 +131,15 @@ def stochastic_round(x: jax.Array, bits: jax.Array) -> jax.Array:
 
     Args:
       x: float32 array.
-      bits: uint16 (or uint32: only the low 16 bits are used) random bits of ``x``'s shape.
+      bits: uint16 or uint32 (only the low 16 bits are used) random bits of ``x``'s shape.
     """
-    raw = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    up = (raw + (bits.astype(jnp.uint32) & _LOW_BITS)) & ~_LOW_BITS
-    rounded = lax.bitcast_convert_type(up, jnp.float32).astype(jnp.bfloat16)  # exact
+    x = lax.convert_element_type(x, jnp.float32)
+    low = lax.bitwise_and(lax.convert_element_type(bits, jnp.uint32), _LOW_BITS)
+    up = lax.bitwise_and(lax.add(lax.bitcast_convert_type(x, jnp.uint32), low), _HIGH_BITS)
+    rounded = lax.convert_element_type(lax.bitcast_convert_type(up, jnp.float32),
+                                       jnp.bfloat16)  # exact: the low 16 bits are zero
     # A NaN whose payload lies in the low 16 bits would truncate to inf.
-    return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
+    return lax.select(lax.ne(x, x), lax.convert_element_type(x, jnp.bfloat16), rounded)
 
 
 def with_state_dtype(tx: optax.GradientTransformation, dtype: Any, *,
@@ -224,4 +231,6 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype: Any, *,
 
 def _as(new: Any, old: Any) -> Any:
     """A leaf that is not stored in the storage dtype, in the dtype it had."""
-    return new.astype(old.dtype) if hasattr(new, "astype") and hasattr(old, "dtype") else new
+    if hasattr(new, "astype") and hasattr(old, "dtype") and new.dtype != old.dtype:
+        return new.astype(old.dtype)
+    return new
