@@ -47,6 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from lm_cli import Setup, UsageError
 
+from jaxamp import policy_spec
 from jaxamp.diagnostics.metrics import MetricsError, read_metrics, strict
 
 __all__ = ["Checkpoints", "CorruptCheckpoint", "SaveError", "closed_event_loop_filter",
@@ -233,7 +234,9 @@ def run_config(s: Setup) -> dict:
     trajectory). --steps may differ (to extend a run); eval/checkpoint intervals may too."""
     a = s.args
     return {
-        "preset": a.preset, "model": dataclasses.asdict(s.config), "policy": s.policy_str,
+        "preset": a.preset, "model": dataclasses.asdict(s.config),
+        "policy": policy_spec.to_str({k: v for k, v in policy_spec.parse(s.policy_str).items()
+                                      if k != "opt_state"}), "opt_state": s.opt_state,
         "loss_scale": s.loss_scale_kind, "init_scale": a.init_scale,
         "growth_interval": a.growth_interval, "lr": a.lr, "schedule": a.schedule,
         "warmup": a.warmup, "clip_norm": a.clip_norm, "batch_size": a.batch_size,
@@ -243,6 +246,7 @@ def run_config(s: Setup) -> dict:
 
 
 _FLAG_OF = {"preset": "--preset", "model": "--preset", "policy": "--policy",
+            "opt_state": "--opt-state",
             "loss_scale": "--loss-scale", "init_scale": "--init-scale",
             "growth_interval": "--growth-interval", "lr": "--lr", "schedule": "--schedule",
             "warmup": "--warmup", "clip_norm": "--clip-norm", "batch_size": "--batch-size",
@@ -347,6 +351,8 @@ class Checkpoints:
                      "fingerprint": self.s.corpus.fingerprint, "source": self.s.corpus.source},
             "rng": {"seed": a.seed, "init": "jax.random.key(seed)",
                     "dropout": "fold_in(state.rng = PRNGKey(seed), step), in the checkpoint",
+                    "opt_state": "--opt-state bfloat16: stochastic rounding's key is "
+                                 "state.opt_state.rounding_key, in the checkpoint",
                     "note": "batches depend only on (seed, step)"},
             "steps": a.steps,
         }
@@ -436,6 +442,9 @@ def resume(s: Setup, abstract_state) -> tuple[object, dict, list[CorruptCheckpoi
     return restored, meta, bad
 
 
+#: Settings a checkpoint made before their flag existed ran with (it records none).
+_BEFORE_ITS_FLAG = {"opt_state": "float32"}
+
 #: Fields of the model config set by their own flag (the others come from --preset).
 _MODEL_FLAG_OF = {"dropout": "--dropout"}
 
@@ -446,7 +455,7 @@ def _differences(old: dict, now: dict):
     for k, v in now.items():
         if k in _RECORDED_LATER and k not in old:
             continue  # an older checkpoint: the setting was not recorded
-        was = old.get(k)
+        was = old.get(k, _BEFORE_ITS_FLAG.get(k))
         if k == "model" and isinstance(was, dict) and isinstance(v, dict):
             if old.get("preset") != now.get("preset"):
                 continue  # reported as --preset itself

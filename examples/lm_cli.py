@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jaxamp/jmp policy string: params/compute/output dtypes, e.g. "
                         "'params=float32,compute=bfloat16,output=float32', 'c=f16' or "
                         "'float32' (full precision); add ',matmul=float8' for FP8 matmuls")
+    m.add_argument("--opt-state", default="float32", choices=("float32", "bfloat16"),
+                   help="the dtype AdamW's moments are stored in (the policy's opt_state=): "
+                        "bfloat16 halves them; the update still runs in float32 and the new "
+                        "moments are written back with stochastic rounding, whose key is "
+                        "checkpointed with them")
     m.add_argument("--fp8-small", default=None, metavar="K,N",
                    help="with matmul=float8 only: a matmul with contracting size <= K and "
                         f"output features <= N stays in the compute dtype (default: {FP8_SMALL}, "
@@ -167,7 +172,7 @@ class Setup:
 
     args: argparse.Namespace
     config: lm_model.GPTConfig
-    policy: object  # jmp.Policy
+    policy: object  # jmp.Policy (with --opt-state bfloat16: its opt_state=)
     policy_str: str
     loss_scale_kind: str
     out: Path
@@ -196,6 +201,11 @@ class Setup:
         f32 = jaxamp.get_policy("float32")
         return dataclasses.replace(self, policy=f32, policy_str=jaxamp.policy_to_str(f32),
                                    loss_scale_kind="none", loss_scale=jaxamp.NoOpLossScale())
+
+    @property
+    def opt_state(self) -> str:
+        """--opt-state: the dtype the optimizer state is stored in (the policy's opt_state=)."""
+        return jaxamp.policy_spec.parse(self.policy_str).get("opt_state", "float32")
 
 
 def check_number(name: str, value, *, minimum=None, positive=False, maximum=None,
@@ -230,7 +240,13 @@ def validate(args: argparse.Namespace) -> Setup:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     config = dataclasses.replace(lm_model.PRESETS[args.preset], dropout=args.dropout)
     try:
-        policy = jaxamp.get_policy(args.policy)
+        if "opt_state" in jaxamp.policy_spec.parse(args.policy):
+            raise ValueError("set the optimizer state's dtype with --opt-state, not in the "
+                             "policy (e.g. --opt-state bfloat16)")
+        names = jaxamp.policy_spec.parse(args.policy)
+        if args.opt_state != "float32" or names["params"] != "float32":  # else: AdamW's own
+            names["opt_state"] = args.opt_state
+        policy = jaxamp.get_policy(jaxamp.policy_spec.to_str(names))
     except (ValueError, TypeError) as e:
         raise UsageError(f"--policy {args.policy!r}: {e}") from None
     policy_str = jaxamp.policy_to_str(policy)

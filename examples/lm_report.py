@@ -30,6 +30,7 @@ from rich.table import Table
 
 import jaxamp
 import jaxamp.review
+from jaxamp.diagnostics import metrics
 
 __all__ = ["Console", "Progress", "compiled_memory", "esc", "finish", "fmt_bytes",
            "header", "plot_curves", "summary"]
@@ -51,7 +52,9 @@ def header(console: Console, s: Setup, params, start_step: int, meta: dict | Non
                   f"{np.dtype(policy.compute_dtype).name}, softmax/LayerNorm/loss in float32, "
                   f"outputs in {np.dtype(policy.output_dtype).name}; loss scale: "
                   f"{s.loss_scale_kind}"
-                  + (f" (initial {args.init_scale:g})" if s.loss_scale_kind != "none" else ""))
+                  + (f" (initial {args.init_scale:g})" if s.loss_scale_kind != "none" else "")
+                  + ("; AdamW's moments stored in bfloat16 (stochastic rounding)"
+                     if s.opt_state == "bfloat16" else ""))
     console.print(f"[bold]model[/bold] {args.preset}: {config.n_layer} layers, d_model "
                   f"{config.d_model}, {config.n_head} heads, context {config.block_size}, "
                   f"{lm_model.param_count(params) / 1e6:.2f}M params, "
@@ -154,6 +157,8 @@ def summary(s: Setup, state, rows: list[dict], *, start_step: int, initial_val: 
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "memory_bytes": memory, "memory_bytes_f32": memory_f32,
+        "opt_state": s.opt_state,
+        "opt_state_bytes": metrics.array_bytes(jax.tree.leaves(state.opt_state)),
         # read by `python -m jaxamp.review` (clip threshold, scale floor)
         "clip_norm": args.clip_norm or None,
         "min_loss_scale": (float(state.loss_scale.min_loss_scale)
@@ -208,6 +213,8 @@ def finish(console: Console, s: Setup, rows: list[dict], summary: dict,
             ("step memory (temp+args+out)", fmt_bytes(memory.get("total"))),
             ("same step in float32", fmt_bytes(ref_memory.get("total"))
              + (f"  (AMP uses {ratio:.2f}x)" if ratio else "")),
+            ("optimizer state", f"{fmt_bytes(summary['opt_state_bytes']['total'])} "
+                                f"({summary['opt_state']})"),
             ("outputs", esc(f"{out}/ metrics.jsonl summary.json precision.json curves.png"))):
         st.add_row(k, v)
     console.print(st)

@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxamp import policy_spec
 
-__all__ = ["DTYPE_NAMES", "MatmulPolicy", "get_policy", "matmul_dtype", "policy_to_str"]
+__all__ = ["DTYPE_NAMES", "MatmulPolicy", "check_state_dtype", "get_policy", "matmul_dtype",
+           "opt_state_dtype", "policy_to_str"]
 
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -49,22 +50,34 @@ def _dtype(name: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class MatmulPolicy(jmp.Policy):
-    """A :class:`jmp.Policy` that also says which dtype the matmuls run in.
+    """A :class:`jmp.Policy` that also says which dtype the matmuls run in, and which dtype the
+    optimizer state is stored in: jaxamp's two extra keys, ``matmul=`` and ``opt_state=``.
 
     ``matmul_dtype``: ``jnp.float8_e4m3fn`` runs every *eligible* ``dot_general`` of the
     region in FP8 (:mod:`jaxamp.fp8`: E4M3 forward operands, E5M2 output gradients, per-tensor
     current scaling, the result in the compute dtype; the others stay in the compute dtype and
     the audit says why); a floating dtype runs the region's matmuls in it instead of the
-    compute dtype; None is a plain policy (matmuls in the compute dtype). Everything that
-    takes a :class:`jmp.Policy` takes it; :func:`get_policy` makes one for ``matmul=``.
+    compute dtype; None is a plain policy (matmuls in the compute dtype).
+
+    ``opt_state_dtype``: ``jnp.bfloat16`` or ``jnp.float32``, the dtype the train step stores
+    the optimizer's floating state in (:func:`jaxamp.amp`'s ``state_dtype=``: it computes in
+    float32 and writes bfloat16 back with stochastic rounding); None, the state as the
+    optimizer makes it. It belongs to the state's policy (:meth:`jaxamp.TrainState.create`),
+    not to a module's: an override that sets it is refused.
+
+    Everything that takes a :class:`jmp.Policy` takes it; :func:`get_policy` makes one for
+    ``matmul=`` or ``opt_state=``.
 
     Example:
         >>> p = get_policy("params=float32,compute=bfloat16,output=float32,matmul=fp8")
         >>> type(p).__name__, policy_to_str(p)
         ('MatmulPolicy', 'params=float32,compute=bfloat16,output=float32,matmul=float8')
+        >>> get_policy("p=f32,c=bf16,o=f32,opt_state=bf16").opt_state_dtype
+        <class 'jax.numpy.bfloat16'>
     """
 
     matmul_dtype: Any = None
+    opt_state_dtype: Any = None
 
 
 def matmul_dtype(policy: jmp.Policy) -> Any:
@@ -72,6 +85,40 @@ def matmul_dtype(policy: jmp.Policy) -> Any:
     :class:`MatmulPolicy` that sets one, else its compute dtype."""
     found = getattr(policy, "matmul_dtype", None)
     return policy.compute_dtype if found is None else found
+
+
+def opt_state_dtype(policy: jmp.Policy) -> Any:
+    """The dtype ``policy`` stores the optimizer state in (its ``opt_state_dtype``), or None:
+    the state as the optimizer makes it."""
+    return getattr(policy, "opt_state_dtype", None)
+
+
+def check_state_dtype(value: Any, where: str) -> Any:
+    """``value`` as the dtype an optimizer state may be stored in: ``jnp.float32``,
+    ``jnp.bfloat16`` or None (a dtype, or a name the policy's ``opt_state=`` takes).
+
+    Raises:
+      ValueError: for float16 (why: :data:`jaxamp.policy_spec.OPT_STATE_FLOAT16`) and for
+        anything else, naming the value and what is allowed.
+    """
+    if value is None:
+        return None
+    name = policy_spec.OPT_STATE_ALIASES.get(value.strip().lower()) \
+        if isinstance(value, str) else None
+    try:
+        dtype = np.dtype(name or value)
+    except TypeError:
+        dtype = None
+    if dtype == np.dtype(jnp.float32) or dtype == np.dtype(jnp.bfloat16):
+        return _DTYPES[dtype.name]
+    if dtype == np.dtype(jnp.float16) or (isinstance(value, str)
+                                          and value.strip().lower() == policy_spec.HALF):
+        raise ValueError(f"{where}: the optimizer state cannot be stored in float16, got "
+                         f"{value!r}. {policy_spec.OPT_STATE_FLOAT16}")
+    raise ValueError(f"{where}: the optimizer state is stored in jnp.bfloat16 or jnp.float32 "
+                     f"(or None: as the optimizer makes it), got {value!r}. Example: "
+                     "jaxamp.amp(optax.adamw(3e-4), state_dtype=jnp.bfloat16), or "
+                     "opt_state=bfloat16 in the policy.")
 
 
 def _check_matmul(names: dict[str, str], compute, spec: str,
@@ -108,7 +155,10 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     jaxamp adds ``matmul=``: ``float8`` (``fp8``, ``f8``) returns a :class:`MatmulPolicy`
     whose eligible matmuls run in FP8 (:mod:`jaxamp.fp8`); float8 with ``compute=float16`` is
     refused (use bfloat16 compute: see :class:`MatmulPolicy`); a floating dtype runs the
-    matmuls in that dtype. Without ``matmul=`` the result is a plain :class:`jmp.Policy`.
+    matmuls in that dtype. And ``opt_state=``: ``bfloat16`` (``bf16``) or ``float32``
+    (``f32``, ``full``), the dtype the train step stores the optimizer state in
+    (``float16``/``half`` are refused: see :data:`jaxamp.policy_spec.OPT_STATE_FLOAT16`).
+    Without either the result is a plain :class:`jmp.Policy`.
 
     ``half`` is resolved when the string is parsed, from the platform of the first local device
     (the same rule as :func:`jmp.half_dtype`):
@@ -154,9 +204,10 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     fields = dict(param_dtype=_dtype(names["params"]), compute_dtype=compute,
                   output_dtype=_dtype(names["output"]))
     matmul = _check_matmul(names, compute, spec)
-    if matmul is None:
+    opt_state = _DTYPES[names["opt_state"]] if "opt_state" in names else None
+    if matmul is None and opt_state is None:
         return jmp.Policy(**fields)
-    return MatmulPolicy(**fields, matmul_dtype=matmul)
+    return MatmulPolicy(**fields, matmul_dtype=matmul, opt_state_dtype=opt_state)
 
 
 def with_matmul(policy: jmp.Policy, spec: str) -> jmp.Policy:
@@ -165,7 +216,7 @@ def with_matmul(policy: jmp.Policy, spec: str) -> jmp.Policy:
     names = policy_spec.parse_given(spec)
     matmul = _check_matmul(names, policy.compute_dtype, spec, inherited=policy)
     return MatmulPolicy(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
-                        matmul_dtype=matmul)
+                        matmul_dtype=matmul, opt_state_dtype=opt_state_dtype(policy))
 
 
 def _check_float_policy(policy: jmp.Policy) -> None:
@@ -183,6 +234,8 @@ def _check_float_policy(policy: jmp.Policy) -> None:
                 "a policy casts floating-point params, activations and outputs only. Use "
                 f"float32, float16 or bfloat16, e.g. jaxamp.get_policy("
                 f"'params=float32,compute=float16,output=float32'). {policy_spec.ALLOWED_DTYPES}")
+    value = opt_state_dtype(policy)
+    check_state_dtype(value, f"{type(policy).__name__} with opt_state_dtype={value!r}")
 
 
 def policy_to_str(policy: jmp.Policy) -> str:
@@ -221,4 +274,7 @@ def policy_to_str(policy: jmp.Policy) -> str:
         fp8 = np.dtype(matmul) == np.dtype(jnp.float8_e4m3fn)
         name = policy_spec.FLOAT8 if fp8 else _CANONICAL_NAMES[np.dtype(matmul)]
         names.append(f"matmul={name}")
+    opt_state = opt_state_dtype(policy)
+    if opt_state is not None:
+        names.append(f"opt_state={_CANONICAL_NAMES[np.dtype(opt_state)]}")
     return ",".join(names)

@@ -7,6 +7,8 @@ turns the names into a :class:`jmp.Policy`), the train step's default loss scale
 Example:
     >>> parse("p=f32,c=bf16")
     {'params': 'float32', 'compute': 'bfloat16', 'output': 'bfloat16'}
+    >>> to_str(parse("c=bf16,o=f32,opt_state=bf16"))
+    'params=float32,compute=bfloat16,output=float32,opt_state=bfloat16'
     >>> to_str(parse("f32"))
     'params=float32,compute=float32,output=float32'
     >>> loss_scaling(parse(DEFAULT_POLICY)["compute"])
@@ -15,8 +17,9 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "FIELDS", "FLOAT8", "HALF", "MATMUL_ALIASES",
-           "loss_scaling", "parse", "parse_given", "to_str"]
+__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "EXTRA_FIELDS", "FIELDS", "FLOAT8", "HALF",
+           "MATMUL_ALIASES", "OPT_STATE_ALIASES", "OPT_STATE_FLOAT16", "loss_scaling", "parse",
+           "parse_given", "to_str"]
 
 #: What jaxamp uses when no policy is given: float32 master weights, float16 compute, float32
 #: outputs (with dynamic loss scaling, see :func:`loss_scaling`).
@@ -24,6 +27,9 @@ DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 
 #: The three fields of a policy, in the order :func:`to_str` writes them.
 FIELDS = ("params", "compute", "output")
+
+#: jaxamp's optional fields, written after :data:`FIELDS` when set.
+EXTRA_FIELDS = ("matmul", "opt_state")
 
 #: Accepted dtype names (lower case) -> canonical name. ``"half"`` is resolved by
 #: :func:`jaxamp.get_policy` from the backend (bfloat16 on TPU, float16 elsewhere).
@@ -44,6 +50,21 @@ FLOAT8 = "float8"
 #: floating dtype name (matmuls in that dtype instead of the compute dtype).
 MATMUL_ALIASES = {"float8": FLOAT8, "fp8": FLOAT8, "f8": FLOAT8, **DTYPE_ALIASES}
 
+#: Accepted ``opt_state=`` names (lower case) -> canonical name: the dtype the optimizer's
+#: floating state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``). bfloat16 is written back
+#: with stochastic rounding; the optimizer always computes in float32.
+OPT_STATE_ALIASES = {name: canonical for name, canonical in DTYPE_ALIASES.items()
+                     if canonical != "float16"}
+
+#: Why ``opt_state=float16`` (and ``half``) is refused: the one place the rule is written (the
+#: policy parser and ``jaxamp.amp(state_dtype=)`` both say it).
+OPT_STATE_FLOAT16 = (
+    "float16 cannot hold an optimizer state: Adam's second moment is the square of the "
+    "gradients, which underflows float16 below ~6e-8 (gradients below ~2.4e-4) and overflows "
+    "it above 65504 (gradients above 256), and a zero second moment turns the update into "
+    "m / eps. bfloat16 has float32's exponent range; write bfloat16 (stored with stochastic "
+    "rounding) or float32.")
+
 _KEYS = {
     "params": "params",
     "p": "params",
@@ -52,6 +73,7 @@ _KEYS = {
     "output": "output",
     "o": "output",
     "matmul": "matmul",
+    "opt_state": "opt_state",
 }
 _NON_FLOAT_NAMES = frozenset(
     {"bool", "complex64", "complex128", "c64", "c128"}
@@ -62,7 +84,8 @@ _FLOAT64_NAMES = frozenset({"float64", "f64", "double"})
 ALLOWED_DTYPES = "Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half."
 ALLOWED_MATMUL = ("Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible matmuls), float32/f32, "
                   "float16/f16, bfloat16/bf16, half.")
-_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o, matmul."
+ALLOWED_OPT_STATE = "Allowed opt_state dtypes: float32/f32/full, bfloat16/bf16."
+_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o, matmul, opt_state."
 EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
 MATMUL_EXAMPLE = "Example: 'params=float32,compute=bfloat16,output=float32,matmul=float8'."
 #: FP8 format names a ``matmul=`` value may be written as: all mean ``float8``.
@@ -108,6 +131,21 @@ def _parse_matmul(value: str, part: str, spec: str) -> str:
                         example=MATMUL_EXAMPLE)
 
 
+def _parse_opt_state(value: str, part: str, spec: str) -> str:
+    name = value.strip().lower()
+    if name in OPT_STATE_ALIASES:
+        return OPT_STATE_ALIASES[name]
+    if name in ("float16", "f16", HALF):
+        raise _error(f"Unsupported opt_state dtype '{value.strip()}' in '{part.strip()}': "
+                     f"{OPT_STATE_FLOAT16}", ALLOWED_OPT_STATE)
+    _parse_dtype(value, part, spec)  # raises with the dtype's own message
+    raise _error(f"Unknown opt_state dtype '{value.strip()}' in '{part.strip()}'.",
+                 ALLOWED_OPT_STATE)  # pragma: no cover - _parse_dtype raised
+
+
+_PARSE_VALUE = {"matmul": _parse_matmul, "opt_state": _parse_opt_state}
+
+
 def parse(spec: str) -> dict[str, str]:
     """Parses a policy string into canonical dtype names ``{"params", "compute", "output"}``
     (and ``"matmul"`` when the string sets it).
@@ -119,6 +157,10 @@ def parse(spec: str) -> dict[str, str]:
     jaxamp adds ``matmul=``: ``float8`` (aliases ``fp8``, ``f8``) runs the eligible matmuls in
     FP8 (:mod:`jaxamp.fp8`); a floating dtype runs the matmuls in it instead of the compute
     dtype. Unset, matmuls run in the compute dtype (no ``"matmul"`` key in the result).
+    ``opt_state=`` (``float32`` or ``bfloat16``, with their aliases) is the dtype the optimizer
+    state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``; float16 is refused, see
+    :data:`OPT_STATE_FLOAT16`); unset, the state is what the optimizer makes (no
+    ``"opt_state"`` key). A bare dtype name never sets it.
 
     Raises:
         TypeError: ``spec`` is not a string.
@@ -129,8 +171,9 @@ def parse(spec: str) -> dict[str, str]:
     params = dtypes.get("params", "float32")
     compute = dtypes.get("compute", params)
     out = {"params": params, "compute": compute, "output": dtypes.get("output", compute)}
-    if "matmul" in dtypes:
-        out["matmul"] = dtypes["matmul"]
+    for extra in EXTRA_FIELDS:
+        if extra in dtypes:
+            out[extra] = dtypes[extra]
     return out
 
 
@@ -182,18 +225,17 @@ def parse_given(spec: str) -> dict[str, str]:
         if field in seen:
             raise _error(
                 f"Duplicate policy key '{raw_key.strip()}' in '{spec}': {field} is already set "
-                f"by '{seen[field]}'. Each of params/p, compute/c, output/o, matmul may appear "
-                "once."
+                f"by '{seen[field]}'. Each of params/p, compute/c, output/o, matmul, opt_state "
+                "may appear once."
             )
         seen[field] = part.strip()
-        parse_value = _parse_matmul if field == "matmul" else _parse_dtype
-        dtypes[field] = parse_value(value, part, spec)
+        dtypes[field] = _PARSE_VALUE.get(field, _parse_dtype)(value, part, spec)
     return dtypes
 
 
 def to_str(names: dict[str, str]) -> str:
     """The canonical full form of :func:`parse`'s result, which :func:`parse` reads back."""
-    fields = (*FIELDS, "matmul") if "matmul" in names else FIELDS
+    fields = (*FIELDS, *(f for f in EXTRA_FIELDS if f in names))
     return ",".join(f"{field}={names[field]}" for field in fields)
 
 

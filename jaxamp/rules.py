@@ -85,7 +85,7 @@ from flax import nnx
 
 from jaxamp import policy_spec
 from jaxamp.fp8 import FP8_MATMULS
-from jaxamp.policy import get_policy, with_matmul
+from jaxamp.policy import get_policy, opt_state_dtype, with_matmul
 
 __all__ = [
     "DEFAULT_OP_RULES",
@@ -344,7 +344,14 @@ def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> Clas
     """An override's policy: a string that sets only ``matmul=`` (``"matmul=bfloat16"``) is
     relative (the inherited policy with that matmul dtype); anything else is absolute."""
     with _naming(key):
-        if isinstance(value, str) and set(policy_spec.parse_given(value)) == {"matmul"}:
+        given = set(policy_spec.parse_given(value)) if isinstance(value, str) else set()
+        if "opt_state" in given or opt_state_dtype(value) is not None:
+            raise ValueError(
+                f"Override {value!r} sets opt_state=: the optimizer state is one for the whole "
+                "model, stored in the dtype of the train state's policy. Set it there, e.g. "
+                "TrainState.create(..., policy='params=float32,compute=bfloat16,output=float32,"
+                "opt_state=bfloat16'), and leave it out of overrides.")
+        if given == {"matmul"}:
             with_matmul(default, value)  # validate now (against the default), before tracing
             return functools.partial(_matmul_within, spec=value, key=key)
         return get_policy(value)

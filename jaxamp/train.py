@@ -12,7 +12,9 @@ One step, in the order the methodology prescribes:
    clips them, and on a non-finite norm or loss the update is skipped (params and the whole
    optimizer state bit-identical, so schedules do not advance);
 4. params, optimizer state and the mutable collections (BatchNorm ``batch_stats``) take their
-   new values by a per-leaf select on applied steps only (no ``lax.cond``);
+   new values by a per-leaf select on applied steps only (no ``lax.cond``); with the policy's
+   ``opt_state=bfloat16`` the optimizer state is stored in bfloat16, written back with
+   stochastic rounding (:mod:`jaxamp.state_dtype`);
 5. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
 
 ``TrainState.step`` counts every step, skipped or not; the optimizer's own counter (which drives
@@ -45,9 +47,10 @@ from jaxamp._compat import Tracer, jit_cache_size, mesh_context
 from jaxamp.engine import autocast, check_options
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.policy import get_policy, policy_to_str
+from jaxamp.policy import get_policy, opt_state_dtype, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
+from jaxamp.state_dtype import with_state_dtype
 from jaxamp.transform import (
     AmpState,
     PerShape,
@@ -127,6 +130,15 @@ def _check_rng(rng: Any, where: str) -> None:
                         f"dtype={dtype}, shape={np.shape(rng)}.")
 
 
+def _stored_tx(tx: optax.GradientTransformation, policy: jmp.Policy | None,
+               where: str) -> optax.GradientTransformation:
+    """The optimizer as the state holds it: ``tx``, its floating state stored in the
+    policy's ``opt_state=`` dtype when it sets one (:func:`jaxamp.state_dtype.with_state_dtype`);
+    the one place the train state and the step decide it."""
+    dtype = None if policy is None else opt_state_dtype(policy)
+    return tx if dtype is None else with_state_dtype(tx, dtype, where=where)
+
+
 def _check_not_amp(opt_state: Any, where: str) -> None:
     """The step wraps the state's optimizer in :func:`jaxamp.amp` itself: an optimizer that
     is already ``amp(...)`` would unscale (and skip, clip) twice, updates loss_scale times too
@@ -188,6 +200,10 @@ class TrainState(train_state.TrainState):
             ``NoOpLossScale()`` with float16 compute warns: small gradients underflow.
           policy: the policy (string or :class:`jmp.Policy`); ``None`` is
             :data:`DEFAULT_POLICY` (float16 compute), the default of ``make_train_step``.
+            With ``opt_state=bfloat16`` the optimizer's floating state is stored in bfloat16
+            and written back with stochastic rounding (``opt_state`` is then a
+            :class:`jaxamp.state_dtype.StoredState`: the optimizer's state and the rounding
+            key; see :func:`jaxamp.amp`'s ``state_dtype=``).
           rng: the base PRNG key for dropout (see ``rng`` above), or ``None``.
           **kwargs: other fields (``collections=``, a subclass's fields). An option of the
             step (``overrides=``, ``clip_norm=``, ``micro_batches=``, ...) is refused with the
@@ -243,7 +259,7 @@ class TrainState(train_state.TrainState):
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
                 "Omit loss_scale= for dynamic scaling (or pass jaxamp.DynamicLossScale()).",
                 UserWarning, stacklevel=2)
-        opt_state = tx.init(params)
+        opt_state = _stored_tx(tx, policy, where).init(params)
         _check_not_amp(opt_state, where)
         return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
                    opt_state=opt_state, loss_scale=copy_tree(loss_scale),
@@ -719,7 +735,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
     def step(state: TrainState, batch, shardings=None):
         pol, use_rng, loss_of = build(state)
-        check(state, batch)  # trace time: before compiling (the loss: as it is traced)
+        check(state, batch, pol)  # trace time: before compiling (the loss: as it is traced)
         amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides,
                             op_rules=op_rules, f32_weight_grads=f32_weight_grads)
         collections0 = state.collections
@@ -781,8 +797,9 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         # params, optimizer state and collections take their new values by a per-leaf select.
         ls = state.loss_scale
         loss_finite = jnp.isfinite(loss)
+        inner_tx = _stored_tx(state.tx, pol, "step")  # opt_state=: stored in bfloat16
         updates, out, grads_finite = amp_update(
-            optax.with_extra_args_support(state.tx).update, clip_norm, scaled_grads,
+            optax.with_extra_args_support(inner_tx).update, clip_norm, scaled_grads,
             AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
                      jnp.ones((), bool)), state.params, {}, loss_finite,
             group_vectors=mesh is None)
@@ -832,13 +849,14 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                 f"({micro_batches}) x data-parallel devices ({n_shards}).")
         return size // micro_batches
 
-    def check(state, batch):
+    def check(state, batch, pol):
         if tx is not None and state.tx is not tx:
             raise ValueError("step: the state was created with a different optimizer than the "
                              "one given to make_train_step; pass the same tx to both (or omit "
                              "it: the step uses the state's).")
         check_loss_scale(state.loss_scale, "step")
-        check_opt_state(state.tx, state.opt_state, state.params, "step")
+        check_opt_state(_stored_tx(state.tx, pol, "step"), state.opt_state, state.params,
+                        "step")
         _check_not_amp(state.opt_state, "step")
         _check_float_params(state.params, "step")
         micro_size(batch)

@@ -20,6 +20,10 @@ The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
    update after ``max_consecutive_errors``);
 5. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
 
+With ``state_dtype=jnp.bfloat16`` the inner optimizer's floating state is stored in bfloat16
+(:mod:`jaxamp.state_dtype`): upcast to float32 for the update, written back with stochastic
+rounding from a key in the state. The skip of step 4 keeps that state, key included.
+
 A hand-written step needs three changes (see the README, "Your own train step")::
 
     tx = jaxamp.amp(optax.adamw(3e-4), clip_norm=1.0)            # 1. wrap the optimizer
@@ -45,7 +49,8 @@ from jaxamp import policy_spec
 from jaxamp._compat import Tracer
 from jaxamp._jaxpr import evaluate_rerouted
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxamp.policy import get_policy
+from jaxamp.policy import check_state_dtype, get_policy
+from jaxamp.state_dtype import with_state_dtype
 
 __all__ = ["AmpState", "amp", "amp_state", "default_loss_scale", "scale_loss"]
 
@@ -120,8 +125,8 @@ def check_clip_norm(clip_norm: Any, where: str) -> float | jax.Array | None:
 
 
 def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
-        clip_norm: float | jax.Array | None = None,
-        group_vectors: bool = True) -> optax.GradientTransformationExtraArgs:
+        clip_norm: float | jax.Array | None = None, group_vectors: bool = True,
+        state_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
     """Wraps ``tx`` in the AMP update: unscale -> float32 -> clip -> skip on inf/nan -> adjust.
 
     ``update`` takes the gradients of the *scaled* loss (:func:`scale_loss`); the loss scale
@@ -139,6 +144,16 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
         device (fewer kernels to compile). Pass ``False`` when the gradients are sharded over
         a mesh: the concatenation would move them between devices (``make_train_step(mesh=...)``
         sums each leaf where it lies).
+      state_dtype: store ``tx``'s floating state in this dtype: ``jnp.bfloat16`` halves
+        Adam's moments (the optimizer still computes in float32; the new state is written
+        back with stochastic rounding, its random bits drawn from a key carried in the state,
+        so runs are reproducible and resume bit for bit), ``jnp.float32`` stores it in
+        float32 whatever the params. Scalars (counts, injected hyperparameters) and integer
+        leaves stay as they are. ``inner_state`` is then a
+        :class:`jaxamp.state_dtype.StoredState` (the optimizer's state and the key); a
+        skipped step leaves both bit-identical, so the key advances once per applied update.
+        float16 is refused (it cannot hold a second moment). None (default): the state as
+        ``tx`` makes it. The train step reads it from the policy's ``opt_state=``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of ``update`` are
@@ -156,6 +171,14 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
       >>> updates, opt_state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, opt_state, params)
       >>> optax.apply_updates(params, updates)["w"], int(opt_state.skipped_steps)
       (Array([1., 1.], dtype=float32), 1)
+
+      Adam's moments stored in bfloat16 (2 bytes per parameter each instead of 4):
+
+      >>> tx = jaxamp.amp(optax.adam(1e-3), loss_scale=jaxamp.NoOpLossScale(),
+      ...                 state_dtype=jnp.bfloat16)
+      >>> adam = tx.init(params).inner_state.inner_state[0]
+      >>> adam.mu["w"].dtype, adam.nu["w"].nbytes
+      (dtype(bfloat16), 4)
     """
     where = "jaxamp.amp"
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
@@ -169,6 +192,9 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
         raise TypeError(f"{where}: group_vectors must be True or False, got "
                         f"{group_vectors!r}. Pass False when the gradients are sharded over a "
                         "mesh.")
+    state_dtype = check_state_dtype(state_dtype, where)
+    if state_dtype is not None:
+        tx = with_state_dtype(tx, state_dtype, where=where)
     inner_update = optax.with_extra_args_support(tx).update
 
     def init_fn(params):

@@ -201,8 +201,119 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- the optimizer state in bfloat16 (issue #44) --------------------------------------------
+
+#: The optimizers of the opt_state rows and their peak learning rates (Lion's sign updates take
+#: a 3-10x smaller one than AdamW's).
+OPT_STATE_OPTIMIZERS = {"adamw": (optax.adamw, 3e-3), "lion": (optax.lion, 1e-3)}
+OPT_STATE_POLICY = "params=float32,compute=bfloat16,output=float32"
+#: The bfloat16-state run's final validation loss must be within this fraction of the
+#: float32-state run's.
+OPT_STATE_TOLERANCE = 0.01
+LM_BLOCK, LM_BATCH, LM_EVAL_BATCHES, LM_WARMUP = 64, 16, 8, 10
+
+
+@functools.cache
+def _bytes_corpus():
+    """The example's byte corpus (the Python standard library's sources, nothing downloaded)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import lm_data
+
+    corpus = lm_data.load_corpus(None, block_size=LM_BLOCK)
+    val = lm_data.eval_batches(corpus.val, seed=0, num_batches=LM_EVAL_BATCHES,
+                               batch_size=LM_BATCH, block_size=LM_BLOCK)
+    return lm_data, corpus, val
+
+
+def _lm_model(name: str):
+    """The corpus' language models with the byte vocabulary and a longer context (no dropout:
+    the float32- and bfloat16-state runs then see the same batches and nothing else)."""
+    from corpus_models import GPT, Llama
+
+    return {"gpt2": lambda: GPT(vocab=256, ctx=LM_BLOCK, dropout=0.0),
+            "llama": lambda: Llama(vocab=256)}[name]()
+
+
+def _lm_loss(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def measure_opt_state(name: str, optimizer: str, steps: int = 100) -> dict:
+    """``name`` (``gpt2`` or ``llama``) trained ``steps`` steps on bytes with ``optimizer``,
+    its state stored in float32 and in bfloat16 (``opt_state=bfloat16``), same params and
+    batches: the final validation losses, the state's floating bytes and the compiled step's
+    memory (``memory_analysis``: arguments and temporaries)."""
+    lm_data, corpus, val = _bytes_corpus()
+    model = _lm_model(name)
+    params = model.init(jax.random.key(0), jnp.zeros((1, LM_BLOCK), jnp.int32))["params"]
+    make, peak = OPT_STATE_OPTIMIZERS[optimizer]
+    lr = optax.join_schedules([optax.linear_schedule(0.0, peak, LM_WARMUP),
+                               optax.constant_schedule(peak)], [LM_WARMUP])
+    row = {"model": name, "optimizer": optimizer, "steps": steps,
+           "params": sum(x.size for x in jax.tree.leaves(params))}
+    evaluate = jaxamp.make_eval_step(model, _lm_loss, policy=OPT_STATE_POLICY)
+
+    def batch(i):
+        return lm_data.get_batch(corpus.train, seed=0, step=i, batch_size=LM_BATCH,
+                                 block_size=LM_BLOCK)
+
+    for state_dtype, policy in (("float32", OPT_STATE_POLICY),
+                                ("bfloat16", OPT_STATE_POLICY + ",opt_state=bfloat16")):
+        state = jaxamp.TrainState.create(model, params, make(lr), policy=policy)
+        step = jaxamp.make_train_step(model, _lm_loss, clip_norm=1.0).lower(
+            state, batch(0)).compile()
+        memory = step.memory_analysis()
+        for i in range(steps):
+            state, _ = step(state, batch(i))
+        row[f"val_{state_dtype}"] = float(np.mean([float(evaluate(state.params, b))
+                                                   for b in val]))
+        row[f"bytes_{state_dtype}"] = sum(
+            x.nbytes for x in jax.tree.leaves(state.opt_state)
+            if x.ndim and jnp.issubdtype(x.dtype, jnp.floating))
+        row[f"argument_{state_dtype}"] = memory.argument_size_in_bytes
+        row[f"temp_{state_dtype}"] = memory.temp_size_in_bytes
+    row["val_rel_diff"] = row["val_bfloat16"] / row["val_float32"] - 1
+    return row
+
+
+def opt_state_problems(row: dict) -> list[str]:
+    out = []
+    if abs(row["val_rel_diff"]) > OPT_STATE_TOLERANCE:
+        out.append(f"bfloat16-state validation loss {row['val_bfloat16']:.4f} differs from "
+                   f"float32's {row['val_float32']:.4f} by {row['val_rel_diff']:+.2%}")
+    if 2 * row["bytes_bfloat16"] != row["bytes_float32"]:
+        out.append(f"moments {row['bytes_bfloat16']} B, not half of {row['bytes_float32']} B")
+    return out
+
+
+def opt_state_markdown(rows: list[dict]) -> str:
+    lines = ["| model | optimizer | params | val loss, float32 state | bfloat16 state | "
+             "diff | moments (bytes) | step arguments | step temp |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['optimizer']} | {r['params']:,} | {r['val_float32']:.4f} | "
+            f"{r['val_bfloat16']:.4f} | {r['val_rel_diff']:+.2%} | "
+            f"{r['bytes_float32']:,} -> {r['bytes_bfloat16']:,} | "
+            f"{r['argument_float32']:,} -> {r['argument_bfloat16']:,} | "
+            f"{r['temp_float32']:,} -> {r['temp_bfloat16']:,} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     from importlib.metadata import version
+    if sys.argv[1:] == ["--opt-state"]:  # the rows of CORPUS.md's "Optimizer state" section
+        rows = [measure_opt_state(n, o) for n in ("gpt2", "llama") for o in
+                OPT_STATE_OPTIMIZERS]
+        print(f"python {sys.version.split()[0]}, jax {jax.__version__}, optax "
+              f"{version('optax')}, {jax.devices()[0].platform}\n")
+        print(opt_state_markdown(rows))
+        failed = {f"{r['model']}/{r['optimizer']}": opt_state_problems(r) for r in rows}
+        for key, msgs in failed.items():
+            if msgs:
+                print(f"FAILED {key}: {'; '.join(msgs)}", file=sys.stderr)
+        return 1 if any(failed.values()) else 0
     rows, crashed = [], {}
     for name in CORPUS:
         for dtype in POLICIES:

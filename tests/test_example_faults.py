@@ -351,6 +351,21 @@ def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
     """For each seed: a random step (0: during the first evaluation, KILL_STEPS: while the
     summary and plots are written), then a random delay of up to about a step and a save;
     SIGKILL there; then ``--resume`` (or ``--overwrite`` if no checkpoint was complete)."""
+    _kill_and_resume(tmp_path, range(2))
+
+
+def test_kill_9_with_bfloat16_moments_resumes_bit_identically(tmp_path):
+    """--opt-state bfloat16 (issue #44): the stochastic rounding's key is in the checkpoint, so
+    the resumed run rounds with the same bits as the uninterrupted one (and resumes from a
+    checkpoint: the kill lands after several)."""
+    resumed = _kill_and_resume(tmp_path, [9], "--opt-state", "bfloat16")  # killed near step 14
+    assert resumed == [True]  # from a checkpoint, not started again
+    state = restore_state(tmp_path / "seed9", KILL_STEPS)
+    assert state["opt_state"]["rounding_key"].shape == (2,)
+
+
+def _kill_and_resume(tmp_path, seeds, *extra: str) -> list[bool]:
+    """Kills a run per seed and finishes it; whether each resumed from a checkpoint."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla-cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -359,17 +374,17 @@ def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
     ref = tmp_path / "ref"
-    res = finish(_kill_args(ref))  # the uninterrupted run (and a warm compilation cache)
+    res = finish(_kill_args(ref, *extra))  # the uninterrupted run (and a warm compilation cache)
     assert res.returncode == 0, res.stderr[-2000:]
 
-    kills = []
-    for seed in range(2):
+    kills, resumed = [], []
+    for seed in seeds:
         rnd = random.Random(seed)
         target, delay = rnd.randint(0, KILL_STEPS), rnd.uniform(0, 0.15)
         if target == KILL_STEPS:
             delay = rnd.uniform(0, 0.5)
         out = tmp_path / f"seed{seed}"
-        proc = subprocess.Popen(_kill_args(out), env=env, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(_kill_args(out, *extra), env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         while _lines(out / "metrics.jsonl") < target and proc.poll() is None:
             time.sleep(0.002)
@@ -377,15 +392,17 @@ def test_kill_9_at_random_points_then_resume_is_bit_identical(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         kills.append((seed, target, round(delay, 3), proc.returncode))
-        res = finish(_kill_args(out, "--resume"))
-        if res.returncode == 2 and "no checkpoints" in res.stderr:  # killed before the first
-            res = finish(_kill_args(out, "--overwrite"))
+        res = finish(_kill_args(out, *extra, "--resume"))
+        resumed.append(not (res.returncode == 2 and "no checkpoints" in res.stderr))
+        if not resumed[-1]:  # killed before the first checkpoint
+            res = finish(_kill_args(out, *extra, "--overwrite"))
         assert res.returncode == 0, (kills[-1], res.stderr[-2000:])
         assert_same_metrics(metrics(out), metrics(ref))
         assert_same_state(restore_state(out, KILL_STEPS), restore_state(ref, KILL_STEPS))
         assert _strict_json((out / "summary.json").read_text())["steps"] == KILL_STEPS
     # every run was really killed (not finished before the signal)
     assert all(rc == -signal.SIGKILL for *_, rc in kills), kills
+    return resumed
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
 HALF = jmp.half_dtype()
 
-ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o, matmul.")
+ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o, matmul, opt_state.")
 ALLOWED_DTYPES = re.escape("Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half.")
 EXAMPLE = re.escape("Example: 'params=float32,compute=float16,output=float32'.")
 
@@ -168,12 +168,13 @@ MALFORMED = [
     (
         "p=f32,p=f16",
         r"Duplicate policy key 'p' in 'p=f32,p=f16': params is already set by "
-        r"'p=f32'\. Each of params/p, compute/c, output/o, matmul may appear once\.",
+        r"'p=f32'\. Each of params/p, compute/c, output/o, matmul, opt_state may appear once\.",
     ),
     (
         "p=f32,params=f16",
         r"Duplicate policy key 'params' in 'p=f32,params=f16': params is "
-        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o, matmul may appear once\.",
+        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o, matmul, opt_state may "
+        r"appear once\.",
     ),
     (
         "c=f16,compute=bf16",
@@ -346,3 +347,91 @@ def test_an_override_refused_for_fp8_with_float16_names_its_key():
         rules.match(nn.Dense(4), path=("blocks_0", "fc"), inherited=get_policy("c=f16"))
     with pytest.raises(ValueError, match=r"^overrides\['head'\]: Unknown dtype 'f15'"):
         ModuleRules.create("p=f32,c=bf16,o=f32", {"head": "c=f15"})
+
+
+# ---- opt_state= (the optimizer state's storage dtype, issue 44) ---------------------------------
+
+BASE = "params=float32,compute=bfloat16,output=float32"
+
+
+@pytest.mark.parametrize(("alias", "canonical", "dtype"), [
+    ("bfloat16", "bfloat16", BF16), ("bf16", "bfloat16", BF16), (" BF16 ", "bfloat16", BF16),
+    ("float32", "float32", F32), ("f32", "float32", F32), ("full", "float32", F32)])
+def test_opt_state_aliases_round_trip(alias, canonical, dtype):
+    from jaxamp import policy_spec
+    from jaxamp.policy import MatmulPolicy, matmul_dtype, opt_state_dtype
+
+    p = get_policy(f"p=f32,c=bf16,o=f32,opt_state={alias}")
+    assert isinstance(p, MatmulPolicy) and opt_state_dtype(p) == dtype
+    assert matmul_dtype(p) == BF16  # matmuls untouched
+    text = policy_to_str(p)
+    assert text == f"{BASE},opt_state={canonical}"
+    assert get_policy(text) == p and policy_to_str(get_policy(text)) == text
+    # the JAX-free parser (what python -m jaxamp.review reads) agrees, and round-trips
+    assert policy_spec.parse(text)["opt_state"] == canonical
+    assert policy_spec.to_str(policy_spec.parse(text)) == text
+    # with matmul= too: both extra keys, in a fixed order
+    both = get_policy(f"opt_state={alias},c=bf16,matmul=fp8,o=f32")
+    assert policy_to_str(both) == f"{BASE},matmul=float8,opt_state={canonical}"
+    assert get_policy(policy_to_str(both)) == both
+
+
+def test_opt_state_unset_is_a_plain_policy_and_a_bare_name_never_sets_it():
+    from jaxamp import policy_spec
+    from jaxamp.policy import opt_state_dtype
+
+    for spec in ("bf16", "p=f32,c=bf16,o=f32", "p=f32,c=bf16,matmul=fp8"):
+        assert opt_state_dtype(get_policy(spec)) is None
+        assert "opt_state" not in policy_spec.parse(spec)
+        assert "opt_state" not in policy_to_str(get_policy(spec))
+    assert type(get_policy("p=f32,c=bf16,o=f32")) is jmp.Policy
+
+
+@pytest.mark.parametrize("value", ["float16", "f16", "F16", "half"])
+def test_opt_state_float16_is_refused_saying_why_and_the_fix(value):
+    with pytest.raises(ValueError) as e:
+        get_policy(f"c=bf16,opt_state={value}")
+    text = str(e.value)
+    assert text.startswith(f"Unsupported opt_state dtype '{value}' in 'opt_state={value}': "
+                           "float16 cannot hold an optimizer state")
+    assert "underflows float16" in text and "write bfloat16" in text
+    assert "Allowed opt_state dtypes: float32/f32/full, bfloat16/bf16." in text
+    assert "Example: 'params=float32,compute=float16,output=float32'." in text
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("fp8", r"Unknown dtype 'fp8' in 'opt_state=fp8'\. " + ALLOWED_DTYPES),
+    ("int8", r"Dtype 'int8' in 'opt_state=int8' is not a floating type"),
+    ("float64", r"Unsupported dtype 'float64' in 'opt_state=float64'"),
+    ("", r"Empty dtype in 'opt_state=' of 'c=bf16,opt_state='"),
+])
+def test_opt_state_bad_values_name_the_value(value, message):
+    with pytest.raises(ValueError, match=message):
+        get_policy(f"c=bf16,opt_state={value}")
+
+
+def test_opt_state_duplicate_and_misplaced():
+    import flax.linen as nn
+
+    from jaxamp.policy import MatmulPolicy, check_state_dtype
+    from jaxamp.rules import ModuleRules
+
+    with pytest.raises(ValueError, match=r"Duplicate policy key 'opt_state'.*opt_state=bf16"):
+        get_policy("c=bf16,opt_state=bf16,opt_state=f32")
+    # the optimizer state is one for the model: a module override may not set it
+    for override in ("opt_state=bf16", "p=f32,c=f32,opt_state=bf16",
+                     get_policy("c=bf16,opt_state=bf16")):
+        with pytest.raises(ValueError, match=r"sets opt_state=: the optimizer state is one for "
+                                             r"the whole model.*leave it out of overrides"):
+            ModuleRules.create(BASE, {nn.Dense: override})
+    # a hand-built policy object is checked as strings are
+    with pytest.raises(ValueError, match=r"cannot be stored in float16"):
+        get_policy(MatmulPolicy(F32, BF16, F32, opt_state_dtype=F16))
+    # the dtype check that jaxamp.amp(state_dtype=) uses: dtypes, names, None
+    assert check_state_dtype(np.dtype("bfloat16"), "x") is BF16
+    assert check_state_dtype("bf16", "x") is BF16 and check_state_dtype(F32, "x") is F32
+    assert check_state_dtype(None, "x") is None
+    for bad in (F16, "half", jnp.int8, "fp8", 3):
+        with pytest.raises(ValueError, match=r"^x: ") as e:
+            check_state_dtype(bad, "x")
+        assert repr(bad) in str(e.value)

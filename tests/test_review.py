@@ -181,6 +181,31 @@ def test_memory_on_the_cpu_backend_is_a_note_not_a_finding(tmp_path, capsys):
     assert "no problems found" in out and "note: memory not judged" in out
 
 
+def test_the_optimizer_state_bytes_are_a_note(tmp_path, capsys):
+    """summary.json's opt_state_bytes (issue #44): reported by dtype, with what the policy's
+    opt_state=bfloat16 saves, or would save; never a finding."""
+    mib = 2**20
+    f32_state = {"float32": 8 * mib, "int32": 8, "total": 8 * mib + 8}
+    review = review_metrics(healthy_rows(), dict(healthy_summary(), opt_state_bytes=f32_state))
+    assert review.ok
+    (note,) = [n for n in review.notes if n.startswith("optimizer state")]
+    assert note == ("optimizer state: 8.0 MiB (float32 8.0 MiB, int32 8 B); opt_state=bfloat16 "
+                    "in the policy would store its float32 moments in half (8.0 MiB -> 4.0 "
+                    "MiB), with stochastic rounding")
+    bf16_state = {"bfloat16": 4 * mib, "int32": 8, "uint32": 16, "total": 4 * mib + 24}
+    summary = dict(healthy_summary(), opt_state_bytes=bf16_state,
+                   policy="params=float32,compute=bfloat16,output=float32,opt_state=bfloat16")
+    run = write_run(tmp_path / "bf16", healthy_rows(), summary)
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert ("note: optimizer state: 4.0 MiB (bfloat16 4.0 MiB, uint32 16 B, int32 8 B); "
+            "opt_state=bfloat16 stores its moments in bfloat16 with stochastic rounding: "
+            "4.0 MiB, where float32 would take 8.0 MiB") in out
+    for bad in ("x", {"total": None}, {"float32": "many"}):  # unreadable: no note, no error
+        review = review_metrics(healthy_rows(), dict(healthy_summary(), opt_state_bytes=bad))
+        assert not [n for n in review.notes if n.startswith("optimizer state")]
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     ok = write_run(tmp_path / "ok", healthy_rows(), healthy_summary())
     rows = healthy_rows()

@@ -56,7 +56,8 @@ findings are the seed's advice and hold whatever the rules say:
     float leaves of ``args[argnums]`` (the parameters) stored in float16/bfloat16 (e.g. a model
     cast wholesale with ``.astype(jnp.float16)``): the update then rounds to low precision.
 ``opt_state_low_precision``
-    float leaves of ``opt_state=`` in float16/bfloat16.
+    float leaves of ``opt_state=`` in float16/bfloat16 (except a state the policy's
+    ``opt_state=bfloat16`` stores with stochastic rounding: :mod:`jaxamp.state_dtype`).
 
 Dead code is removed before auditing (``jax``'s DCE), so values a program computes and throws
 away (e.g. the JVP of a ``stop_gradient``'ed max) are not reported.
@@ -88,6 +89,7 @@ from jaxamp.diagnostics._report import (
     format_precision_table,
     group_findings,
     storage_findings,
+    without_rounded_state,
 )
 from jaxamp.diagnostics._step import audit_step
 from jaxamp.diagnostics._trace import (
@@ -386,4 +388,5 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
     findings = _findings(t, params, opt_state, float64_names=float64_inputs(fn, given))
     return AuditReport(rows, findings, policy_to_str(t.policy), t,
                        _float_leaf_dtypes(params) if params is not None else [],
-                       _float_leaf_dtypes(opt_state) if opt_state is not None else [])
+                       _float_leaf_dtypes(without_rounded_state(opt_state))
+                       if opt_state is not None else [])

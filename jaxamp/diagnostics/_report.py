@@ -15,8 +15,11 @@ import json
 import warnings
 from typing import Any
 
+import jax
+
 from jaxamp.diagnostics._reference import reference_rows
 from jaxamp.diagnostics._trace import Trace, is_low, low_leaves, matmul_rows
+from jaxamp.state_dtype import StoredState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +62,22 @@ def group_findings(findings: list[tuple[str, str, str, str | None]]) -> list[Fin
     return [Finding(k, m, " ".join(d), row) for (k, m), (d, row) in merged.items()]
 
 
+def without_rounded_state(opt_state: Any) -> Any:
+    """``opt_state`` without the states stored by stochastic rounding (``opt_state=bfloat16``,
+    ``jaxamp.amp(state_dtype=...)``): bfloat16 there is by design, not a finding, and the
+    update itself runs in float32 (the reference table's "Parameter update" row)."""
+    def drop(x):
+        return x._replace(inner_state=None) if isinstance(x, StoredState) \
+            and x.rounding_key is not None else x
+    return jax.tree.map(drop, opt_state, is_leaf=lambda x: isinstance(x, StoredState))
+
+
 def storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, str | None]]:
-    """Raw findings (for :func:`group_findings`): params / optimizer state stored in f16/bf16."""
+    """Raw findings (for :func:`group_findings`): params / optimizer state stored in f16/bf16
+    (an optimizer state stored in bfloat16 with stochastic rounding is not one)."""
     raw = []
     param_low = low_leaves(params) if params is not None else []
-    opt_low = low_leaves(opt_state) if opt_state is not None else []
+    opt_low = low_leaves(without_rounded_state(opt_state)) if opt_state is not None else []
 
     def listing(low):
         more = f" and {len(low) - 4} more" if len(low) > 4 else ""
@@ -82,7 +96,9 @@ def storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, s
                     f"{len(opt_low)} optimizer-state leaves are in low precision: "
                     f"{listing(opt_low)}. Adam's second moment (grad**2) underflows float16 and "
                     "its updates round away; keep the optimizer state float32 (create it from "
-                    "float32 params).", "Parameter update"))
+                    "float32 params), or store it in bfloat16 with stochastic rounding: "
+                    "opt_state=bfloat16 in the policy (jaxamp.amp(..., "
+                    "state_dtype=jnp.bfloat16)).", "Parameter update"))
     return raw
 
 

@@ -34,6 +34,9 @@ non-finite float is written as ``null``. The keys, what they mean and who reads 
   memory did not drop
 - ``backend``: the JAX backend the step was compiled for (``jax.default_backend()``: ``"cpu"``,
   ``"gpu"``, ``"tpu"``); on ``"cpu"`` low-precision memory cannot drop (XLA:CPU upcasts)
+- ``opt_state_bytes``: the optimizer state's arrays, ``{"<dtype name>": bytes, ...,
+  "total": bytes}`` (:func:`array_bytes`; global sizes, however a mesh shards them); with
+  the policy's ``opt_state=bfloat16`` its moments are the ``"bfloat16"`` bytes
 
 Writers add other keys freely (``examples/train_lm.py`` records its configuration); readers
 ignore keys they do not know.
@@ -56,13 +59,13 @@ import errno
 import json
 import math
 import os
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = ["MAX_LINE_BYTES", "METRICS_FILE", "STEP_KEYS", "SUMMARY_FILE", "SUMMARY_KEYS",
-           "MetricsError", "MetricsWriter", "dumps", "iter_metrics", "read_metrics",
-           "read_summary", "step_record", "strict", "write_summary"]
+           "MetricsError", "MetricsWriter", "array_bytes", "dumps", "iter_metrics",
+           "read_metrics", "read_summary", "step_record", "strict", "write_summary"]
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -70,7 +73,8 @@ STEP_KEYS = ("step", "loss", "loss_scale", "grad_norm", "grads_finite", "skipped
              "skipped_steps", "loss_scale_at_min", "loss_finite", "skip_reason",
              "tokens_per_s", "val_loss")
 SUMMARY_KEYS = ("policy", "loss_scale_mode", "clip_norm", "min_loss_scale", "final_val_loss",
-                "memory_bytes", "memory_bytes_f32", "largest_f32_buffers", "backend")
+                "memory_bytes", "memory_bytes_f32", "largest_f32_buffers", "backend",
+                "opt_state_bytes")
 _FLOATS = ("loss", "loss_scale", "grad_norm")
 _BOOLS = ("grads_finite", "skipped", "loss_scale_at_min", "loss_finite")
 
@@ -292,6 +296,26 @@ def _row(raw: bytes, path: Path, n: int) -> dict[str, Any]:
 def _show(v: Any) -> str:
     text = json.dumps(v)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def array_bytes(arrays: Iterable[Any]) -> dict[str, int]:
+    """``{"<dtype name>": bytes, ..., "total": bytes}`` of ``arrays`` (anything with ``shape``
+    and ``dtype``: JAX or NumPy arrays, ``jax.ShapeDtypeStruct``), the record of
+    ``summary.json``'s ``opt_state_bytes``: pass ``jax.tree.leaves(state.opt_state)``.
+
+    Example:
+        >>> import numpy as np
+        >>> array_bytes([np.zeros(3, np.float32), np.zeros((2, 2), np.float32), np.int32(0)])
+        {'float32': 28, 'int32': 4, 'total': 32}
+    """
+    out: dict[str, int] = {}
+    for a in arrays:
+        dtype = getattr(a, "dtype", None)
+        if dtype is None:
+            continue
+        size = math.prod(getattr(a, "shape", ())) * dtype.itemsize
+        out[str(dtype)] = out.get(str(dtype), 0) + size
+    return {**dict(sorted(out.items())), "total": sum(out.values())}
 
 
 def write_summary(path: str | os.PathLike, summary: Mapping[str, Any]) -> None:

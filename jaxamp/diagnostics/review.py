@@ -17,6 +17,10 @@ code                            what it means
 ``loss_diverged``               the loss went non-finite and stayed so, or a validation loss did
 =============================== =================================================================
 
+Besides findings it writes notes: what it could not judge (memory on the CPU backend), and the
+optimizer state's bytes by dtype (``summary.json``'s ``opt_state_bytes``), with what the
+policy's ``opt_state=bfloat16`` saves or would save.
+
 Non-finite numbers are read as ``null`` (strict JSON: what jaxamp and ``train_lm.py`` write) or
 as the non-standard ``NaN``/``Infinity`` tokens of older files. The file is read one line at a
 time and only the keys the review uses are kept (memory grows with the number of steps, not
@@ -97,8 +101,9 @@ class RunReview:
     findings: list[RunFinding]
     num_steps: int
     run_dir: str | None = None
-    #: what the review could not judge and why (not problems: ``ok`` ignores them), e.g. that
-    #: memory cannot drop on the CPU backend
+    #: what the review could not judge and why, and figures worth knowing (not problems:
+    #: ``ok`` ignores them), e.g. that memory cannot drop on the CPU backend, or the bytes of
+    #: the optimizer state
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -555,7 +560,8 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
             args_a, args_f = amp.get("argument"), f32.get("argument")
             if isinstance(args_a, (int, float)) and isinstance(args_f, (int, float)):
                 extra = (f" (arguments: {_fmt_bytes(args_a)} vs {_fmt_bytes(args_f)}; params and "
-                         "optimizer state stay float32 under AMP)")
+                         "optimizer state stay float32 under AMP, unless the policy's "
+                         "opt_state=bfloat16 halves the moments)")
             bufs = _largest_buffers(summary)
             named = (" Largest float32 buffers: " + "; ".join(bufs) + ".") if bufs else ""
             findings.append(RunFinding(
@@ -567,10 +573,44 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
                 "(modules computing in float32 via overrides, manual .astype(jnp.float32), "
                 "custom_vjp functions in OpRules.custom_vjp_as_traced), float32 copies of the "
                 "weights kept per use, or a step dominated by parameters/optimizer state, "
-                "which AMP does not shrink. Fix: check jaxamp.audit for float32 matmuls in "
-                "low-precision regions, remove manual casts, and use nn.remat for activation "
-                "memory."))
+                "which the compute policy does not shrink. Fix: check jaxamp.audit for "
+                "float32 matmuls in low-precision regions, remove manual casts, use nn.remat "
+                "for activation memory, and opt_state=bfloat16 in the policy for the "
+                "optimizer's moments."))
+    opt_note = _opt_state_note(summary)
+    if opt_note:
+        notes.append(opt_note)
     return RunReview(findings, len(rows), notes=notes)
+
+
+def _opt_state_note(summary: Mapping) -> str | None:
+    """The optimizer state's bytes (``summary["opt_state_bytes"]``), by dtype, and what the
+    policy's ``opt_state=`` makes of them."""
+    record = summary.get("opt_state_bytes")
+    if not isinstance(record, Mapping):
+        return None
+    sizes = {k: _num(v) for k, v in record.items() if k != "total"}
+    sizes = {k: v for k, v in sizes.items() if math.isfinite(v) and v > 0}
+    if not sizes:
+        return None
+    parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in
+                      sorted(sizes.items(), key=lambda kv: -kv[1]))
+    text = f"optimizer state: {_fmt_bytes(sum(sizes.values()))} ({parts})"
+    pol = summary.get("policy")
+    try:
+        stored = policy_spec.parse(pol).get("opt_state") if isinstance(pol, str) else None
+    except ValueError:
+        stored = None
+    low = sizes.get("bfloat16", 0.0)
+    f32 = sizes.get("float32", 0.0)
+    if stored == "bfloat16" and low:
+        return (f"{text}; opt_state=bfloat16 stores its moments in bfloat16 with stochastic "
+                f"rounding: {_fmt_bytes(low)}, where float32 would take {_fmt_bytes(2 * low)}")
+    if f32 and not low:
+        return (f"{text}; opt_state=bfloat16 in the policy would store its float32 moments "
+                f"in half ({_fmt_bytes(f32)} -> {_fmt_bytes(f32 / 2)}), with stochastic "
+                "rounding")
+    return text
 
 
 def review_run(run_dir: str | Path, *, clip_norm: float | None = None,
