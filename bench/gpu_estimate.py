@@ -22,7 +22,7 @@ off at a time (``bench/recompute_gpu.py``'s variants), against recompute off.
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
 hand-cast twin; ``example``: the example's ``gpt2-small`` preset as ``examples/train_lm.py``
-builds its step (batch 8 x 1024); ``llama``: tunix's Llama3 (an NNX library we did not write:
+builds its step (batch 8 x 1024; ``jaxamp-optbf16``: with ``--opt-state bfloat16``); ``llama``: tunix's Llama3 (an NNX library we did not write:
 RMSNorm, SwiGLU, rotary, grouped-query attention) at gpt2-small size (12 layers, d 768, 12
 query / 4 key-value heads, MLP 2048, vocabulary 32768, batch 8 x 1024). GEMMs as cuBLAS calls
 (no autotuner without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
@@ -49,7 +49,7 @@ VARIANTS = ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
             "hand/float32", "jaxamp-fused/bfloat16")
 MODELS = {"bench-gpt": VARIANTS,
           "example": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-                      "jaxamp/float32"),
+                      "jaxamp/float32", "jaxamp-optbf16/bfloat16"),
           "llama": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
                     "jaxamp/float32")}
 REFERENCE = "hand/bfloat16"
@@ -103,7 +103,9 @@ def _example(name: str, sds, device):
     args = train_lm.build_parser().parse_args(
         ["--preset", "gpt2-small", "--policy", POLICY[dt], "--batch-size", str(SMALL_BATCH)])
     config = lm_model.PRESETS["gpt2-small"]
-    policy = jaxamp.get_policy(POLICY[dt])
+    # "jaxamp-optbf16": AdamW's moments stored in bfloat16 (--opt-state bfloat16)
+    policy = jaxamp.get_policy(POLICY[dt] + (",opt_state=bfloat16"
+                                             if side == "jaxamp-optbf16" else ""))
     kind = "dynamic" if dt == "float16" else "none"
     loss_scale = lm_cli.make_loss_scale(kind, args)
     rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
@@ -256,6 +258,7 @@ def rows(out: Path, measured: dict[str, float], names: list[str]) -> list[dict]:
         result.append({"variant": name, "estimated_ms": 1e3 * prog.estimated_seconds,
                        "kernel_bytes": prog.bytes, "launches": prog.launches,
                        "flops": prog.flops, "temp_bytes": info["temp"],
+                       "argument_bytes": info["argument"],
                        "measured_ms": measured.get(name),
                        "gemm_libraries": prog.gemm_libraries(),
                        "attention": [k.target for k in prog.attention],
