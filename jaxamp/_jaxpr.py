@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._compat import (
@@ -470,12 +471,15 @@ def lossy_round_trips(j: Any) -> list[jcore.JaxprEqn]:
 
 
 def duplicate_casts(j: Any) -> list[tuple[jcore.JaxprEqn, jcore.JaxprEqn]]:
-    """Pairs of casts of the same value to the same dtype within one jaxpr."""
+    """Pairs of casts of the same floating value to the same dtype within one jaxpr. (An
+    integer made float twice is the traced code's own, as autocast never casts integers:
+    eqx-zoo's RoPE converts its positions once per attention call.)"""
     found = []
     for jaxpr in iter_jaxprs(j):
         seen: dict = {}
         for e in jaxpr.eqns:
-            if not _is_cast(e) or not isinstance(e.invars[0], jcore.Var):
+            if not _is_cast(e) or not isinstance(e.invars[0], jcore.Var) \
+                    or not jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating):
                 continue
             key = (e.invars[0], np.dtype(new_dtype(e)))
             if key in seen:

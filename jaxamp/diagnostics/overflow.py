@@ -46,6 +46,7 @@ from jaxamp.diagnostics._trace import (
     clean_path,
     dce,
     display_path,
+    module_of,
     recording,
     resolve_call,
 )
@@ -192,8 +193,8 @@ class _Evaluator:
         self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
 
     def _record(self, eqn, full: str, vals, outs) -> None:
-        module, backward = clean_path(full)
-        module = display_path(canonical_path(module, self.modules), self.modules)
+        _, backward = clean_path(full)
+        module = module_of(full, self.modules)[1]
         out_idx = []
         for o in outs:
             if _is_float(o):
