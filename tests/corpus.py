@@ -200,12 +200,17 @@ def measure_third_party(library: str, name: str, dtype_name: str) -> dict:
 
     row = measure_program(f, params, case.batch, dtype_name, _third_reference(library, name),
                           train)
-    row.update(model=f"{library} {name}", note=case.note, flax_dtype_grad_cos=None)
+    # no Flax dtype= twin to compare with: the threshold of issue #42 (bfloat16 rounding alone
+    # costs tunix's Gemma2, soft-capped logits and all, 2.4e-3 of cosine)
+    row.update(model=f"{library} {name}", note=case.note, flax_dtype_grad_cos=None,
+               grad_cos_min=THIRD_PARTY_GRAD_COS)
     return row
 
 
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}
 GRAD_COS = 0.999
+#: Third-party rows (no Flax dtype= twin): gradient cosine >= 0.99, as issue #42 asks.
+THIRD_PARTY_GRAD_COS = 0.99
 #: How much more gradient error (1 - cosine) than Flax's dtype= twin a bfloat16 row may show.
 TWIN_MARGIN = 0.05
 
@@ -223,10 +228,11 @@ def problems(row: dict) -> list[str]:
     # the roundings moves each leaf's cosine both ways (ResNet: autocast 0.99213, the twin
     # 0.99222, leaf by leaf within 2.5% of the error, either side ahead).
     baseline = row["flax_dtype_grad_cos"] if row["policy"] == "bfloat16" else None
-    if not row["grads_finite"] or row["grad_cos"] < GRAD_COS and (
+    least = row.get("grad_cos_min", GRAD_COS)
+    if not row["grads_finite"] or row["grad_cos"] < least and (
             baseline is None
             or 1.0 - row["grad_cos"] > (1.0 + TWIN_MARGIN) * (1.0 - baseline)):
-        out.append(f"gradient cosine vs float32 {row['grad_cos']:.5f} < {GRAD_COS}"
+        out.append(f"gradient cosine vs float32 {row['grad_cos']:.5f} < {least}"
                    + (f" and < Flax dtype= {baseline:.5f}" if baseline is not None else ""))
     if row["low_matmuls"] != row["matmuls"]:
         out.append(f"{row['matmuls'] - row['low_matmuls']} of {row['matmuls']} matmuls not in "
