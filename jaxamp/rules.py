@@ -64,7 +64,9 @@ made float32, a float32 output); embeddings gather float32 rows and return them 
 enclosing region's compute dtype. A user's class rule for the same class is absolute and wins.
 
 Paths are the names below the root module joined by ``/`` (:func:`module_path`); the root
-module itself is matched by its class name (``"GPT"``), as every jaxamp report prints it.
+module itself is matched by its class name (``"GPT"``), as every jaxamp report prints it, and a
+pattern may start with it (``"GPT/blocks_0"`` matches what ``"blocks_0"`` matches). Paths are
+the module structure: a ``jax.named_scope`` opened by the model is no part of them.
 """
 
 from __future__ import annotations

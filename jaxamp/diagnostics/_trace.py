@@ -368,9 +368,12 @@ def module_of(stack: str, modules: dict[str, ModuleInfo]) -> tuple[str, str]:
     The path is the module structure, not the name stack: autocast marks every module call,
     and the scopes before a mark that do not name a module (a ``jax.named_scope`` around a
     ``__call__``, ``layers/0/attn/attention/q_proj/einsum``), or after the last one, are left
-    out. Without marks (a stack autocast did not make) the cleaned stack is read as before."""
+    out; a model without Flax modules (Equinox, plain JAX) is all top level. Without marks (a
+    stack autocast did not make) the cleaned stack is read as before."""
+    if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
+        return "", TOP_LEVEL
     tokens = _tokens(stack)
-    if None not in tokens or not modules:
+    if None not in tokens:
         module, _ = clean_path(stack)
         module = canonical_path(module, modules)
         return _module_key(module, modules), display_path(module, modules)

@@ -41,6 +41,7 @@ from jaxamp._jaxpr import evaluate, name_stack, sub_programs
 from jaxamp.diagnostics._trace import (
     LOW,
     SCAFFOLD,
+    TOP_LEVEL,
     Recorder,
     canonical_path,
     clean_path,
@@ -487,7 +488,10 @@ def _param_module(path, root: str | None) -> str:
 def _called(path: str, modules) -> str:
     """``path``, or its nearest ancestor that was called, where the module holding a param
     was not (an NNX module used through another method, tunix's ``Embedder.encode``: only
-    ``__call__`` marks a module, so its ops ran in the caller's region)."""
+    ``__call__`` marks a module, so its ops ran in the caller's region); ``(top level)`` for a
+    model without Flax modules (an Equinox model's params are no module paths)."""
+    if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
+        return TOP_LEVEL
     segs = path.split("/")
     while len(segs) > 1 and "/".join(segs) not in modules:
         segs.pop()
