@@ -336,12 +336,16 @@ class ScopedLM(nnx.Module):
         return self.head(self.norm(x))
 
 
+def _scoped_loss(model, ids):
+    with jax.named_scope("loss"):  # a scope outside every module: top level
+        return jaxamp.softmax_cross_entropy(model(ids), ids)
+
+
 def _scoped_step(policy=F16, overrides=None):
     model = ScopedLM(nnx.Rngs(0))
     ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 32
     state = jaxamp.TrainState.create(model, tx=optax.adam(1e-3), policy=policy)
-    step = jaxamp.make_train_step(
-        loss_fn=lambda m, b: jaxamp.softmax_cross_entropy(m(b), b), overrides=overrides)
+    step = jaxamp.make_train_step(loss_fn=_scoped_loss, overrides=overrides)
     return step, state, ids
 
 
@@ -350,6 +354,7 @@ def test_report_paths_are_module_structure_not_name_scopes():
     paths, and every printed path, with or without the root class, is a valid override."""
     step, state, ids = _scoped_step()
     rows = jaxamp.precision_table(step, state, ids)
+    assert ("(top level)", "exp/log") in {(r["module"], r["op"]) for r in rows}  # the loss
     paths = {r["module"] for r in rows} - {"(top level)", "(output)"}
     assert paths == {"ScopedLM", "embed", "attn", "attn/q_proj", "attn/k_proj", "attn/v_proj",
                      "attn/o_proj", "norm", "head"}, paths

@@ -359,7 +359,8 @@ def _resolve(path: str | None, pending: list[str], modules: dict[str, ModuleInfo
     return None
 
 
-def module_of(stack: str, modules: dict[str, ModuleInfo]) -> tuple[str, str]:
+def module_of(stack: str, modules: dict[str, ModuleInfo], marked: bool = True
+              ) -> tuple[str, str]:
     """``(key, printed path)`` of the module an equation with name stack ``stack`` belongs to:
     the recorded module (``key``, name-stack style, ``""`` if none) and its path as reports
     print it and ``overrides=`` matches it (:func:`jaxamp.rules.module_path`; the root by its
@@ -368,12 +369,15 @@ def module_of(stack: str, modules: dict[str, ModuleInfo]) -> tuple[str, str]:
     The path is the module structure, not the name stack: autocast marks every module call,
     and the scopes before a mark that do not name a module (a ``jax.named_scope`` around a
     ``__call__``, ``layers/0/attn/attention/q_proj/einsum``), or after the last one, are left
-    out; a model without Flax modules (Equinox, plain JAX) is all top level. Without marks (a
-    stack autocast did not make) the cleaned stack is read as before."""
+    out; a model without Flax modules (Equinox, plain JAX) is all top level, and so is a
+    stack without a mark in a program autocast ``marked``. In a program without marks (a
+    hand-written step that calls no autocast) the cleaned stack is read as it is."""
     if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
         return "", TOP_LEVEL
     tokens = _tokens(stack)
     if None not in tokens:
+        if marked:
+            return "", TOP_LEVEL
         module, _ = clean_path(stack)
         module = canonical_path(module, modules)
         return _module_key(module, modules), display_path(module, modules)
@@ -601,8 +605,9 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
 def attribute(records: list[Eqn], modules: dict[str, ModuleInfo]) -> list[Eqn]:
     """Gives each record its recorded module (``key``) and the path reports print
     (``module``, :func:`module_of`: what ``overrides=`` accepts)."""
+    marked = any(REGION_MARKER.search(r.stack) for r in records)
     for r in records:
-        r.key, r.module = module_of(r.stack, modules)
+        r.key, r.module = module_of(r.stack, modules, marked)
     return records
 
 
