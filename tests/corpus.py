@@ -135,9 +135,11 @@ def measure_program(loss, params, batch, dtype_name: str, reference, train) -> d
     vg = jax.value_and_grad(amp)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        amp_loss, grads = jax.jit(vg)(params, batch)
         forward = jax.make_jaxpr(amp)(params, batch)
-        both = jax.make_jaxpr(vg)(params, batch)
+        both, shape = jax.make_jaxpr(vg, return_shape=True)(params, batch)
+    # the traced program itself, compiled (autocast's trace is the costly part: once)
+    outs = jax.jit(jax.extend.core.jaxpr_as_fun(both))(*jax.tree.leaves((params, batch)))
+    amp_loss, grads = jax.tree.unflatten(jax.tree.structure(shape), outs)
     unknown = sorted({str(w.message) for w in caught if "in no list" in str(w.message)})
     ref_loss, ref_grads = reference
     mm = [_float_ins(e) for e in iter_eqns(both) if e.primitive.name in MATMULS]
