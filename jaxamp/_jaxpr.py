@@ -53,6 +53,7 @@ __all__ = [
     "equations",
     "evaluate",
     "evaluate_rerouted",
+    "feeders",
     "iter_eqns",
     "iter_jaxprs",
     "jaxpr_of",
@@ -351,6 +352,20 @@ def walk(j: Any, leaf: Callable[[Any, str], None], *,
             walk(sub.jaxpr, leaf, enter=enter, leave=leave, prefix=stack)
         if leave is not None:
             leave(eqn, subs, stack)
+
+
+def feeders(j: Any, outs: Sequence[Any], stop: frozenset[str] = frozenset()) -> list:
+    """The top-level equations of ``j`` whose outputs reach ``outs`` (vars of ``j``), walking
+    back through every equation except those of the primitives in ``stop`` (they are
+    included, their inputs are not followed)."""
+    reach = {v for v in outs if isinstance(v, jcore.Var)}
+    found = []
+    for e in reversed(as_jaxpr(j).eqns):
+        if any(o in reach for o in e.outvars):
+            found.append(e)
+            if e.primitive.name not in stop:
+                reach.update(v for v in e.invars if isinstance(v, jcore.Var))
+    return found
 
 
 def readers(j: Any, var) -> list:

@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxamp import nnx_frontend
 from jaxamp._compat import dce_jaxpr
-from jaxamp._jaxpr import walk
+from jaxamp._jaxpr import feeders, walk
 from jaxamp.engine import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
 from jaxamp.policy_spec import DEFAULT_POLICY
@@ -403,13 +403,7 @@ def mark_param_grad_sums(records: list[Eqn], jaxpr: jcore.Jaxpr, grad_outs: Sequ
     a sum there accumulates the gradient itself (over the batch, the tokens), where a sum that
     feeds a matmul is an activation's cotangent (JAX's transpose of a broadcast, e.g. of
     ``jnp.repeat``), in the dtype the forward value had."""
-    reach = {v for v in grad_outs if isinstance(v, jcore.Var)}
-    hit = set()
-    for e in reversed(jaxpr.eqns):
-        if any(o in reach for o in e.outvars):
-            hit.add(id(e))
-            if e.primitive.name not in matmuls:
-                reach.update(v for v in e.invars if isinstance(v, jcore.Var))
+    hit = {id(e) for e in feeders(jaxpr, grad_outs, stop=matmuls)}
     for r in records:
         r.param_grad = r.backward and r.top in hit
 
