@@ -22,10 +22,11 @@ off at a time (``bench/recompute_gpu.py``'s variants), against recompute off.
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
 hand-cast twin; ``example``: the example's ``gpt2-small`` preset as ``examples/train_lm.py``
-builds its step (batch 8 x 1024; ``jaxamp-optbf16``: with ``--opt-state bfloat16``); ``llama``: tunix's Llama3 (an NNX library we did not write:
-RMSNorm, SwiGLU, rotary, grouped-query attention) at gpt2-small size (12 layers, d 768, 12
-query / 4 key-value heads, MLP 2048, vocabulary 32768, batch 8 x 1024). GEMMs as cuBLAS calls
-(no autotuner without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
+builds its step (batch 8 x 1024; ``jaxamp-optbf16``: with ``--opt-state bfloat16``);
+``llama``: tunix's Llama3 (an NNX library we did not write: RMSNorm, SwiGLU, rotary,
+grouped-query attention) at gpt2-small size (12 layers, d 768, 12 query / 4 key-value heads,
+MLP 2048, vocabulary 32768, batch 8 x 1024). GEMMs as cuBLAS calls (no autotuner without a
+GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._compat import (
@@ -52,6 +53,7 @@ __all__ = [
     "equations",
     "evaluate",
     "evaluate_rerouted",
+    "feeders",
     "iter_eqns",
     "iter_jaxprs",
     "jaxpr_of",
@@ -352,6 +354,20 @@ def walk(j: Any, leaf: Callable[[Any, str], None], *,
             leave(eqn, subs, stack)
 
 
+def feeders(j: Any, outs: Sequence[Any], stop: frozenset[str] = frozenset()) -> list:
+    """The top-level equations of ``j`` whose outputs reach ``outs`` (vars of ``j``), walking
+    back through every equation except those of the primitives in ``stop`` (they are
+    included, their inputs are not followed)."""
+    reach = {v for v in outs if isinstance(v, jcore.Var)}
+    found = []
+    for e in reversed(as_jaxpr(j).eqns):
+        if any(o in reach for o in e.outvars):
+            found.append(e)
+            if e.primitive.name not in stop:
+                reach.update(v for v in e.invars if isinstance(v, jcore.Var))
+    return found
+
+
 def readers(j: Any, var) -> list:
     """The first-order equations that read ``var`` (a var of ``j``), followed into the
     sub-programs it is passed to (a recompute segment's checkpoint, a jit), in order."""
@@ -470,12 +486,15 @@ def lossy_round_trips(j: Any) -> list[jcore.JaxprEqn]:
 
 
 def duplicate_casts(j: Any) -> list[tuple[jcore.JaxprEqn, jcore.JaxprEqn]]:
-    """Pairs of casts of the same value to the same dtype within one jaxpr."""
+    """Pairs of casts of the same floating value to the same dtype within one jaxpr. (An
+    integer made float twice is the traced code's own, as autocast never casts integers:
+    eqx-zoo's RoPE converts its positions once per attention call.)"""
     found = []
     for jaxpr in iter_jaxprs(j):
         seen: dict = {}
         for e in jaxpr.eqns:
-            if not _is_cast(e) or not isinstance(e.invars[0], jcore.Var):
+            if not _is_cast(e) or not isinstance(e.invars[0], jcore.Var) \
+                    or not jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating):
                 continue
             key = (e.invars[0], np.dtype(new_dtype(e)))
             if key in seen:

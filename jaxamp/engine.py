@@ -151,10 +151,11 @@ class _Regions:
         path = getattr(context, "path", None)
         text = module_path(module, path)
         inherited = self.stack[-1][1] if self.stack else self.rules.default
-        key = (type(module), text, inherited)
+        root = type(self.stack[0][0]).__name__ if self.stack else None
+        key = (type(module), text, inherited, root)
         found = self.matches.get(key)
         if found is None:
-            found = self.matches[key] = self.rules.match(module, path, inherited)
+            found = self.matches[key] = self.rules.match(module, path, inherited, root)
         policy, pattern = found
         if pattern is not None:
             self.matched_patterns.add(pattern)

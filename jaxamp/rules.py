@@ -66,7 +66,9 @@ made float32, a float32 output); embeddings gather float32 rows and return them 
 enclosing region's compute dtype. A user's class rule for the same class is absolute and wins.
 
 Paths are the names below the root module joined by ``/`` (:func:`module_path`); the root
-module itself is matched by its class name (``"GPT"``), as every jaxamp report prints it.
+module itself is matched by its class name (``"GPT"``), as every jaxamp report prints it, and a
+pattern may start with it (``"GPT/blocks_0"`` matches what ``"blocks_0"`` matches). Paths are
+the module structure: a ``jax.named_scope`` opened by the model is no part of them.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ FP32_PRIMITIVES = frozenset({
     # linear algebra and transforms (no float16 kernels; conditioning needs float32)
     "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
     "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
+    "symmetric_product",
 })
 
 #: The ``fp32`` primitives behind softmax, log-softmax and logsumexp, and the accumulating ones
@@ -130,6 +133,7 @@ STRUCTURAL_PRIMITIVES = frozenset({
     "device_put", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "pmax", "pmin",
     "all_gather_invariant",
     "pvary",  # shard_map: marks a replicated value as varying, the value unchanged
+    "tile",  # jnp.tile (jax 0.10-0.12): copies of the operand
 })
 
 PROMOTE_PRIMITIVES = frozenset({
@@ -156,6 +160,10 @@ AS_TRACED_PRIMITIVES = frozenset({
     "custom_linear_solve", "jit", "pjit", "closed_call", "core_call", "call", "remat2",
     "checkpoint", "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call",
     "custom_vjp_call_jaxpr", "eval_jaxpr", "shard_map",
+    # reached from jnp/lax functions without being exported (jnp.corrcoef's platform_index,
+    # jnp.empty_like's empty and jnp.frexp's call_hi_primitive in jax 0.12), integer
+    # arithmetic, DCE bookkeeping, and block-scaled matmuls of operands the user quantised
+    "platform_index", "empty", "call_hi_primitive", "mulhi", "dce_sink", "scaled_dot",
 })
 
 
@@ -412,18 +420,22 @@ class ModuleRules:
         return cls(default, tuple(class_rules), tuple(path_rules))
 
     def match(self, module: Any, path: Sequence[Any] | None = None,
-              inherited: jmp.Policy | None = None) -> tuple[jmp.Policy | None, str | None]:
+              inherited: jmp.Policy | None = None, root: str | None = None
+              ) -> tuple[jmp.Policy | None, str | None]:
         """Returns (policy, matched path pattern or None), or (None, None) to inherit.
 
         ``path`` is the module's path (a linen module's own ``module.path`` if None; an NNX
         module does not know its path, its front end passes it); the root module (empty path)
         is matched by its class name. ``inherited``: the policy the module would inherit (its
         nearest matched ancestor's, else the default), which the built-in rules are relative
-        to."""
+        to. ``root``: the root module's class name; a pattern may start with it
+        (``"GPT/blocks_0"`` matches what ``"blocks_0"`` matches)."""
         text = module_path(module, path)
+        texts = (text,) if root is None or text == type(module).__name__ and not (
+            module.path if path is None else path) else (text, f"{root}/{text}")
         best = None
         for pattern, regex, pol in self.path_rules:
-            if regex.match(text):
+            if any(regex.match(t) for t in texts):
                 if best is None or _literal_len(pattern) >= _literal_len(best[0]):
                     best = (pattern, pol)
         if best is not None:

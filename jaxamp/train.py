@@ -411,12 +411,12 @@ class TrainStep:
                 if "unbound axis name" not in str(e):
                     raise
                 raise ValueError(
-                    f"step: the model uses a named axis ({e}). The step is one jax.jit over "
-                    f"the global batch (sharded over the mesh when mesh= is given), so there "
-                    f"is no pmap axis: build the model with "
-                    f"axis_name=None (e.g. nn.BatchNorm(axis_name=None)); its batch "
-                    f"statistics are then taken over the global batch, as a pmean over the "
-                    f"pmap axis did.") from e
+                    f"step: the model uses a named axis ({e}), as a model written for jax.pmap "
+                    f"does (nn.BatchNorm(axis_name='batch')). The step is one jax.jit over the "
+                    f"global batch (sharded over the mesh when mesh= is given): pass the name "
+                    f"to it, make_train_step(..., axis_name='batch'), and the model's "
+                    f"collectives run over the global batch, as a pmean over the pmap axis "
+                    f"did (or build the model with axis_name=None).") from e
 
     def _cache_size(self) -> int:
         jitted = [self._plain] if self._plain is not None else []
@@ -462,7 +462,8 @@ def _takes_rng(loss_fn: Callable) -> tuple[bool, bool]:
 _STATE_OPTIONS = ("params", "tx", "apply_fn", "loss_scale", "policy", "rng", "collections",
                   "opt_state", "step", "skipped_steps")
 _STEP_OPTIONS = ("loss_fn", "overrides", "clip_norm", "micro_batches", "mesh", "data_axis",
-                 "axis_rules", "donate", "has_aux", "mutable", "op_rules", "f32_weight_grads")
+                 "axis_rules", "donate", "has_aux", "mutable", "op_rules", "f32_weight_grads",
+                 "axis_name")
 
 
 def _misplaced(where: str, kwargs: Mapping[str, Any], allowed: set[str]) -> None:
@@ -589,7 +590,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                     axis_rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
                     has_aux: bool = False, mutable: Sequence[str] | None = None,
                     op_rules: OpRules = DEFAULT_OP_RULES,
-                    f32_weight_grads: bool | None = None, **misplaced: Any) -> TrainStep:
+                    f32_weight_grads: bool | None = None, axis_name: str | None = None,
+                    **misplaced: Any) -> TrainStep:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
     The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
@@ -644,6 +646,11 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
       op_rules: which primitives run in which dtype, as for :func:`jaxamp.autocast` (the
         forward and the backward of the step follow them).
       f32_weight_grads: as for :func:`jaxamp.autocast` (None: decided by the mesh/devices).
+      axis_name: the axis name a model written for ``jax.pmap`` reduces over (Flax's imagenet
+        ResNet: ``nn.BatchNorm(axis_name="batch")``). The step binds it to one member that
+        holds the whole (global) batch, so the model runs unmodified and its ``pmean`` of
+        batch statistics gives the global batch's, as pmap's mean over devices did (on a
+        mesh too: the global batch is one array there).
       **misplaced: refused, naming where each belongs: what the state holds (``loss_scale=``,
         ``rng=``, ``params=``, ``collections=``) goes to :meth:`TrainState.create`.
 
@@ -663,6 +670,10 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
     where = "make_train_step"
     _misplaced(where, misplaced, set())
     apply_fn_arg = None if model is None else _apply_fn_of(model)
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(f"{where}: axis_name must be the name (a str) of the axis the model's "
+                        f"collectives reduce over, as given to jax.pmap, got {axis_name!r}. "
+                        "Example: make_train_step(model, loss_fn, axis_name='batch').")
     if not callable(loss_fn):
         raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}. "
                         "Example: make_train_step(model, loss_fn).")
@@ -720,16 +731,24 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
         def loss_of(params, collections, batch, rng):
             """-> (loss, aux, new collections); the function autocast runs."""
-            bound = _BoundApply(apply_fn, collections, names) if collections else apply_fn
-            kw = {"rng": rng} if use_rng else {}
-            out = user_loss(bound, params, batch, **kw)
-            # checked while the step is traced (the loss is traced once), before compiling
-            paired = has_aux and isinstance(out, tuple) and len(out) == 2
-            _check_loss_is_array(out[0] if paired else out, "step")
-            _check_loss_out(jax.tree.map(_spec, out), has_aux, "step")
-            loss, aux = out if has_aux else (out, None)
-            updates = bound.updates if collections else {}
-            return loss, aux, {**collections, **updates}
+            def run():
+                bound = _BoundApply(apply_fn, collections, names) if collections else apply_fn
+                kw = {"rng": rng} if use_rng else {}
+                out = user_loss(bound, params, batch, **kw)
+                # checked while the step is traced (the loss is traced once), before compiling
+                paired = has_aux and isinstance(out, tuple) and len(out) == 2
+                _check_loss_is_array(out[0] if paired else out, "step")
+                _check_loss_out(jax.tree.map(_spec, out), has_aux, "step")
+                loss, aux = out if has_aux else (out, None)
+                updates = bound.updates if collections else {}
+                return loss, aux, {**collections, **updates}
+
+            if axis_name is None:
+                return run()
+            # A model written for pmap: its collectives reduce over a one-member axis of that
+            # name whose member is the whole batch (a pmean over it is the identity).
+            outs = jax.vmap(run, in_axes=(), axis_size=1, axis_name=axis_name)()
+            return jax.tree.map(lambda x: x[0], outs)
 
         return pol, use_rng, loss_of
 

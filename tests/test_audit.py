@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import flax.linen as nn
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
 from rich.console import Console
 
 import jaxamp
@@ -321,3 +323,130 @@ def test_float64_matmuls_in_a_low_precision_region_are_a_finding():
             "made).")
         report = jaxamp.audit(loss, params, {"x": batch["x"].astype(np.float32)}, policy=F16)
         assert report.findings == []
+
+
+# ---- models from outside Flax's own layers (GitHub issue #42) --------------------------------
+
+
+class Proj(nnx.Module):
+    """tunix's ``Einsum``: a projection whose ``__call__`` runs under ``jax.named_scope``."""
+
+    def __init__(self, shape, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), shape) * 0.3)
+
+    @jax.named_scope("einsum")
+    def __call__(self, x):
+        return x @ self.w
+
+
+class ScopedAttention(nnx.Module):
+    def __init__(self, d, rngs):
+        self.q_proj, self.k_proj = Proj((d, d), rngs), Proj((d, d), rngs)
+        self.v_proj, self.o_proj = Proj((d, d), rngs), Proj((d, d), rngs)
+
+    @jax.named_scope("attention")
+    def __call__(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        w = jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 4.0, axis=-1)
+        return self.o_proj(w @ v)
+
+
+class ScopedLM(nnx.Module):
+    def __init__(self, rngs, d=16, vocab=32):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.attn = ScopedAttention(d, rngs)
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.head = Proj((d, vocab), rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        with jax.named_scope("residual"):
+            x = x + self.attn(x)
+        return self.head(self.norm(x))
+
+
+def _scoped_loss(model, ids):
+    with jax.named_scope("loss"):  # a scope outside every module: top level
+        return jaxamp.softmax_cross_entropy(model(ids), ids)
+
+
+def _scoped_step(policy=F16, overrides=None):
+    model = ScopedLM(nnx.Rngs(0))
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 32
+    state = jaxamp.TrainState.create(model, tx=optax.adam(1e-3), policy=policy)
+    step = jaxamp.make_train_step(loss_fn=_scoped_loss, overrides=overrides)
+    return step, state, ids
+
+
+def test_report_paths_are_module_structure_not_name_scopes():
+    """User ``jax.named_scope``s (tunix wraps every ``__call__`` in one) stay out of report
+    paths, and every printed path, with or without the root class, is a valid override."""
+    step, state, ids = _scoped_step()
+    rows = jaxamp.precision_table(step, state, ids)
+    assert ("(top level)", "exp/log") in {(r["module"], r["op"]) for r in rows}  # the loss
+    paths = {r["module"] for r in rows} - {"(top level)", "(output)"}
+    assert paths == {"ScopedLM", "embed", "attn", "attn/q_proj", "attn/k_proj", "attn/v_proj",
+                     "attn/o_proj", "norm", "head"}, paths
+    matmuls = {r["module"]: (r["forward"], r["backward"]) for r in rows if r["op"] == "matmul"}
+    assert matmuls["attn/q_proj"] == ("float16", "float16")  # not lumped into attn
+    for keys in (paths, {p if p == "ScopedLM" else f"ScopedLM/{p}" for p in paths}):
+        over, state, ids = _scoped_step(overrides={p: "float32" for p in keys})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jaxamp.precision_table(over, state, ids)
+    over, state, ids = _scoped_step(overrides={"ScopedLM/attn/v_proj": "float32"})
+    rows = jaxamp.precision_table(over, state, ids)
+    matmuls = {r["module"]: r["forward"] for r in rows if r["op"] == "matmul"}
+    assert matmuls.pop("attn/v_proj") == "float32" and set(matmuls.values()) == {"float16"}
+
+
+def test_the_reference_table_never_contradicts_a_clean_audit():
+    """tunix's layout: Q/K/V projections are modules under a named scope. Their backward
+    matmuls belong to the Q/K/V row (float16 both ways), not to the attention scores."""
+    step, state, ids = _scoped_step()
+    report = jaxamp.audit(step, state, ids)
+    assert report.findings == [], report.to_markdown()
+    rows = {r["row"]: r for r in report.reference_table()}
+    assert (rows["Q/K/V Linear"]["forward"], rows["Q/K/V Linear"]["backward"]) == (
+        "float16", "float16")
+    assert rows["Q/K/V Linear"]["modules"] == ["attn/k_proj", "attn/q_proj", "attn/v_proj"]
+    assert all(r["ok"] for r in rows.values()), rows
+
+
+def _gqa_params():
+    k = jax.random.split(jax.random.key(0), 4)
+    return {"wq": jax.random.normal(k[0], (16, 4, 8)) * 0.3,
+            "wkv": jax.random.normal(k[1], (2, 16, 2, 8)) * 0.3,
+            "wo": jax.random.normal(k[2], (4, 8, 16)) * 0.3,
+            "head": jax.random.normal(k[3], (16, 32)) * 0.3}
+
+
+def _gqa_loss(p, batch):
+    """Plain JAX (no Flax module: everything is top level), grouped-query attention written
+    with ``jnp.repeat`` (eqx-zoo's), RoPE-style positions cast twice from one integer array."""
+    x = jax.nn.one_hot(batch["inputs"], 16)
+    pos = jnp.arange(x.shape[1])
+    q = jnp.einsum("btd,dhk->bthk", x, p["wq"]) * jnp.cos(pos.astype(jnp.float32))[:, None, None]
+    kv = jnp.einsum("btd,cdhk->cbthk", x, p["wkv"])
+    k = jnp.repeat(kv[0] * jnp.sin(pos.astype(jnp.float32))[:, None, None], 2, axis=2)
+    v = jnp.repeat(kv[1], 2, axis=2)
+    w = jax.nn.softmax(jnp.einsum("bthk,bshk->bhts", q, k), axis=-1)
+    h = jnp.einsum("bhts,bshk,hkd->btd", w, v, p["wo"])
+    return jaxamp.softmax_cross_entropy(h @ p["head"], batch["targets"])
+
+
+@pytest.mark.parametrize("policy", [F16, BF16])
+def test_backward_sums_of_a_model_without_modules_are_not_the_loss(policy):
+    """The backward of ``jnp.repeat`` sums cotangents in their (low) dtype: JAX's transpose of
+    a broadcast, as in every module; not "the loss", which already is float32. Two integer ->
+    float32 casts of one array (user code, as traced) are not autocast's duplicate casts."""
+    ids = jnp.arange(24, dtype=jnp.int32).reshape(2, 12) % 16
+    batch = {"inputs": ids, "targets": ids}
+    report = jaxamp.audit(_gqa_loss, _gqa_params(), batch, policy=policy)
+    assert report.findings == [], report.to_markdown()
+    rows = {r["row"]: r for r in report.reference_table()}
+    assert rows["CrossEntropy loss"]["ok"] and rows["CrossEntropy loss"]["forward"] == "float32"
+    # the same loss computed in low precision is still the loss
+    rules = jaxamp.DEFAULT_OP_RULES.extend(promote={"exp", "log", "reduce_sum"})
+    bad = jaxamp.audit(_gqa_loss, _gqa_params(), batch, policy=policy, op_rules=rules)
+    assert "loss_low_precision" in bad.kinds(), bad.to_markdown()

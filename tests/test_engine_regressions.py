@@ -298,3 +298,68 @@ def test_unstack_and_stack_are_classified():
 def _jaxpr_primitives() -> set:
     jaxpr = jax.make_jaxpr(lambda x: [r for r in x])(jnp.ones((2, 2)))
     return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+
+
+# ---- every primitive that ordinary array code reaches is classified ---------------------------
+
+_X = jnp.linspace(0.1, 0.9, 16, dtype=jnp.float32).reshape(4, 4)
+_I = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+#: (array arguments, static arguments) tried on every public function
+_TRIES = [((_X,), ()), ((_X, _X), ()), ((_X,), (2,)), ((_X,), (0,)), ((_X, _X, _X), ()),
+          ((_I,), ()), ((_I, _I), ()), ((_X > 0.5, _X, _X), ()), ((_X,), ((2, 2),)),
+          ((_X,), (1, 0)), ((_X, _I), ()), ((_X,), (2, 1)), ((_I,), (2,))]
+#: Not ordinary array code: callbacks hand values to Python.
+_CALLBACKS = {"pure_callback", "io_callback", "debug_callback"}
+
+
+def reached_primitives() -> dict[str, str]:
+    """primitive name -> the first public function (of ``jnp``, ``jnp.linalg``, ``jnp.fft``,
+    ``lax``, ``lax.linalg``, ``jax.nn``) found to trace to it, each function called with the
+    first argument forms it accepts (sub-programs included)."""
+    import inspect
+
+    modules = {"jnp": jnp, "jnp.linalg": jnp.linalg, "jnp.fft": jnp.fft, "lax": jax.lax,
+               "lax.linalg": jax.lax.linalg, "jax.nn": jax.nn}
+    found: dict[str, str] = {}
+    for mname, mod in modules.items():
+        for name in sorted(dir(mod)):
+            fn = getattr(mod, name)
+            if name.startswith("_") or name in _CALLBACKS or not callable(fn) \
+                    or inspect.isclass(fn):
+                continue
+            for arrays, static in _TRIES:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        jaxpr = jax.make_jaxpr(lambda *a, fn=fn, s=static: fn(*a, *s))(*arrays)
+                except Exception:  # not this argument form
+                    continue
+                for e in iter_eqns(jaxpr):
+                    found.setdefault(e.primitive.name, f"{mname}.{name}")
+    return found
+
+
+def test_every_primitive_ordinary_code_reaches_is_classified():
+    """Not only the exported primitive list: what ``jnp``/``lax``/``jax.nn`` functions trace to
+    (``jnp.tile``'s ``tile``, ``jnp.corrcoef``'s ``platform_index``, jax 0.12's ``empty`` and
+    ``jnp.frexp``'s ``call_hi_primitive`` are exported nowhere)."""
+    found = reached_primitives()
+    assert len(found) > 120 and {"tile", "dot_general", "reduce_sum"} <= set(found)
+    unknown = {p: f for p, f in found.items() if not jaxamp.DEFAULT_OP_RULES.known(p)}
+    assert unknown == {}, f"primitives in no op list (and a function reaching each): {unknown}"
+
+
+def test_tile_keeps_the_activation_dtype_without_a_warning():
+    """``jnp.tile`` (tunix's Qwen3-MoE tiles its routing weights) copies values: a float16
+    activation stays float16, and autocast does not warn."""
+    def fn(w, x):
+        h = x @ w[:4]
+        return jnp.tile(h[:, None, :], (1, 3, 1)).reshape(2, 12) @ w
+
+    w, x = jnp.linspace(-1, 1, 48).reshape(12, 4), jnp.ones((2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxpr = jax.make_jaxpr(jaxamp.autocast(fn, F16))(w, x)
+    tiles = [e for e in iter_eqns(jaxpr) if e.primitive.name == "tile"]
+    assert [str(e.invars[0].aval.dtype) for e in tiles] == ["float16"]
+    np.testing.assert_allclose(jax.jit(jaxamp.autocast(fn, F16))(w, x), fn(w, x), rtol=2e-3)

@@ -6,10 +6,12 @@ evaluation (bodies evaluated a bounded number of times, repeated layers evaluate
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -184,6 +186,46 @@ def test_the_root_module_is_matched_by_its_class_name():
     with warnings_as_errors():
         closed = jax.make_jaxpr(fwd)(variables, ids)
     assert set(_dots(closed)) == {"float32"}  # everything inherits the root's rule
+
+
+@pytest.mark.parametrize("key,n_f32", [("blocks_0", 2), ("blocks_*/fc", 3)])
+def test_a_root_prefixed_path_matches_below_the_root_linen(key, n_f32):
+    """Reports name the root by its class; ``Root/path`` is the same module as ``path``."""
+    model, variables, ids = _stack()
+    dots = []
+    for k in (key, f"Stack/{key}"):
+        fwd = jaxamp.autocast(model.apply, F16, overrides={k: "float32"})
+        with warnings_as_errors():
+            dots.append(_dots(jax.make_jaxpr(fwd)(variables, ids)))
+    assert dots[0] == dots[1] and dots[0].count("float32") == n_f32, dots
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([NnxBlock(rngs) for _ in range(2)])
+        self.head = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("key", ["layers/1/fc", "NnxStack/layers/1/fc", "NnxStack/layers/1"])
+def test_a_root_prefixed_path_matches_below_the_root_nnx(key):
+    model = NnxStack(nnx.Rngs(0))
+    fwd = jaxamp.autocast(model, F16, overrides={key: "float32"})
+    with warnings_as_errors():
+        closed = jax.make_jaxpr(fwd)(jnp.ones((2, 8)))
+    assert sorted(_dots(closed)) == ["float16", "float16", "float32"]  # layers/1/fc only
 
 
 def test_an_unmatched_path_names_the_nearest_real_ones_and_the_callers_line():
@@ -476,18 +518,20 @@ class PmapBatchNorm(nn.Module):
         return nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(x)
 
 
-def test_a_pmap_batchnorm_is_refused_with_the_fix_and_axis_name_none_trains():
+def test_a_pmap_batchnorm_without_axis_name_is_refused_with_the_fix_and_axis_name_none_trains():
     x = jax.random.normal(jax.random.key(1), (16, 3))
 
-    def run(model):
+    def run(model, **kw):
         variables = model.init(jax.random.key(0), x, train=False)
         state = jaxamp.TrainState.create(model, variables, optax.sgd(0.1), policy=F16)
         step = jaxamp.make_train_step(
-            model, lambda apply, p, b: (apply({"params": p}, b) ** 2).mean())
+            model, lambda apply, p, b: (apply({"params": p}, b) ** 2).mean(), **kw)
         return variables, *step(state, x)
 
-    with pytest.raises(ValueError, match=r"axis_name=None.*global batch"):
+    with pytest.raises(ValueError, match=r"axis_name='batch'.*global batch"):
         run(PmapBatchNorm())
+    with pytest.raises(TypeError, match=r"axis_name must be the name \(a str\).*got 3"):
+        run(PmapBatchNorm(), axis_name=3)
     variables, state, metrics = run(PmapBatchNorm(axis_name=None))
     # the running mean moved by (1 - momentum) x the whole batch's mean of the Dense output
     # (computed in float16 from the same params: float16 rounding)
@@ -496,3 +540,99 @@ def test_a_pmap_batchnorm_is_refused_with_the_fix_and_axis_name_none_trains():
     stats = state.collections["batch_stats"]["BatchNorm_0"]["mean"]
     assert stats.dtype == jnp.float32 and bool(metrics["grads_finite"])
     np.testing.assert_allclose(stats, want, rtol=2e-2, atol=1e-4)
+
+
+# Flax's examples/imagenet/models.py (ResNetBlock, ResNet), as written for jax.pmap: every
+# BatchNorm is partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+# epsilon=1e-5, axis_name="batch"); a tiny config.
+class ImagenetBlock(nn.Module):
+    filters: int
+    conv: Any
+    norm: Any
+    act: Any
+    strides: tuple[int, int] = (1, 1)
+
+    @nn.compact
+    def __call__(self, x):
+        residual = x
+        y = self.conv(self.filters, (3, 3), self.strides)(x)
+        y = self.act(self.norm()(y))
+        y = self.conv(self.filters, (3, 3))(y)
+        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+        if residual.shape != y.shape:
+            residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+            residual = self.norm(name="norm_proj")(residual)
+        return self.act(residual + y)
+
+
+class ImagenetResNet(nn.Module):
+    stage_sizes: tuple[int, ...] = (1, 1)
+    num_classes: int = 4
+    num_filters: int = 8
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=jnp.float32)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                                 epsilon=1e-5, dtype=jnp.float32, axis_name="batch")
+        x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
+        x = nn.relu(norm(name="bn_init")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, block_size in enumerate(self.stage_sizes):
+            for j in range(block_size):
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                x = ImagenetBlock(self.num_filters * 2 ** i, strides=strides, conv=conv,
+                                  norm=norm, act=nn.relu)(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes, dtype=jnp.float32)(x)
+
+
+def _imagenet_loss(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["x"], train=True)
+    return jaxamp.softmax_cross_entropy(logits, batch["y"])
+
+
+def test_a_model_written_for_pmap_trains_unmodified_with_axis_name():
+    """make_train_step(axis_name="batch") on Flax's imagenet ResNet: one step equals the pmap
+    recipe (per-device loss and BatchNorm statistics, pmean'd over the "batch" axis: here 2
+    devices as a vmap with that axis name) in params, batch statistics and loss."""
+    model = ImagenetResNet()
+    x = jax.random.normal(jax.random.key(0), (8, 16, 16, 3))
+    y = jnp.arange(8) % 4
+    variables = model.init(jax.random.key(1), x, train=False)
+    f32 = "params=float32,compute=float32,output=float32"
+    state = jaxamp.TrainState.create(model, variables, optax.sgd(0.5), policy=f32)
+    step = jaxamp.make_train_step(model, _imagenet_loss, axis_name="batch", donate=False)
+    new, metrics = step(state, {"x": x, "y": y})
+
+    def device_loss(params, stats, xb, yb):  # what the pmap train step of the example runs
+        logits, upd = model.apply({"params": params, "batch_stats": stats}, xb, train=True,
+                                  mutable=["batch_stats"])
+        return jaxamp.softmax_cross_entropy(logits, yb), upd["batch_stats"]
+
+    (loss, stats), grads = jax.vmap(
+        jax.value_and_grad(device_loss, has_aux=True), in_axes=(None, None, 0, 0),
+        axis_name="batch")(variables["params"], variables["batch_stats"],
+                           x.reshape(2, 4, 16, 16, 3), y.reshape(2, 4))
+    grads = jax.tree.map(lambda g: g.mean(0), grads)  # lax.pmean(grads, "batch")
+    want_params = jax.tree.map(lambda p, g: p - 0.5 * g, variables["params"], grads)
+    want_stats = jax.tree.map(lambda s: s[0], stats)
+    for a, b in zip(jax.tree.leaves(want_stats), jax.tree.leaves(new.collections)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert float(metrics["loss"]) == pytest.approx(float(loss.mean()), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(want_params), jax.tree.leaves(new.params)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    # the statistics are the global batch's: one device's half alone gives other ones
+    _, half = jax.vmap(device_loss, in_axes=(None, None, 0, 0), axis_name="batch")(
+        variables["params"], variables["batch_stats"], x[None, :4], y[None, :4])
+    assert not np.allclose(jax.tree.leaves(half)[0][0], jax.tree.leaves(want_stats)[0],
+                           rtol=1e-3)
+
+    # and it trains under float16 (dynamic loss scale), unmodified
+    state = jaxamp.TrainState.create(model, variables, optax.adam(3e-3), policy=F16)
+    step = jaxamp.make_train_step(model, _imagenet_loss, axis_name="batch")
+    losses = []
+    for _ in range(6):
+        state, metrics = step(state, {"x": x, "y": y})
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] and int(state.skipped_steps) <= 1, losses

@@ -78,3 +78,27 @@ def test_nnx_snippet_runs():
     scope = _run_snippet("## Flax NNX")
     assert int(scope["state"].step) == 1 and bool(jnp.isfinite(scope["metrics"]["loss"]))
     assert scope["logits"].dtype == jnp.float32 and scope["logits"].shape == (32, 10)
+
+
+def test_equinox_snippet_runs(capsys):
+    import pytest
+    pytest.importorskip("equinox", reason="equinox installs on Python >= 3.12 in .ci/run")
+    scope = _run_snippet("## Equinox and plain JAX")
+    assert bool(jnp.isfinite(scope["loss"])) and int(scope["state"].step) == 1
+    assert bool(jnp.isfinite(scope["metrics"]["loss"]))
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_ci_installs_the_third_party_model_libraries_without_their_dependencies():
+    """tests/test_third_party.py skips a library that is not installed: CI installs them, in
+    both passes (eqx-zoo in the Python >= 3.12 one), with --no-deps (jax stays as installed)."""
+    ci = (README.parent / ".ci" / "run").read_text()
+    tunix = re.search(r"^THIRD_PARTY_CMD='(.*)'$", ci, re.M).group(1)
+    eqx = re.search(r"^EQX_CMD='(.*)'$", ci, re.M).group(1)
+    assert "--no-deps google-tunix==" in tunix and "--no-deps equinox==" in eqx
+    assert "eqx-zoo==" in eqx and "jax" not in eqx.replace("jaxtyping", "")
+    first = ci[ci.index("=== 1/2"):ci.index("=== 2/2")]
+    second = ci[ci.index("=== 2/2"):]
+    assert 'eval "${THIRD_PARTY_CMD}"' in first and 'eval "${EQX_CMD}"' not in first
+    assert 'eval "${THIRD_PARTY_CMD}"' in second and 'eval "${EQX_CMD}"' in second
+    assert second.index("--upgrade jax") < second.index('eval "${EQX_CMD}"')

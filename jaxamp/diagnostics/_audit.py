@@ -102,6 +102,7 @@ from jaxamp.diagnostics._trace import (
     dtype_name,
     is_low,
     join_dtypes,
+    loss_records,
     resolve_call,
     table_rows,
     trace_model,
@@ -210,6 +211,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None,
     low_default = dtype_name(t.policy.compute_dtype) in LOW
     raw: list[tuple[str, str, str, str | None]] = []
     by_kind: dict[tuple[str, str], list[Eqn]] = {}
+    loss = loss_records(t.records, rules.matmul)
     for r in t.records:
         if not r.dtypes:
             continue
@@ -229,7 +231,11 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None,
         sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
         if is_norm(r.key, mods):
             by_kind.setdefault(("normalisation_low_precision", r.module), []).append(r)
-        elif not r.key and r.module == TOP_LEVEL:
+        elif r.backward and prim in ACCUM and not r.param_grad:
+            # an activation's cotangent summed in the dtype the forward value had (JAX's
+            # transpose of a broadcast: jnp.repeat, a bias-like add), not an accumulation
+            continue
+        elif id(r) in loss:
             if sensitive:
                 by_kind.setdefault(("loss_low_precision", r.module), []).append(r)
         elif prim in EXPLOG:

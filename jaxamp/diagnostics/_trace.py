@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxamp import nnx_frontend
 from jaxamp._compat import dce_jaxpr
-from jaxamp._jaxpr import walk
+from jaxamp._jaxpr import feeders, walk
 from jaxamp.engine import REGION_MARKER, autocast
 from jaxamp.policy import get_policy
 from jaxamp.policy_spec import DEFAULT_POLICY
@@ -143,7 +143,8 @@ class Recorder:
         parts = getattr(context, "path", None)  # NNX: its front end passes the path
         if parts is None:
             parts = module.path
-        policy, _ = self.rules.match(module, parts)
+        root = type(self.stack[0][0]).__name__ if self.stack else None
+        policy, _ = self.rules.match(module, parts, root=root)
         matched = policy is not None
         if policy is None:
             policy = self.stack[-1][1] if self.stack else self.rules.default
@@ -223,6 +224,8 @@ class Eqn:
     param_operand: bool  # an operand comes (unchanged but for casts/reshapes) from the params
     count_sum: bool  # a sum of 0/1 indicators converted from booleans (an exact count)
     bounded: bool = False  # exp(-x**2) (JAX's derivative of erf/erfc): in [0, 1], no overflow
+    top: int = 0  # id of the top-level equation it is (or is inside of)
+    param_grad: bool = False  # (backward) it sums into a parameter's gradient, no matmul between
 
     @property
     def prim(self) -> str:
@@ -272,15 +275,18 @@ def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
     # whether a var is (casts/reshapes of) a parameter; sub-program vars are distinct objects
     flags: dict = {v: bool(f) for v, f in zip(jaxpr.invars, param_inputs)}
     producer: dict = {}
+    outer: list = []  # the equations whose sub-programs are being walked
 
     def is_param(v) -> bool:
         return isinstance(v, jcore.Var) and flags.get(v, False)
 
     def enter(eqn, sub, stack) -> None:
+        outer.append(eqn)
         for v, o in zip(sub.jaxpr.invars, sub.ins):
             flags[v] = o is not None and is_param(o)
 
     def leave(eqn, subs, stack) -> None:
+        del outer[len(outer) - len(subs):]
         out_flags = [False] * len(eqn.outvars)
         for sub in subs:
             for v, o in zip(sub.jaxpr.outvars, sub.outs):
@@ -309,10 +315,110 @@ def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
         op = _OP_CLASSES.get(name, "matmul" if matmul else "elementwise")
         records.append(Eqn(eqn, full, module, "", op, backward, float_dtypes(ins),
                            float_dtypes(eqn.outvars), matmul and any(pflags), count,
-                           name == "exp" and _negative_square(ins[0], producer)))
+                           name == "exp" and _negative_square(ins[0], producer),
+                           id(outer[0] if outer else eqn)))
 
     walk(jaxpr, leaf, enter=enter, leave=leave)
     return records
+
+
+def _tokens(stack: str) -> list[str | None]:
+    """A name stack's scopes, transformations unwrapped, with ``None`` where autocast marked a
+    module call (``jaxamp<c.k>``: the module's own scope is right before it) and jaxamp's
+    other scopes and remat names left out."""
+    out: list[str | None] = []
+    for part in stack.split("/"):
+        while (m := _TRANSFORM.match(part)) is not None:
+            part = m.group(2)
+        if REGION_MARKER.search(part):
+            out.append(None)
+        part = _NOISE.sub("", part)
+        if part and not any(c in part for c in ",->"):
+            out.append(part)
+    return out
+
+
+def _resolve(path: str | None, pending: list[str], modules: dict[str, ModuleInfo]
+             ) -> tuple[str, str] | None:
+    """The recorded module that the scopes ``pending`` (since the module ``path``, None: from
+    the top) end with: ``(its name-stack path, method suffix)``, or None. The shortest tail of
+    ``pending`` that names a module wins: scopes before it are the user's ``jax.named_scope`` s
+    (tunix wraps each ``__call__`` in one)."""
+    root = path.split("/")[0] if path else None
+    for n in range(1, len(pending) + 1):
+        tail = pending[-n:]
+        head, dot, method = tail[-1].partition(".")  # linen: "embed.attend"
+        rel = "/".join([*tail[:-1], head])
+        if path is not None:
+            cands = [f"{path}/{rel}", f"{root}/{rel}"]
+        else:
+            cands = [rel, *sorted((m for m in modules if m.endswith("/" + rel)), key=len)]
+        for cand in cands:
+            if cand in modules:
+                return cand, dot + method
+    return None
+
+
+def module_of(stack: str, modules: dict[str, ModuleInfo], marked: bool = True
+              ) -> tuple[str, str]:
+    """``(key, printed path)`` of the module an equation with name stack ``stack`` belongs to:
+    the recorded module (``key``, name-stack style, ``""`` if none) and its path as reports
+    print it and ``overrides=`` matches it (:func:`jaxamp.rules.module_path`; the root by its
+    class name, a linen method call with its suffix, ``embed.attend``), or ``(top level)``.
+
+    The path is the module structure, not the name stack: autocast marks every module call,
+    and the scopes before a mark that do not name a module (a ``jax.named_scope`` around a
+    ``__call__``, ``layers/0/attn/attention/q_proj/einsum``), or after the last one, are left
+    out; a model without Flax modules (Equinox, plain JAX) is all top level, and so is a
+    stack without a mark in a program autocast ``marked``. In a program without marks (a
+    hand-written step that calls no autocast) the cleaned stack is read as it is."""
+    if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
+        return "", TOP_LEVEL
+    tokens = _tokens(stack)
+    if None not in tokens:
+        if marked:
+            return "", TOP_LEVEL
+        module, _ = clean_path(stack)
+        module = canonical_path(module, modules)
+        return _module_key(module, modules), display_path(module, modules)
+    path, suffix, pending = None, "", []
+    for tok in tokens:
+        if tok is not None:
+            pending.append(tok)
+            continue
+        if pending:
+            found = _resolve(path, pending, modules)
+            if found is not None:
+                path, suffix = found
+            pending = []
+    if path is None:
+        return "", TOP_LEVEL
+    return path, modules[path].name + suffix
+
+
+def mark_param_grad_sums(records: list[Eqn], jaxpr: jcore.Jaxpr, grad_outs: Sequence[Any],
+                         matmuls: frozenset[str]) -> None:
+    """Sets ``param_grad`` on the backward records whose (top-level) equation feeds a
+    parameter's gradient (``grad_outs``, outputs of ``jaxpr``) without a matmul in between:
+    a sum there accumulates the gradient itself (over the batch, the tokens), where a sum that
+    feeds a matmul is an activation's cotangent (JAX's transpose of a broadcast, e.g. of
+    ``jnp.repeat``), in the dtype the forward value had."""
+    hit = {id(e) for e in feeders(jaxpr, grad_outs, stop=matmuls)}
+    for r in records:
+        r.param_grad = r.backward and r.top in hit
+
+
+def loss_records(records: Sequence[Eqn], matmuls) -> set[int]:
+    """The ids of the records that are the loss: outside every module, in the forward after
+    the last matmul (the head), in the backward before the first one. A model without Flax
+    modules (Equinox, plain JAX) is all top level; its attention, norms and their backward
+    are not the loss."""
+    fwd = [i for i, r in enumerate(records) if r.prim in matmuls and not r.backward]
+    bwd = [i for i, r in enumerate(records) if r.prim in matmuls and r.backward]
+    last, first = (fwd[-1] if fwd else -1), (bwd[0] if bwd else len(records))
+    return {id(r) for i, r in enumerate(records)
+            if not r.key and r.module == TOP_LEVEL
+            and (i > last if not r.backward else i < first)}
 
 
 def _module_key(path: str, modules: dict[str, ModuleInfo]) -> str:
@@ -480,6 +586,10 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
     param_inputs = [f for f, u in zip(param_inputs, used) if u]
     records = attribute(collect_eqns(jaxpr, param_inputs, op_rules=op_rules),
                         recorder.modules)
+    if grad:
+        n_grads = _n_leaves(args[argnums])
+        mark_param_grad_sums(records, jaxpr, jaxpr.outvars[len(jaxpr.outvars) - n_grads:],
+                             frozenset(op_rules.matmul))
     leaves = jax.tree.leaves(out_shape)
     out_dtypes = sorted({np.dtype(o.dtype).name for o in leaves})
     scalar_out = len(leaves) == 1 and tuple(leaves[0].shape) == ()
@@ -488,11 +598,10 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
 
 def attribute(records: list[Eqn], modules: dict[str, ModuleInfo]) -> list[Eqn]:
     """Gives each record its recorded module (``key``) and the path reports print
-    (``module``, :func:`display_path`: what ``overrides=`` accepts)."""
+    (``module``, :func:`module_of`: what ``overrides=`` accepts)."""
+    marked = any(REGION_MARKER.search(r.stack) for r in records)
     for r in records:
-        r.module = canonical_path(r.module, modules)
-        r.key = _module_key(r.module, modules)
-        r.module = display_path(r.module, modules)
+        r.key, r.module = module_of(r.stack, modules, marked)
     return records
 
 

@@ -41,11 +41,13 @@ from jaxamp._jaxpr import evaluate, name_stack, sub_programs
 from jaxamp.diagnostics._trace import (
     LOW,
     SCAFFOLD,
+    TOP_LEVEL,
     Recorder,
     canonical_path,
     clean_path,
     dce,
     display_path,
+    module_of,
     recording,
     resolve_call,
 )
@@ -192,8 +194,8 @@ class _Evaluator:
         self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
 
     def _record(self, eqn, full: str, vals, outs) -> None:
-        module, backward = clean_path(full)
-        module = display_path(canonical_path(module, self.modules), self.modules)
+        _, backward = clean_path(full)
+        module = module_of(full, self.modules)[1]
         out_idx = []
         for o in outs:
             if _is_float(o):
@@ -483,6 +485,19 @@ def _param_module(path, root: str | None) -> str:
     return "/".join(([root] if root else []) + head) if head or root else "(params)"
 
 
+def _called(path: str, modules) -> str:
+    """``path``, or its nearest ancestor that was called, where the module holding a param
+    was not (an NNX module used through another method, tunix's ``Embedder.encode``: only
+    ``__call__`` marks a module, so its ops ran in the caller's region); ``(top level)`` for a
+    model without Flax modules (an Equinox model's params are no module paths)."""
+    if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
+        return TOP_LEVEL
+    segs = path.split("/")
+    while len(segs) > 1 and "/".join(segs) not in modules:
+        segs.pop()
+    return "/".join(segs) if "/".join(segs) in modules else path
+
+
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
                     policy: str | jmp.Policy | None = None,
                     overrides: Mapping | None = None, op_rules: OpRules | None = None,
@@ -614,9 +629,13 @@ def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_sca
     (_, amp_loss), amp_grads = jax.tree.unflatten(
         jax.tree.structure(((0.0, 0.0), params)), outs)
 
-    # the float32 reference (true, unscaled gradients)
+    # the float32 reference (true, unscaled gradients), traced with its module calls marked
+    # as in the AMP run, so that its values are named by the same module paths (no recompute:
+    # its replayed forward values would count as backward ones)
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
-    ref_closed = jax.make_jaxpr(jax.value_and_grad(loss_of))(p32, *args)
+    f32 = autocast(recorded, jmp.Policy(jnp.float32, jnp.float32, jnp.float32),
+                   op_rules=op_rules.extend(recompute=False), f32_weight_grads=f32_weight_grads)
+    ref_closed = jax.make_jaxpr(jax.value_and_grad(f32))(p32, *args)
     ref_outs, ref_acc, _ = _interpret(ref_closed, jax.tree.leaves((p32, *args)),
                                             recorder.modules, scale)
     _, true_grads = jax.tree.unflatten(jax.tree.structure((0.0, p32)), ref_outs)
@@ -630,7 +649,8 @@ def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_sca
     g_stats = _summaries([g for _, g, _ in pairs], 1.0)
     t_stats = _summaries([t for _, _, t in pairs], scale)
     for (path, g, t), gs, ts in zip(pairs, g_stats, t_stats):
-        mod = display_path(canonical_path(_param_module(path, root), recorder.modules),
+        mod = display_path(_called(canonical_path(_param_module(path, root),
+                                                  recorder.modules), recorder.modules),
                            recorder.modules)
         pg.setdefault(mod, _Acc()).add(gs, np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(ts, np.dtype(t.dtype).name)
