@@ -78,6 +78,16 @@ def _dot_flops(eqn) -> int:
         np.prod([lhs[d] for d in contracting]))
 
 
+def compiled_here(step, state, batch, triton: bool):
+    """The step compiled for the H200 by hand (not through gpu_program): the reference the
+    report's memory and HLO are checked against."""
+    sharding = jax.sharding.SingleDeviceSharding(_h200_device())
+    sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                       (state, batch))
+    with jax.default_device(_h200_device()):
+        return step.lower(*sds).compile(compiler_options={"xla_gpu_enable_triton_gemm": triton})
+
+
 # ---- targets and errors (no plugin needed) -----------------------------------------------
 
 def test_h200_rates_from_its_description():
@@ -137,13 +147,7 @@ def test_gemm_libraries_and_temp_of_the_bench_gpt(policy, triton):
     # every dot_general of the step is one GEMM of that library, in the compute dtype
     assert report.gemm_libraries() == {f"{library} {low} x {low}": len(dots)}
     assert len(dots) == 39  # 2 layers x (qkv, scores, P@V, out, fc, proj) x 3 + head x 3
-    # temp bytes: XLA's own memory_analysis of the same program
-    sharding = jax.sharding.SingleDeviceSharding(_h200_device())
-    sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                       (state, batch))
-    with jax.default_device(_h200_device()):
-        compiled = step.lower(*sds).compile(
-            compiler_options={"xla_gpu_enable_triton_gemm": triton})
+    compiled = compiled_here(step, state, batch, triton)
     assert report.memory["temp"] == compiled.memory_analysis().temp_size_in_bytes > 0
     assert report.hlo == compiled.as_text()
     assert report.estimated_seconds > 0 and report.bytes > 0
@@ -361,10 +365,5 @@ def test_a_model_we_did_not_write(policy, triton):
             warnings.simplefilter("error")  # merged FP8 dots are no shortfall
             counts = jaxamp.fp8_gemms(step, state, batch, target="h200")
         assert counts["fallback"] == 0 and counts["fused_flops"] == counts["planned_flops"]
-    sharding = jax.sharding.SingleDeviceSharding(_h200_device())
-    sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                       (state, batch))
-    with jax.default_device(_h200_device()):
-        compiled = step.lower(*sds).compile(
-            compiler_options={"xla_gpu_enable_triton_gemm": triton})
+    compiled = compiled_here(step, state, batch, triton)
     assert report.memory["temp"] == compiled.memory_analysis().temp_size_in_bytes
