@@ -429,8 +429,8 @@ def _platform_of(mesh, state):
     autocast decides fused attention and weight-gradient dots by the platform it traces for,
     and JAX keys its trace caches on the default device."""
     device = mesh.devices.flat[0] if mesh is not None else None
-    if device is None:
-        leaf = next(iter(jax.tree.leaves(state)), None)
+    if device is None:  # the step counter: one leaf, not a flatten of the state per call
+        leaf = state.step
         sharding = None if isinstance(leaf, Tracer) else getattr(leaf, "sharding", None)
         device = next(iter(sharding.device_set), None) if sharding is not None else None
     if device is None or device.platform == jax.default_backend():
