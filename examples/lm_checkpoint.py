@@ -446,7 +446,9 @@ def resume(s: Setup, abstract_state) -> tuple[object, dict, list[CorruptCheckpoi
 _BEFORE_ITS_FLAG = {"opt_state": "float32"}
 
 #: Fields of the model config set by their own flag (the others come from --preset).
-_MODEL_FLAG_OF = {"dropout": "--dropout"}
+_MODEL_FLAG_OF = {"dropout": "--dropout", "attention": "--attention"}
+#: Model config fields a checkpoint made before their flag existed ran with (it records none).
+_MODEL_BEFORE_ITS_FLAG = {"attention": "manual"}
 
 
 def _differences(old: dict, now: dict):
@@ -460,9 +462,10 @@ def _differences(old: dict, now: dict):
             if old.get("preset") != now.get("preset"):
                 continue  # reported as --preset itself
             for field in sorted(set(was) | set(v)):
-                if was.get(field) != v.get(field):
+                before = was.get(field, _MODEL_BEFORE_ITS_FLAG.get(field))
+                if before != v.get(field):
                     flag = _MODEL_FLAG_OF.get(field, f"--preset (its {field})")
-                    yield flag, was.get(field), v.get(field)
+                    yield flag, before, v.get(field)
         elif was != v:
             yield _FLAG_OF[k], was, v
 

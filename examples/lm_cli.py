@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(NNX); the same params, outputs and checkpoints")
     m.add_argument("--preset", default="tiny", metavar="NAME",
                    help=f"model size, one of: {', '.join(lm_model.PRESETS)}")
+    m.add_argument("--attention", default="fused", choices=tuple(lm_model.ATTENTION),
+                   help="causal self-attention: fused = jax.nn.dot_product_attention (cuDNN's "
+                        "fused flash attention in the compute dtype on a GPU, XLA's "
+                        "implementation elsewhere), manual = the softmax attention written "
+                        "out; the same params either way")
     m.add_argument("--policy", default=jaxamp.DEFAULT_POLICY,
                    help="jaxamp/jmp policy string: params/compute/output dtypes, e.g. "
                         "'params=float32,compute=bfloat16,output=float32', 'c=f16' or "
@@ -238,7 +243,8 @@ def validate(args: argparse.Namespace) -> Setup:
                          f"{', '.join(lm_model.PRESETS)}")
     if not (math.isfinite(args.dropout) and 0 <= args.dropout < 1):
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-    config = dataclasses.replace(lm_model.PRESETS[args.preset], dropout=args.dropout)
+    config = dataclasses.replace(lm_model.PRESETS[args.preset], dropout=args.dropout,
+                                 attention=args.attention)
     try:
         if "opt_state" in jaxamp.policy_spec.parse(args.policy):
             raise ValueError("set the optimizer state's dtype with --opt-state, not in the "

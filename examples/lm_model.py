@@ -9,9 +9,11 @@ Architecture (GPT-2 style):
 
 * token embedding (``nn.Embed``) + learned positional embedding (``self.param``);
 * ``n_layer`` pre-LayerNorm blocks, each ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, with
-  causal self-attention written by hand (``jax.nn.softmax`` over masked scores) and a 4x GELU
-  MLP; the blocks are stacked with ``nn.scan`` (parameters stacked on axis 0), optionally
-  wrapped in ``nn.remat`` to trade compute for activation memory;
+  causal self-attention (``config.attention``: ``jax.nn.dot_product_attention``, which
+  jaxamp runs as cuDNN's fused flash attention on a GPU, or written out by hand with
+  ``jax.nn.softmax`` over masked scores) and a 4x GELU MLP; the blocks are stacked with
+  ``nn.scan`` (parameters stacked on axis 0), optionally wrapped in ``nn.remat`` to trade
+  compute for activation memory;
 * final LayerNorm and an output head: tied (``embed.attend``) or an untied ``nn.Dense``.
 """
 
@@ -25,8 +27,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "causal_attention", "flops_per_token", "init_params",
-           "param_count"]
+__all__ = ["ATTENTION", "GPT", "GPTConfig", "PRESETS", "causal_attention", "flops_per_token",
+           "fused_causal_attention", "init_params", "param_count"]
+
+
+def _heads(qkv, n_head: int):
+    """The fused projection ``[b, t, 3d]`` as query, key and value ``[b, t, heads, d/heads]``."""
+    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    return tuple(z.reshape(b, t, n_head, d // n_head) for z in jnp.split(qkv, 3, axis=-1))
+
+
+def causal_attention(qkv, n_head: int):
+    """softmax(Q K^T / sqrt(head dim) + causal mask) V from the fused projection ``[b, t, 3d]``
+    to ``[b, t, d]``, written out: ``attention="manual"`` of both model files (linen, NNX)."""
+    q, k, v = _heads(qkv, n_head)
+    b, t, _, hd = q.shape
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, n_head * hd)
+
+
+def fused_causal_attention(qkv, n_head: int):
+    """The same attention as one ``jax.nn.dot_product_attention`` call: ``attention="fused"``.
+
+    The function is looked up on ``jax.nn`` when called (not imported by name), so that
+    ``jaxamp.autocast`` sees the call and can run it as cuDNN's fused kernel on a GPU."""
+    q, k, v = _heads(qkv, n_head)
+    b, t, h, hd = q.shape
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, h * hd)
+
+
+#: ``GPTConfig.attention`` -> the attention function of both model files.
+ATTENTION = {"fused": fused_causal_attention, "manual": causal_attention}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +77,11 @@ class GPTConfig:
       remat: recompute each block's activations in the backward pass (``nn.remat``).
       dropout: GPT-2's dropout rate (embeddings and each residual branch) when called with
         ``train=True``; 0 disables it.
+      attention: how each block computes causal self-attention (the same parameters either
+        way): ``"fused"`` calls ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``,
+        which ``jaxamp.autocast`` runs as cuDNN's fused flash-attention kernel in the compute
+        dtype when the step is traced for a GPU (XLA's implementation elsewhere);
+        ``"manual"`` is the softmax attention written out (:func:`causal_attention`).
     """
 
     vocab_size: int = 256
@@ -53,6 +92,7 @@ class GPTConfig:
     tied: bool = True
     remat: bool = False
     dropout: float = 0.0
+    attention: str = "fused"
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "block_size"):
@@ -64,6 +104,11 @@ class GPTConfig:
                 f"GPTConfig: d_model={self.d_model} must be divisible by n_head={self.n_head}.")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+        if not isinstance(self.attention, str) or self.attention not in ATTENTION:
+            raise ValueError(
+                f"GPTConfig.attention must be one of {', '.join(map(repr, ATTENTION))}, got "
+                f"{self.attention!r}; use 'fused' for jax.nn.dot_product_attention or 'manual' "
+                "for the softmax attention written out.")
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -78,29 +123,18 @@ PRESETS: dict[str, GPTConfig] = {
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
-def causal_attention(qkv, n_head: int):
-    """softmax(Q K^T / sqrt(head dim) + causal mask) V from the fused projection ``[b, t, 3d]``
-    to ``[b, t, d]``: the hand-written attention of both model files (linen and NNX)."""
-    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    hd = d // n_head
-    q, k, v = (z.reshape(b, t, n_head, hd) for z in jnp.split(qkv, 3, axis=-1))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-
-
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention, written out by hand."""
+    """Multi-head causal self-attention (``attention``: a key of :data:`ATTENTION`)."""
 
     n_head: int
     n_layer: int
+    attention: str = "fused"
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
-        out = causal_attention(nn.Dense(3 * d, kernel_init=_INIT, name="qkv")(x), self.n_head)
+        qkv = nn.Dense(3 * d, kernel_init=_INIT, name="qkv")(x)
+        out = ATTENTION[self.attention](qkv, self.n_head)
         # GPT-2: residual projections start smaller, by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(stddev=0.02 / math.sqrt(2 * self.n_layer))
         return nn.Dense(d, kernel_init=proj_init, name="proj")(out)
@@ -126,12 +160,13 @@ class Block(nn.Module):
     n_layer: int
     dropout: float = 0.0
     deterministic: bool = True
+    attention: str = "fused"
 
     @nn.compact
     def __call__(self, x, _):
         drop = nn.Dropout(self.dropout, deterministic=self.deterministic)
-        x = x + drop(CausalSelfAttention(self.n_head, self.n_layer, name="attn")(
-            nn.LayerNorm(name="ln1")(x)))
+        x = x + drop(CausalSelfAttention(self.n_head, self.n_layer, self.attention,
+                                         name="attn")(nn.LayerNorm(name="ln1")(x)))
         x = x + drop(MLP(self.n_layer, name="mlp")(nn.LayerNorm(name="ln2")(x)))
         return x, None
 
@@ -156,7 +191,8 @@ class GPT(nn.Module):
         block = nn.remat(Block) if cfg.remat else Block
         blocks = nn.scan(block, variable_axes={"params": 0},
                          split_rngs={"params": True, "dropout": True}, length=cfg.n_layer)
-        x, _ = blocks(cfg.n_head, cfg.n_layer, cfg.dropout, not train, name="blocks")(x, None)
+        x, _ = blocks(cfg.n_head, cfg.n_layer, cfg.dropout, not train, cfg.attention,
+                      name="blocks")(x, None)
         x = nn.LayerNorm(name="ln_f")(x)
         if cfg.tied:
             return embed.attend(x)

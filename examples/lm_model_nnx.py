@@ -18,7 +18,7 @@ import math
 
 import jax
 from flax import nnx
-from lm_model import PRESETS, GPTConfig, causal_attention  # noqa: F401  (the same configs)
+from lm_model import ATTENTION, PRESETS, GPTConfig  # noqa: F401  (the same configs)
 
 __all__ = ["GPT", "GPTModel", "init_params"]
 
@@ -30,15 +30,15 @@ def _proj_init(n_layer: int):
 
 
 class CausalSelfAttention(nnx.Module):
-    """Multi-head causal self-attention, written out by hand."""
+    """Multi-head causal self-attention (``attention``: a key of ``lm_model.ATTENTION``)."""
 
-    def __init__(self, d: int, n_head: int, n_layer: int, *, rngs: nnx.Rngs):
-        self.n_head = n_head
+    def __init__(self, d: int, n_head: int, n_layer: int, attention: str, *, rngs: nnx.Rngs):
+        self.n_head, self.attention = n_head, attention
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=_INIT, rngs=rngs)
         self.proj = nnx.Linear(d, d, kernel_init=_proj_init(n_layer), rngs=rngs)
 
     def __call__(self, x):
-        return self.proj(causal_attention(self.qkv(x), self.n_head))
+        return self.proj(ATTENTION[self.attention](self.qkv(x), self.n_head))
 
 
 class MLP(nnx.Module):
@@ -58,7 +58,8 @@ class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         d = config.d_model
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-        self.attn = CausalSelfAttention(d, config.n_head, config.n_layer, rngs=rngs)
+        self.attn = CausalSelfAttention(d, config.n_head, config.n_layer, config.attention,
+                                        rngs=rngs)
         self.ln2 = nnx.LayerNorm(d, rngs=rngs)
         self.mlp = MLP(d, config.n_layer, rngs=rngs)
         self.drop = nnx.Dropout(config.dropout)

@@ -56,7 +56,8 @@ def header(console: Console, s: Setup, params, start_step: int, meta: dict | Non
                   + ("; AdamW's moments stored in bfloat16 (stochastic rounding)"
                      if s.opt_state == "bfloat16" else ""))
     console.print(f"[bold]model[/bold] {args.preset}: {config.n_layer} layers, d_model "
-                  f"{config.d_model}, {config.n_head} heads, context {config.block_size}, "
+                  f"{config.d_model}, {config.n_head} heads ({config.attention} attention), "
+                  f"context {config.block_size}, "
                   f"{lm_model.param_count(params) / 1e6:.2f}M params, "
                   f"{lm_model.flops_per_token(config) / 1e6:.1f} MFLOP/token (train)")
     corpus = s.corpus

@@ -15,6 +15,7 @@ rounding, GitHub issue #44) ends within ``OPT_STATE_TOLERANCE`` of the bfloat16 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import shutil
@@ -189,6 +190,24 @@ def test_train_script_is_a_template():
     names = {n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
     assert {"build_model", "create_state", "make_step", "loss_fn", "make_optimizer",
             "main", "train"} <= names, names
+
+
+def test_attention_options_are_the_same_function_of_the_same_params():
+    """``GPTConfig.attention`` (issue 40): "fused" (``jax.nn.dot_product_attention``, the
+    default) and "manual" (written out) share every parameter and, in float32 on the CPU,
+    agree; anything else is refused naming the value, the choices and the fix."""
+    cfg = lm_model.GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16)
+    assert cfg.attention == "fused" and set(lm_model.ATTENTION) == {"fused", "manual"}
+    _, params = lm_model.init_params(cfg)
+    ids = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
+    out = {a: jax.jit(lm_model.GPT(dataclasses.replace(cfg, attention=a)).apply)(
+        {"params": params}, ids) for a in lm_model.ATTENTION}
+    np.testing.assert_allclose(out["fused"], out["manual"], rtol=1e-5, atol=1e-5)
+    for bad in ("flash", None):
+        with pytest.raises(ValueError, match=(
+                rf"GPTConfig.attention must be one of 'fused', 'manual', got {bad!r}; use "
+                "'fused' for jax.nn.dot_product_attention or 'manual'")):
+            lm_model.GPTConfig(attention=bad)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -468,7 +487,7 @@ def test_help_documents_every_flag(capsys):
                  "--clip-norm", "--lr", "--schedule", "--warmup", "--batch-size",
                  "--micro-batches", "--seed", "--steps", "--eval-interval", "--eval-batches",
                  "--checkpoint-interval", "--resume", "--data", "--out", "--mesh",
-                 "--opt-state"):
+                 "--opt-state", "--attention"):
         assert flag in text, flag
     for word in ("dynamic", "static", "auto", "cosine", "constant", "gpt2-small", "tiny"):
         assert word in text, word
@@ -512,6 +531,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "--micro-batches" in line
     line = run_error(capsys, ["--preset", "test", "--loss-scale", "sometimes", "--out", out])
     assert "--loss-scale" in line
+    line = run_error(capsys, ["--preset", "test", "--attention", "flash", "--out", out])
+    assert "--attention" in line and "'flash'" in line and "fused" in line and "manual" in line
     line = run_error(capsys, ["--preset", "test", "--resume", "--out", out])
     assert "no checkpoints" in line
     line = run_error(capsys, ["--preset", "test", "--mesh", "pipe=2", "--out", out])

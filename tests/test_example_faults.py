@@ -635,6 +635,28 @@ def test_resume_with_another_dropout_names_dropout(part, capsys):
                     "flags or choose another --out")
 
 
+def test_resume_with_another_attention_names_it(part, capsys):
+    """--attention (issue 40) is a model setting of its own: another value is refused under its
+    flag, and a checkpoint made before the flag existed (its model config has no attention)
+    ran the written-out attention, so it resumes with --attention manual and names it
+    otherwise."""
+    line = run_error(capsys, args(part, 30, "--resume", "--attention", "manual"))
+    assert line == (f"error: --resume: the checkpoint in {part / 'checkpoints'} was made with "
+                    "other settings (--attention: checkpoint has fused, now manual); pass the "
+                    "original flags or choose another --out")
+    import lm_checkpoint
+
+    for attention, expected in (("manual", []), ("fused", [("--attention", "manual", "fused")])):
+        s = train_lm.validate(train_lm.build_parser().parse_args(
+            args(part, 30, "--resume", "--attention", attention)))
+        try:
+            now = lm_checkpoint.run_config(s)
+        finally:
+            s.release()
+        old = dict(now, model={k: v for k, v in now["model"].items() if k != "attention"})
+        assert list(lm_checkpoint._differences(old, now)) == expected
+
+
 def test_resume_with_another_fp8_small_names_both_values(tmp_path, capsys):
     """Issue 46: --resume took a changed --fp8-small (a run with 16 FP8 matmuls resumed with
     none), which neither the checkpoint's run config nor summary.json recorded."""

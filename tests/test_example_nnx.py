@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -31,8 +32,10 @@ def test_nnx_model_has_no_dtype_code():
             assert node.attr not in ("astype", "float16", "bfloat16", "float32"), node.attr
 
 
-def test_nnx_model_is_the_linen_model_on_the_same_params():
-    config = lm_model.GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16, tied=False)
+@pytest.mark.parametrize("attention", ["fused", "manual"])
+def test_nnx_model_is_the_linen_model_on_the_same_params(attention):
+    config = lm_model.GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16, tied=False,
+                                attention=attention)
     _, params = lm_model.init_params(config)
     model, nnx_params = lm_model_nnx.init_params(config)
     assert jax.tree.map(jnp.shape, nnx_params) == jax.tree.map(jnp.shape, params)
