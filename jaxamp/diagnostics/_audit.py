@@ -144,7 +144,9 @@ def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy | None = 
       comma-separated (``"-"`` when the pass has no such op). The last row is the function's
       output. Op classes: ``matmul``, ``conv``, ``gather``, ``exp/log``, ``reduction``
       (accumulating: sums, products), ``max/min`` (exact in any dtype), ``rsqrt/sqrt``,
-      ``cast``, ``elementwise`` (everything else), ``output``. Module paths are as
+      ``cast``, ``attention`` (cuDNN's fused attention: ``jax.nn.dot_product_attention``
+      traced for a GPU; its inputs and outputs, softmax statistics in float32 included),
+      ``elementwise`` (everything else), ``output``. Module paths are as
       ``overrides=`` takes them.
     """
     call = resolve_call("precision_table", fn, args, policy=policy, overrides=overrides,
@@ -165,7 +167,7 @@ def _category(module: str, op: str, key: str, modules, has_explog: set[str],
               scalar_out: bool) -> str:
     if op in ("matmul", "conv"):
         return "matmul"
-    if op in ("cast", "gather", "output", "max/min"):
+    if op in ("cast", "gather", "output", "max/min", "attention"):
         return op
     if is_norm(key, modules):
         return "normalisation"

@@ -29,6 +29,7 @@ from jaxamp.diagnostics._trace import (
     Eqn,
     ModuleInfo,
     Trace,
+    attention_dtypes,
     dtype_name,
     join_dtypes,
     loss_records,
@@ -165,12 +166,13 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
         for name in _ROWS}
     loss = loss_records(recs, t.op_rules.matmul)
 
-    def add(name, r, forward=True, backward=True):
+    def add(name, r, forward=True, backward=True, dtypes=None):
         g = groups[name]
+        dtypes = r.dtypes if dtypes is None else set(dtypes)
         if r.backward and backward:
-            g["backward"] |= r.dtypes
+            g["backward"] |= dtypes
         elif not r.backward and forward:
-            g["forward"] |= r.dtypes
+            g["forward"] |= dtypes
         else:
             return
         g["modules"].add(r.module)
@@ -181,6 +183,11 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
     norm_classes: set[str] = set()
     for r in recs:
         key, prim = r.key, r.prim
+        if r.op == "attention":  # cuDNN's fused kernel: scores and softmax in one equation
+            scores, softmax = attention_dtypes(r)
+            add("Attention scores", r, dtypes=scores)
+            add("Softmax", r, dtypes=softmax)
+            continue
         if prim in t.op_rules.matmul:
             if _is_embed(key, mods):
                 continue  # a tied head: not a reference row

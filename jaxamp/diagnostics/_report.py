@@ -221,6 +221,10 @@ class AuditReport:
           Dense children, without a parameter operand (scores and weights @ V).
         * **Softmax**: exp/log and sums in an attention module itself; backward: its sums and
           exp/log (the softmax's backward reduction).
+        * cuDNN's fused attention (``jax.nn.dot_product_attention`` traced for a GPU, op
+          ``attention`` in the precision table) is both rows, wherever it is called: its
+          query/key/value, output and gradients make the **Attention scores**, the softmax
+          statistics it keeps for the backward (float32) the **Softmax**.
         * **LayerNorm**: every rounding op of normalisation modules (the classes of
           :data:`jaxamp.FP32_MODULES`, the engine's own float32 rule, and their subclasses);
           the cast of the result to the compute dtype on the way out is not counted. The row

@@ -57,6 +57,10 @@ _OP_CLASSES = {
     # exact in any dtype (they select a value): apart from the accumulating reductions
     "reduce_max": "max/min", "reduce_min": "max/min", "argmax": "max/min", "argmin": "max/min",
     "rsqrt": "rsqrt/sqrt", "sqrt": "rsqrt/sqrt", "convert_element_type": "cast",
+    # cuDNN's fused attention (jax.nn.dot_product_attention bound with implementation="cudnn",
+    # as autocast binds it for a GPU): one equation each way, see attention_dtypes
+    "dot_product_attention_fwd_wrapper": "attention",
+    "dot_product_attention_bwd_wrapper": "attention",
 }
 _MATMUL_SCOPE = re.compile(r"jaxamp_matmul<([^>]*)>")  # the FP8 rule's decision (jaxamp.fp8)
 _NOISE = re.compile(REGION_MARKER.pattern + "|" + _MATMUL_SCOPE.pattern
@@ -81,6 +85,20 @@ _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
     "broadcast_in_dim", "reduce_precision", "random_bits", "random_wrap", "random_unwrap",
     "random_seed", "threefry2x32", "convert_element_type",
 })
+
+
+def attention_dtypes(r: Eqn) -> tuple[list[str], list[str]]:
+    """(the dtypes its matmuls read and write, the dtype of its softmax) of a cuDNN
+    fused-attention record (op ``"attention"``), from the operands of JAX's primitives
+    (``jax._src.cudnn.fused_attention_stablehlo``): the forward reads query/key/value (0-2) and
+    returns the output and, for training, the softmax statistics it keeps (float32); the
+    backward reads query/key/value, those statistics (10), the forward's output and its
+    cotangent (11, 12) and returns the gradients. cuDNN computes the softmax in float32 (a
+    forward without statistics says nothing else)."""
+    ins, outs = r.eqn.invars, r.eqn.outvars
+    if r.prim == "dot_product_attention_fwd_wrapper":
+        return float_dtypes([*ins[:3], outs[0]]), float_dtypes(outs[1:2]) or ["float32"]
+    return float_dtypes([*ins[:3], *ins[11:13], *outs]), float_dtypes(ins[10:11])
 
 
 def is_low(dtypes) -> bool:
