@@ -8,7 +8,10 @@ both), but:
 * ``nn.LayerNorm`` computes in float32 (``dtype=jnp.float32``);
 * the attention scores are cast to float32 before the mask and ``jax.nn.softmax``; the weights
   go back to ``dtype`` for the ``weights @ V`` matmul;
-* the logits are cast to float32 for the loss.
+* the logits are cast to float32 for the loss;
+* with ``GPTConfig.attention="fused"``: ``jax.nn.dot_product_attention(is_causal=True)`` on
+  query/key/value in ``dtype``, with ``implementation="cudnn"`` where the step is traced for a
+  GPU (JAX's own default is its XLA path there too), as a user with a GPU writes it.
 
 The residual stream is in ``dtype``. This is the reference that ``jaxamp.autocast``'s cast
 count is compared against (``convert_count_hand``).
@@ -29,9 +32,18 @@ __all__ = ["HandCastGPT", "handcast_loss"]
 F32 = jnp.float32
 
 
+def attention_implementation() -> str | None:
+    """``"cudnn"`` where the step is traced for a GPU (the platform of ``jax.default_device``
+    when set, else of the default backend), else ``None`` (JAX's XLA path)."""
+    device = jax.config.jax_default_device
+    platform = getattr(device, "platform", device) or jax.default_backend()
+    return "cudnn" if platform in ("gpu", "cuda") else None
+
+
 class CausalSelfAttention(nn.Module):
     heads: int
     dtype: Any
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -42,6 +54,11 @@ class CausalSelfAttention(nn.Module):
         q = q.reshape(b, t, self.heads, hd)
         k = k.reshape(b, t, self.heads, hd)
         v = v.reshape(b, t, self.heads, hd)
+        if self.fused:  # cuDNN computes the softmax in float32 inside the kernel
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=attention_implementation())
+            return nn.Dense(d, kernel_init=INIT, dtype=self.dtype, name="proj")(
+                out.reshape(b, t, d))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(hd), self.dtype)
         scores = scores.astype(F32)
         mask = jnp.tril(jnp.ones((t, t), bool))
@@ -64,11 +81,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     heads: int
     dtype: Any
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x):
         h = nn.LayerNorm(dtype=F32, name="ln1")(x)
-        x = x + CausalSelfAttention(self.heads, self.dtype, name="attn")(h)
+        x = x + CausalSelfAttention(self.heads, self.dtype, self.fused, name="attn")(h)
         h = nn.LayerNorm(dtype=F32, name="ln2")(x)
         return x + MLP(self.dtype, name="mlp")(h)
 
@@ -88,7 +106,7 @@ class HandCastGPT(nn.Module):
         pos = self.param("pos_embed", INIT, (cfg.seq, cfg.d_model))
         x = x + pos[:t].astype(self.dtype)
         for i in range(cfg.layers):
-            x = Block(cfg.heads, self.dtype, name=f"block_{i}")(x)
+            x = Block(cfg.heads, self.dtype, cfg.attention == "fused", name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=F32, name="ln_f")(x)
         logits = nn.Dense(cfg.vocab, use_bias=False, kernel_init=INIT, dtype=self.dtype,
                           name="head")(x)

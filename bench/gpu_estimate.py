@@ -21,12 +21,24 @@ off at a time (``bench/recompute_gpu.py``'s variants), against recompute off.
 
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
-hand-cast twin; ``example``: the example's ``gpt2-small`` preset as ``examples/train_lm.py``
-builds its step (batch 8 x 1024; ``jaxamp-optbf16``: with ``--opt-state bfloat16``);
+hand-cast twin (``jaxamp-fused``, ``hand-fused``: both with ``attention="fused"``);
+``example``: the example's ``gpt2-small`` preset as ``examples/train_lm.py`` builds its step
+(batch 8 x 1024; ``jaxamp-optbf16``: with ``--opt-state bfloat16``; ``jaxamp-fused``: with
+``--attention fused``, the example's default since issue 40, which autocast runs as cuDNN's
+fused attention; the other variants with ``--attention manual``, as they were first recorded
+and as the hand-cast twin writes it);
 ``llama``: tunix's Llama3 (an NNX library we did not write: RMSNorm, SwiGLU, rotary,
 grouped-query attention) at gpt2-small size (12 layers, d 768, 12 query / 4 key-value heads,
 MLP 2048, vocabulary 32768, batch 8 x 1024). GEMMs as cuBLAS calls (no autotuner without a
 GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
+
+Each row has the estimate's MFU (``mfu``): the model's FLOPs per step (``model_flops``: its
+model file's ``flops_per_token``, ``6 N + 12 L d T``, times the step's tokens; the same for
+both attention kinds) over the estimated step time and the target's dense bf16 Tensor Core
+peak (``GpuProgram.mfu``). The estimate reads 0.63-0.74x of measured step times, so this MFU
+is 1.35-1.6x what a measured step gives against the same peak. None for a model without
+``flops_per_token`` (``llama``). ``attention_kernels``: the cuDNN fused-attention calls per
+step by target and operand dtypes.
 """
 
 from __future__ import annotations
@@ -47,10 +59,11 @@ TARGET = ROOT / "jaxamp" / "diagnostics" / "gpu_targets" / "h200.txtpb"
 # (side, compute dtype) in gpu.sh's names; the hand-cast bf16 step is the reference.
 VARIANTS = ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
             "jaxamp-norecompute/float16", "hand/bfloat16", "hand/float16", "jaxamp/float32",
-            "hand/float32", "jaxamp-fused/bfloat16")
+            "hand/float32", "jaxamp-fused/bfloat16", "hand-fused/bfloat16")
 MODELS = {"bench-gpt": VARIANTS,
           "example": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-                      "jaxamp/float32", "jaxamp-optbf16/bfloat16"),
+                      "jaxamp/float32", "jaxamp-optbf16/bfloat16", "jaxamp-fused/bfloat16",
+                      "jaxamp-fused/float16"),
           "llama": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
                     "jaxamp/float32")}
 REFERENCE = "hand/bfloat16"
@@ -80,7 +93,9 @@ def _bench_gpt(name: str, sds, device):
         r = AmpRunner(m, params, make_tx(), batch, POLICIES[dt],
                       jaxamp.default_loss_scale(POLICIES[dt]), op_rules=rules)
         return lambda: r.step.lower(sds(r.state), sds(batch))
-    r = HandRunner(cfg, params, make_tx(), batch, dt)
+    # "hand-fused": the twin with jax.nn.dot_product_attention (cuDNN) in the compute dtype
+    r = HandRunner(cfg.replace(attention="fused") if side == "hand-fused" else cfg, params,
+                   make_tx(), batch, dt)
     return lambda: r.step.lower(*sds(r.args()))
 
 
@@ -90,6 +105,8 @@ POLICY = {"bfloat16": "params=float32,compute=bfloat16,output=float32",
 
 def _example(name: str, sds, device):
     """The example's gpt2-small step, as ``examples/train_lm.py`` builds it."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -101,9 +118,11 @@ def _example(name: str, sds, device):
     import jaxamp
 
     side, dt = name.split("/")
+    attention = "fused" if side == "jaxamp-fused" else "manual"
     args = train_lm.build_parser().parse_args(
-        ["--preset", "gpt2-small", "--policy", POLICY[dt], "--batch-size", str(SMALL_BATCH)])
-    config = lm_model.PRESETS["gpt2-small"]
+        ["--preset", "gpt2-small", "--policy", POLICY[dt], "--batch-size", str(SMALL_BATCH),
+         "--attention", attention])
+    config = dataclasses.replace(lm_model.PRESETS["gpt2-small"], attention=attention)
     # "jaxamp-optbf16": AdamW's moments stored in bfloat16 (--opt-state bfloat16)
     policy = jaxamp.get_policy(POLICY[dt] + (",opt_state=bfloat16"
                                              if side == "jaxamp-optbf16" else ""))
@@ -244,8 +263,42 @@ def measured_ms(path: Path | None) -> dict[str, float]:
     return out
 
 
-def rows(out: Path, measured: dict[str, float], names: list[str]) -> list[dict]:
-    """One row per compiled variant, read with today's reader."""
+def model_flops(model: str) -> int | None:
+    """Training FLOPs of one step of ``model``: its model file's ``flops_per_token`` times
+    the step's tokens (shapes only: nothing is initialised); None for ``llama``."""
+    import jax
+    import jax.numpy as jnp
+
+    if model == "bench-gpt":
+        sys.path.insert(0, str(HERE))
+        from gpt import GPT, GPTConfig, flops_per_token
+
+        cfg = GPTConfig(**CONFIG)
+        ids = jax.ShapeDtypeStruct((1, cfg.seq), jnp.int32)
+        params = jax.eval_shape(GPT(cfg).init, jax.random.key(0), ids)["params"]
+        return flops_per_token(cfg, params) * BATCH * cfg.seq
+    if model == "example":
+        sys.path.insert(0, str(ROOT / "examples"))
+        import lm_model
+
+        config = lm_model.PRESETS["gpt2-small"]
+        return lm_model.flops_per_token(config) * SMALL_BATCH * config.block_size
+    return None
+
+
+def attention_calls(prog) -> list[dict]:
+    """``[{"target", "dtypes", "calls"}]``: the program's cuDNN fused-attention kernel runs
+    per step (loop trips counted), by custom-call target and operand dtypes."""
+    calls: dict[tuple, int] = {}
+    for k in prog.attention:
+        calls[(k.target, k.dtypes)] = calls.get((k.target, k.dtypes), 0) + k.times
+    return [{"target": t, "dtypes": list(d), "calls": n} for (t, d), n in calls.items()]
+
+
+def rows(out: Path, measured: dict[str, float], names: list[str],
+         flops: int | None = None) -> list[dict]:
+    """One row per compiled variant, read with today's reader; ``flops``: the model's FLOPs
+    per step (:func:`model_flops`), for the estimate's MFU."""
     from jaxamp.diagnostics.gpu import GpuProgram
 
     result = []
@@ -263,6 +316,8 @@ def rows(out: Path, measured: dict[str, float], names: list[str]) -> list[dict]:
                        "measured_ms": measured.get(name),
                        "gemm_libraries": prog.gemm_libraries(),
                        "attention": [k.target for k in prog.attention],
+                       "attention_kernels": attention_calls(prog),
+                       "model_flops": flops, "mfu": prog.mfu(flops) if flops else None,
                        "compile_s": info["compile_s"]})
     reference = REFERENCE if any(r["variant"] == REFERENCE for r in result) else \
         "jaxamp-norecompute/bfloat16"
@@ -282,8 +337,8 @@ def rows(out: Path, measured: dict[str, float], names: list[str]) -> list[dict]:
 
 def table(result: list[dict]) -> str:
     head = ("| variant | est. ms | measured ms | est. / measured | est. ratio | measured ratio "
-            "| ratio error | kernel GB | bytes ratio | temp MiB | launches |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+            "| ratio error | kernel GB | bytes ratio | temp MiB | launches | est. MFU |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
 
     def f(v, spec):
@@ -291,7 +346,7 @@ def table(result: list[dict]) -> str:
 
     for r in result:
         if "error" in r:
-            lines.append(f"| {r['variant']} | not built: {r['error'][:60]} |" + " |" * 9)
+            lines.append(f"| {r['variant']} | not built: {r['error'][:60]} |" + " |" * 10)
             continue
         lines.append(
             f"| {r['variant']} | {r['estimated_ms']:.2f} | {f(r['measured_ms'], '.2f')} | "
@@ -299,7 +354,7 @@ def table(result: list[dict]) -> str:
             f"{f(r.get('estimated_ratio'), '.3f')} | {f(r.get('measured_ratio'), '.3f')} | "
             f"{f(r.get('ratio_error'), '+.1%')} | {r['kernel_bytes'] / 1e9:.1f} | "
             f"{f(r.get('bytes_ratio'), '.3f')} | {r['temp_bytes'] / 2**20:,.0f} | "
-            f"{r['launches']} |")
+            f"{r['launches']} | {f(r.get('mfu'), '.1%')} |")
     return "\n".join(lines)
 
 
@@ -334,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         out = tmp / "programs"
         out.mkdir()
         compile_tree(tree, out, a.triton_gemm, a.model, names)
-        result = rows(out, measured_ms(a.measured), names)
+        result = rows(out, measured_ms(a.measured), names, model_flops(a.model))
     print(table(result))
     if a.json:
         import jax

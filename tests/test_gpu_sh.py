@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,6 +248,38 @@ def test_fused_attention_model_is_the_same_model(monkeypatch):
     assert abs(float(gpt.lm_loss(fused.apply, params, batch)) - manual_loss) < 1e-5
     with pytest.raises(ValueError, match="attention="):
         gpt.GPTConfig(attention="flash")
+    # the hand-cast twin's "fused" (gpu_estimate.py's hand-fused): the same loss in float32,
+    # jax.nn.dot_product_attention's XLA path on the CPU
+    handcast = _bench_module("gpt_handcast")
+    twin = handcast.HandCastGPT(cfg.replace(attention="fused"), jnp.float32)
+    assert abs(float(handcast.handcast_loss(twin)(params, batch)) - manual_loss) < 1e-5
+    assert handcast.attention_implementation() is None
+
+
+def test_hand_cast_fused_twin_is_cudnn_attention_in_its_dtype_on_a_gpu(monkeypatch):
+    """Traced for an H200 (as gpu_estimate.py traces it), the hand-cast twin with
+    ``attention="fused"`` binds cuDNN's fused attention on bfloat16 query/key/value, forward
+    and backward: the hand-written reference for the ``jaxamp-fused`` variant."""
+    from jaxamp.diagnostics import gpu as gpu_mod
+
+    if not gpu_mod._plugin_installed():
+        pytest.skip("JAX's CUDA plugin is not installed (pip install -e '.[gpu-compile]')")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    gpt, handcast = _bench_module("gpt"), _bench_module("gpt_handcast")
+    cfg = gpt.GPTConfig(layers=1, d_model=64, heads=2, seq=64, attention="fused")
+    params = jax.eval_shape(lambda: gpt.init(gpt.GPT(cfg), cfg))
+    batch = gpt.make_batch(cfg, 2)
+    loss = handcast.handcast_loss(handcast.HandCastGPT(cfg, jnp.bfloat16))
+    device = gpu_mod._compile_only_device(gpu_mod.gpu_target("h200").config)
+    with jax.default_device(device):
+        assert handcast.attention_implementation() == "cudnn"
+        closed = jax.make_jaxpr(jax.grad(loss))(params, batch)
+    from jaxamp._jaxpr import iter_eqns
+
+    calls = [e for e in iter_eqns(closed) if e.primitive.name.startswith("dot_product_attention")]
+    assert sorted(e.primitive.name for e in calls) == ["dot_product_attention_bwd_wrapper",
+                                                       "dot_product_attention_fwd_wrapper"]
+    assert all(str(v.aval.dtype) == "bfloat16" for e in calls for v in e.invars[:3])
 
 
 def test_recompute_gpu_dry_run(tmp_path):
