@@ -36,9 +36,11 @@ class GPTConfig:
     heads: int = 4
     seq: int = 128
     vocab: int = 256
-    # "manual": softmax attention written out (the default, and what the twins are); "fused":
+    # "manual": softmax attention written out (the default: what every recorded figure and the
+    # PyTorch twin run, unlike the example's GPT, whose default is "fused"); "fused":
     # ``jax.nn.dot_product_attention(is_causal=True)``, which autocast re-dispatches to cuDNN's
-    # fused kernel in the compute dtype on a GPU. Same parameters either way.
+    # fused kernel in the compute dtype on a GPU (the hand-cast twin binds cuDNN itself there).
+    # Same parameters either way.
     attention: str = "manual"
 
     def __post_init__(self):
