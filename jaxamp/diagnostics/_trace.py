@@ -90,7 +90,7 @@ _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
 def attention_dtypes(r: Eqn) -> tuple[list[str], list[str]]:
     """(the dtypes its matmuls read and write, the dtype of its softmax) of a cuDNN
     fused-attention record (op ``"attention"``), from the operands of JAX's primitives
-    (``jax._src.cudnn.fused_attention_stablehlo``): the forward reads query/key/value (0-2) and
+    (JAX's cuDNN fused-attention module): the forward reads query/key/value (0-2) and
     returns the output and, for training, the softmax statistics it keeps (float32); the
     backward reads query/key/value, those statistics (10), the forward's output and its
     cotangent (11, 12) and returns the gradients. cuDNN computes the softmax in float32 (a
