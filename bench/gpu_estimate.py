@@ -16,8 +16,10 @@ description, and reads each program with today's reader; ``--measured`` (a
 per variant, the estimate, the measured time, and both as ratios to a reference variant (the
 hand-cast step), with the error of the estimated ratio. Without ``--commit``: today's code.
 
-``--recompute-study``: the default bf16 step with one piece of autocast's recompute switched
-off at a time (``bench/recompute_gpu.py``'s variants), against recompute off.
+``--recompute-study``: the bf16 step with recompute everywhere (``jaxamp-recompute``,
+``OpRules(recompute=True)``) and with one piece of it switched off at a time
+(``bench/recompute_gpu.py``'s variants), against recompute off and the default (recompute in
+``lax.scan`` bodies only).
 
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
@@ -46,19 +48,29 @@ ROOT = HERE.parent
 TARGET = ROOT / "jaxamp" / "diagnostics" / "gpu_targets" / "h200.txtpb"
 # (side, compute dtype) in gpu.sh's names; the hand-cast bf16 step is the reference.
 VARIANTS = ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-            "jaxamp-norecompute/float16", "hand/bfloat16", "hand/float16", "jaxamp/float32",
+            "jaxamp-norecompute/float16", "jaxamp-recompute/bfloat16", "hand/bfloat16", "hand/float16", "jaxamp/float32",
             "hand/float32", "jaxamp-fused/bfloat16")
 MODELS = {"bench-gpt": VARIANTS,
           "example": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-                      "jaxamp/float32", "jaxamp-optbf16/bfloat16"),
+                      "jaxamp-recompute/bfloat16", "jaxamp/float32", "jaxamp-optbf16/bfloat16"),
           "llama": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-                    "jaxamp/float32")}
+                    "jaxamp-recompute/bfloat16", "jaxamp/float32")}
 REFERENCE = "hand/bfloat16"
 CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
 BATCH = 16
 LLAMA = dict(num_layers=12, vocab_size=32768, embed_dim=768, hidden_dim=2048, num_heads=12,
              head_dim=64, num_kv_heads=4, rope_theta=500_000, norm_eps=1e-5)
 SMALL_BATCH = 8  # the example's and the Llama's steps: 8 x 1024 tokens
+
+
+def _rules(side: str):
+    """The op rules of a jaxamp variant: ``jaxamp-norecompute`` recompute off,
+    ``jaxamp-recompute`` recompute everywhere (the default before issue 40), else the
+    default (``None``)."""
+    import jaxamp
+
+    where = {"jaxamp-norecompute": False, "jaxamp-recompute": True}.get(side)
+    return None if where is None else jaxamp.DEFAULT_OP_RULES.extend(recompute=where)
 
 
 def _bench_gpt(name: str, sds, device):
@@ -75,8 +87,7 @@ def _bench_gpt(name: str, sds, device):
         if side == "jaxamp-fused" and "attention" not in GPTConfig.__dataclass_fields__:
             raise ValueError("this code's GPTConfig has no attention= option")
         m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
-        rules = (jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
-                 if side == "jaxamp-norecompute" else None)
+        rules = _rules(side)
         r = AmpRunner(m, params, make_tx(), batch, POLICIES[dt],
                       jaxamp.default_loss_scale(POLICIES[dt]), op_rules=rules)
         return lambda: r.step.lower(sds(r.state), sds(batch))
@@ -109,8 +120,7 @@ def _example(name: str, sds, device):
                                              if side == "jaxamp-optbf16" else ""))
     kind = "dynamic" if dt == "float16" else "none"
     loss_scale = lm_cli.make_loss_scale(kind, args)
-    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
-        if side == "jaxamp-norecompute" else None
+    rules = _rules(side)
     model, tx = lm_model.GPT(config), train_lm.make_optimizer(args)
     step = jaxamp.make_train_step(model, train_lm.loss_fn, tx, policy=policy,
                                   clip_norm=args.clip_norm or None,
@@ -143,8 +153,7 @@ def _llama(name: str, sds, device):
         logits, _ = model(batch["inputs"], batch["positions"], None, batch["mask"])
         return jaxamp.softmax_cross_entropy(logits, batch["targets"])
 
-    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
-        if side == "jaxamp-norecompute" else None
+    rules = _rules(side)
     state = jaxamp.TrainState.create(model, tx=optax.adamw(1e-3), policy=POLICY[dt])
     step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0,
                                   **({} if rules is None else {"op_rules": rules}))
@@ -153,11 +162,13 @@ def _llama(name: str, sds, device):
 
 
 BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama}
-#: ``--recompute-study``: the default step with one piece of recompute off at a time
-#: (``bench/recompute_gpu.py``'s patches, applied while tracing), and recompute off.
-STUDY = ("jaxamp-norecompute/bfloat16", "jaxamp/bfloat16", "jaxamp+on-no-softmax/bfloat16",
-         "jaxamp+on-no-stats/bfloat16", "jaxamp+param-casts-only/bfloat16",
-         "jaxamp+on-no-param-casts/bfloat16")
+#: ``--recompute-study``: recompute everywhere with one piece of it off at a time
+#: (``bench/recompute_gpu.py``'s patches, applied while tracing a ``jaxamp-recompute`` step),
+#: recompute off, and the default (recompute in ``lax.scan`` bodies only).
+STUDY = ("jaxamp-norecompute/bfloat16", "jaxamp-recompute/bfloat16",
+         "jaxamp+on-no-softmax/bfloat16", "jaxamp+on-no-stats/bfloat16",
+         "jaxamp+param-casts-only/bfloat16", "jaxamp+on-no-param-casts/bfloat16",
+         "jaxamp/bfloat16")
 
 
 def _patched(patch: str):
@@ -192,8 +203,9 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
         side, dt = name.split("/")
         side, _, patch = side.partition("+")  # "jaxamp+on-no-softmax/bfloat16"
         try:
-            with _patched(patch):
-                lower = BUILDERS[model](f"{side}/{dt}", sds, device)
+            with _patched(patch):  # a patch takes a piece out of recompute everywhere
+                lower = BUILDERS[model](f"{'jaxamp-recompute' if patch else side}/{dt}", sds,
+                                        device)
                 with jax.default_device(device):
                     lowered = lower()
             compiled = lowered.compile(
