@@ -203,6 +203,7 @@ class OpRules:
         kernel bytes for 8% less temp memory (BENCHMARKS "What each piece of recompute does
         to the GPU program"). ``False``: keeps every intermediate JAX's autodiff saves.
         Inside a user's ``jax.checkpoint`` its own policy decides.
+
     Example:
       >>> rules = DEFAULT_OP_RULES.extend(fp32={"tanh"})   # run tanh in float32 too
       >>> "tanh" in rules.fp32
