@@ -52,10 +52,12 @@ SIDES = ("jaxamp", "hand")
 # jaxamp f16 and jaxamp f32 first.
 # "jaxamp-fused": the same model with jax.nn.dot_product_attention (GPTConfig.attention=
 # "fused"), which autocast re-dispatches to cuDNN's fused attention in the compute dtype.
-# "jaxamp-norecompute": the jaxamp step with recompute off (not a target, but issue 24's
-# before/after peak memory needs it), right after the four target variants.
+# "jaxamp-norecompute": the jaxamp step with recompute off; "jaxamp-recompute": with recompute
+# everywhere (OpRules(recompute=True); the default recomputes in lax.scan bodies only, and this
+# model's layers are unrolled, issue 40): issue 24's before/after peak memory needs both.
 JAX_ORDER = (("jaxamp", "bfloat16"), ("hand", "bfloat16"), ("jaxamp", "float16"),
              ("jaxamp", "float32"), ("jaxamp-norecompute", "bfloat16"),
+             ("jaxamp-recompute", "bfloat16"),
              ("jaxamp-norecompute", "float16"), ("jaxamp-fused", "bfloat16"),
              ("hand", "float16"), ("hand", "float32"))
 # Dense bf16 matmul rate measured on this workplace's H200s (8192^3 bf16, random data): the
@@ -213,19 +215,20 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
                "(N: parameters in matmuls; full T x T attention scores)")
     tx = make_tx()
     runners: dict = {}
-    no_recompute = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+    recompute = {"jaxamp-norecompute": False, "jaxamp-recompute": True}
 
     def _build(side: str, dt: str):
-        if side in ("jaxamp", "jaxamp-fused", "jaxamp-norecompute"):
+        if side in ("jaxamp", "jaxamp-fused", "jaxamp-norecompute", "jaxamp-recompute"):
             policy = POLICIES[dt]
             m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
-            rules = no_recompute if side == "jaxamp-norecompute" else None
+            rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=recompute[side]) \
+                if side in recompute else None
             r = AmpRunner(m, params, tx, batch, policy, jaxamp.default_loss_scale(policy),
                           op_rules=rules)
             return (r, lambda: r.step.lower(r.state, batch), _tree_bytes(r.state),
                     f"jaxamp.make_train_step(policy={policy!r}, clip_norm=1.0"
-                    + (", op_rules=DEFAULT_OP_RULES.extend(recompute=False))" if rules
-                       else ")")
+                    + (f", op_rules=DEFAULT_OP_RULES.extend(recompute={recompute[side]}))"
+                       if rules else ")")
                     + (", jax.nn.dot_product_attention" if side == "jaxamp-fused" else ""))
         r = HandRunner(cfg, params, tx, batch, dt)
         return (r, lambda: r.step.lower(*r.args()), _tree_bytes(r.args()[:4]),
@@ -323,16 +326,18 @@ def estimate(compiled, device) -> dict:
 
 def recompute_memory(variants: dict) -> dict:
     """Per compute dtype, the jaxamp step's memory with recompute off ("before", what autocast
-    kept before issue 24) and on ("after"): peak device bytes (``memory_stats``; None where
-    the backend has none) and XLA's compiled temp bytes (``memory_analysis``), with the
+    kept before issue 24) and on ("after": ``jaxamp-recompute``, recompute everywhere, where
+    it ran; else the default step): peak device bytes (``memory_stats``; None where the
+    backend has none) and XLA's compiled temp bytes (``memory_analysis``), with the
     after/before ratios."""
     def temp(v):
         return (v.get("memory_analysis") or {}).get("temp_size_in_bytes")
 
     out = {}
     for dt in ("bfloat16", "float16"):
-        on, off = variants.get(f"jaxamp/{dt}") or {}, \
-            variants.get(f"jaxamp-norecompute/{dt}") or {}
+        on = variants.get(f"jaxamp-recompute/{dt}") or {}
+        on = on if "compile_s" in on else variants.get(f"jaxamp/{dt}") or {}
+        off = variants.get(f"jaxamp-norecompute/{dt}") or {}
         if "compile_s" not in on or "compile_s" not in off:
             continue
         out[dt] = {"peak_bytes_before": off.get("peak_memory_bytes"),

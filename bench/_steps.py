@@ -98,20 +98,28 @@ class BaselineRunner:
 
 def make_hand_step(cfg: GPTConfig, tx, compute: str, *, clip_norm: float = 1.0):
     """The hand-written mixed-precision step a careful Flax user writes without jaxamp: the
-    ``dtype=`` twin (``gpt_handcast.HandCastGPT``) and ``jmp`` loss scaling, doing the work
-    ``jaxamp.make_train_step`` does (scale, unscale, finite check, skip, clip, update).
+    ``dtype=`` twin (``gpt_handcast.HandCastGPT``) in :func:`hand_train_step`."""
+    return hand_train_step(handcast_loss(HandCastGPT(cfg, jnp.dtype(compute))), tx, compute,
+                           clip_norm=clip_norm)
+
+
+def hand_train_step(loss_fn: Callable, tx, compute: str, *, clip_norm: float = 1.0,
+                    period: int = 2000):
+    """A plain ``jax.jit`` step of a hand-cast twin's ``loss_fn(params, batch)`` with ``jmp``
+    loss scaling, doing the work ``jaxamp.make_train_step`` does (scale, unscale, finite check,
+    skip, clip, update).
 
     ``step(params, opt_state, scale_state, skipped, batch) -> (params, opt_state, scale_state,
     skipped, loss)``. ``scale_state`` is ``(loss_scale, counter)`` of a ``jmp.DynamicLossScale``
-    for float16 (jaxamp's defaults: 2**16, doubled after 2000 finite steps) and ``()`` (no
-    scaling) otherwise; the jmp object is rebuilt inside the step (its ``__post_init__`` does
-    not accept the placeholders ``jit(...).lower`` passes through pytrees)."""
-    loss_fn = handcast_loss(HandCastGPT(cfg, jnp.dtype(compute)))
+    for float16 (jaxamp's defaults: 2**16, doubled after ``period`` = 2000 finite steps) and
+    ``()`` (no scaling) otherwise; the jmp object is rebuilt inside the step (its
+    ``__post_init__`` does not accept the placeholders ``jit(...).lower`` passes through
+    pytrees)."""
     clip = optax.clip_by_global_norm(clip_norm)
     dynamic = compute == "float16"
 
     def step(params, opt_state, scale_state, skipped, batch):
-        loss_scale = (jmp.DynamicLossScale(*scale_state, period=2000) if dynamic
+        loss_scale = (jmp.DynamicLossScale(*scale_state, period=period) if dynamic
                       else jmp.NoOpLossScale())
         loss, grads = jax.value_and_grad(
             lambda p: loss_scale.scale(loss_fn(p, batch)))(params)

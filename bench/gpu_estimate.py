@@ -16,8 +16,10 @@ description, and reads each program with today's reader; ``--measured`` (a
 per variant, the estimate, the measured time, and both as ratios to a reference variant (the
 hand-cast step), with the error of the estimated ratio. Without ``--commit``: today's code.
 
-``--recompute-study``: the default bf16 step with one piece of autocast's recompute switched
-off at a time (``bench/recompute_gpu.py``'s variants), against recompute off.
+``--recompute-study``: the bf16 step with recompute everywhere (``jaxamp-recompute``,
+``OpRules(recompute=True)``) and with one piece of it switched off at a time
+(``bench/recompute_gpu.py``'s variants), against recompute off and the default (recompute in
+``lax.scan`` bodies only).
 
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
@@ -26,11 +28,15 @@ hand-cast twin (``jaxamp-fused``, ``hand-fused``: both with ``attention="fused"`
 (batch 8 x 1024; ``jaxamp-optbf16``: with ``--opt-state bfloat16``; ``jaxamp-fused``: with
 ``--attention fused``, the example's default since issue 40, which autocast runs as cuDNN's
 fused attention; the other variants with ``--attention manual``, as they were first recorded
-and as the hand-cast twin writes it);
+and as the hand-cast twin writes it) and its hand-cast twin (``bench/lm_handcast.py``);
 ``llama``: tunix's Llama3 (an NNX library we did not write: RMSNorm, SwiGLU, rotary,
 grouped-query attention) at gpt2-small size (12 layers, d 768, 12 query / 4 key-value heads,
-MLP 2048, vocabulary 32768, batch 8 x 1024). GEMMs as cuBLAS calls (no autotuner without a
-GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
+MLP 2048, vocabulary 32768, batch 8 x 1024) and its hand-cast twin
+(``bench/llama_handcast.py``). A ``hand/...`` variant is the twin's plain ``jax.jit`` step
+(``bench/_steps.py``'s ``hand_train_step``: grads, jmp loss scaling for float16, clip, the
+model's optimizer). Every model's table is relative to ``hand/bfloat16`` (to
+``jaxamp-norecompute/bfloat16`` when ``--variants`` leaves the twin out). GEMMs as cuBLAS
+calls (no autotuner without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles).
 
 Each row has the estimate's MFU (``mfu``): the model's FLOPs per step (``model_flops``: its
 model file's ``flops_per_token``, ``6 N + 12 L d T``, times the step's tokens; the same for
@@ -56,22 +62,35 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TARGET = ROOT / "jaxamp" / "diagnostics" / "gpu_targets" / "h200.txtpb"
-# (side, compute dtype) in gpu.sh's names; the hand-cast bf16 step is the reference.
+# (side, compute dtype) in gpu.sh's names; the hand-cast bf16 step is every model's reference.
 VARIANTS = ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-            "jaxamp-norecompute/float16", "hand/bfloat16", "hand/float16", "jaxamp/float32",
-            "hand/float32", "jaxamp-fused/bfloat16", "hand-fused/bfloat16")
+            "jaxamp-norecompute/float16", "jaxamp-recompute/bfloat16", "hand/bfloat16",
+            "hand/float16", "jaxamp/float32", "hand/float32", "jaxamp-fused/bfloat16",
+            "hand-fused/bfloat16")
 MODELS = {"bench-gpt": VARIANTS,
           "example": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-                      "jaxamp/float32", "jaxamp-optbf16/bfloat16", "jaxamp-fused/bfloat16",
+                      "jaxamp-recompute/bfloat16", "jaxamp/float32", "jaxamp-optbf16/bfloat16",
+                      "hand/bfloat16", "hand/float16", "jaxamp-fused/bfloat16",
                       "jaxamp-fused/float16"),
           "llama": ("jaxamp/bfloat16", "jaxamp/float16", "jaxamp-norecompute/bfloat16",
-                    "jaxamp/float32")}
+                    "jaxamp-recompute/bfloat16", "jaxamp/float32", "hand/bfloat16",
+                    "hand/float16")}
 REFERENCE = "hand/bfloat16"
 CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
 BATCH = 16
 LLAMA = dict(num_layers=12, vocab_size=32768, embed_dim=768, hidden_dim=2048, num_heads=12,
              head_dim=64, num_kv_heads=4, rope_theta=500_000, norm_eps=1e-5)
 SMALL_BATCH = 8  # the example's and the Llama's steps: 8 x 1024 tokens
+
+
+def _rules(side: str):
+    """The op rules of a jaxamp variant: ``jaxamp-norecompute`` recompute off,
+    ``jaxamp-recompute`` recompute everywhere (the default before issue 40), else the
+    default (``None``)."""
+    import jaxamp
+
+    where = {"jaxamp-norecompute": False, "jaxamp-recompute": True}.get(side)
+    return None if where is None else jaxamp.DEFAULT_OP_RULES.extend(recompute=where)
 
 
 def _bench_gpt(name: str, sds, device):
@@ -88,8 +107,7 @@ def _bench_gpt(name: str, sds, device):
         if side == "jaxamp-fused" and "attention" not in GPTConfig.__dataclass_fields__:
             raise ValueError("this code's GPTConfig has no attention= option")
         m = GPT(cfg.replace(attention="fused")) if side == "jaxamp-fused" else model
-        rules = (jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
-                 if side == "jaxamp-norecompute" else None)
+        rules = _rules(side)
         r = AmpRunner(m, params, make_tx(), batch, POLICIES[dt],
                       jaxamp.default_loss_scale(POLICIES[dt]), op_rules=rules)
         return lambda: r.step.lower(sds(r.state), sds(batch))
@@ -128,20 +146,33 @@ def _example(name: str, sds, device):
                                              if side == "jaxamp-optbf16" else ""))
     kind = "dynamic" if dt == "float16" else "none"
     loss_scale = lm_cli.make_loss_scale(kind, args)
-    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
-        if side == "jaxamp-norecompute" else None
+    rules = _rules(side)
     model, tx = lm_model.GPT(config), train_lm.make_optimizer(args)
+    ids = jax.ShapeDtypeStruct((SMALL_BATCH, config.block_size), jnp.int32)
+    batch = {"inputs": ids, "targets": ids}
+    if side == "hand":  # the dtype= twin in a plain jit step: same loss, optimizer, clip
+        import lm_handcast
+        from _steps import hand_scale_state, hand_train_step
+
+        twin = lm_handcast.HandCastGPT(config, jnp.dtype(dt))
+        step = hand_train_step(lambda p, b: train_lm.loss_fn(twin.apply, p, b), tx, dt,
+                               clip_norm=args.clip_norm, period=args.growth_interval)
+        params = lm_model.abstract_params(config)
+        state = (params, jax.eval_shape(tx.init, params), hand_scale_state(dt),
+                 jnp.zeros((), jnp.int32), batch)
+        return lambda: step.lower(*sds(state))
     step = jaxamp.make_train_step(model, train_lm.loss_fn, tx, policy=policy,
                                   clip_norm=args.clip_norm or None,
                                   **({} if rules is None else {"op_rules": rules}))
     state = jax.eval_shape(lambda p: jaxamp.TrainState.create(
         model, p, tx, loss_scale=loss_scale, policy=policy), lm_model.abstract_params(config))
-    ids = jax.ShapeDtypeStruct((SMALL_BATCH, config.block_size), jnp.int32)
-    return lambda: step.lower(sds(state), sds({"inputs": ids, "targets": ids}))
+    return lambda: step.lower(sds(state), sds(batch))
 
 
 def _llama(name: str, sds, device):
-    """tunix's Llama3 (NNX) at gpt2-small size under jaxamp's step, as its users run it."""
+    """tunix's Llama3 (NNX) at gpt2-small size under jaxamp's step, as its users run it; or
+    its hand-cast twin in a plain jit step (``hand/...``)."""
+    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -153,7 +184,6 @@ def _llama(name: str, sds, device):
 
     m = import_bare("tunix.models.llama3.model")
     side, dt = name.split("/")
-    model = m.Llama3(m.ModelConfig(**LLAMA), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((SMALL_BATCH, 1024), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(1024), tokens.shape)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((1024, 1024), bool)), (SMALL_BATCH, 1024, 1024))
@@ -162,21 +192,36 @@ def _llama(name: str, sds, device):
         logits, _ = model(batch["inputs"], batch["positions"], None, batch["mask"])
         return jaxamp.softmax_cross_entropy(logits, batch["targets"])
 
-    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False) \
-        if side == "jaxamp-norecompute" else None
+    batch = {"inputs": tokens, "targets": tokens, "positions": positions, "mask": mask}
+    if side == "hand":  # the dtype= twin in a plain jit step: same loss, AdamW, clip
+        from _steps import hand_scale_state, hand_train_step
+        from llama_handcast import HandCastLlama3
+
+        tx = optax.adamw(1e-3)
+        graphdef, params = nnx.split(nnx.eval_shape(
+            lambda: HandCastLlama3(m.ModelConfig(**LLAMA), dtype=jnp.dtype(dt),
+                                   rngs=nnx.Rngs(0))))
+        step = hand_train_step(lambda p, b: loss(nnx.merge(graphdef, p), b), tx, dt,
+                               clip_norm=1.0)
+        state = (params, jax.eval_shape(tx.init, params), hand_scale_state(dt),
+                 jnp.zeros((), jnp.int32), batch)
+        return lambda: step.lower(*sds(state))
+    model = m.Llama3(m.ModelConfig(**LLAMA), rngs=nnx.Rngs(0))
+    rules = _rules(side)
     state = jaxamp.TrainState.create(model, tx=optax.adamw(1e-3), policy=POLICY[dt])
     step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0,
                                   **({} if rules is None else {"op_rules": rules}))
-    batch = {"inputs": tokens, "targets": tokens, "positions": positions, "mask": mask}
     return lambda: step.lower(sds(state), sds(batch))
 
 
 BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama}
-#: ``--recompute-study``: the default step with one piece of recompute off at a time
-#: (``bench/recompute_gpu.py``'s patches, applied while tracing), and recompute off.
-STUDY = ("jaxamp-norecompute/bfloat16", "jaxamp/bfloat16", "jaxamp+on-no-softmax/bfloat16",
-         "jaxamp+on-no-stats/bfloat16", "jaxamp+param-casts-only/bfloat16",
-         "jaxamp+on-no-param-casts/bfloat16")
+#: ``--recompute-study``: recompute everywhere with one piece of it off at a time
+#: (``bench/recompute_gpu.py``'s patches, applied while tracing a ``jaxamp-recompute`` step),
+#: recompute off, and the default (recompute in ``lax.scan`` bodies only).
+STUDY = ("jaxamp-norecompute/bfloat16", "jaxamp-recompute/bfloat16",
+         "jaxamp+on-no-softmax/bfloat16", "jaxamp+on-no-stats/bfloat16",
+         "jaxamp+param-casts-only/bfloat16", "jaxamp+on-no-param-casts/bfloat16",
+         "jaxamp/bfloat16")
 
 
 def _patched(patch: str):
@@ -211,8 +256,9 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
         side, dt = name.split("/")
         side, _, patch = side.partition("+")  # "jaxamp+on-no-softmax/bfloat16"
         try:
-            with _patched(patch):
-                lower = BUILDERS[model](f"{side}/{dt}", sds, device)
+            with _patched(patch):  # a patch takes a piece out of recompute everywhere
+                lower = BUILDERS[model](f"{'jaxamp-recompute' if patch else side}/{dt}", sds,
+                                        device)
                 with jax.default_device(device):
                     lowered = lower()
             compiled = lowered.compile(

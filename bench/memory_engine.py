@@ -8,8 +8,10 @@ taken from the traced program, so it is platform-independent: what a GPU keeps i
 ``python bench/memory_engine.py`` prints, for the bench GPT (4 layers, d 256, seq 256,
 batch 8), transformers' Flax GPT-2 and Llama (when ``transformers`` is installed) and the
 corpus models (``tests/corpus_models.py``), the residual bytes of float16/bfloat16 autocast
-relative to the float32 run, with the float32 share, with recompute on (the default) and off
-(``OpRules(recompute=False)``), and XLA:CPU's compiled temp memory of the float32-policy
+relative to the float32 run, with the float32 share, with recompute on (everywhere,
+``OpRules(recompute=True)``, the default before issue 40), off (``recompute=False``) and the
+default (``"scan"``: in ``lax.scan`` bodies only; for these unrolled models the same as off,
+but for the corpus's scanned one), and XLA:CPU's compiled temp memory of the float32-policy
 train step with recompute on and off.
 """
 
@@ -40,6 +42,10 @@ try:
     OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
 except (TypeError, ValueError):  # a jaxamp from before recompute (--only temp-default)
     OFF = None
+try:  # recompute everywhere
+    ON = jaxamp.DEFAULT_OP_RULES.extend(recompute=True)
+except (TypeError, ValueError):
+    ON = jaxamp.DEFAULT_OP_RULES
 
 
 def saved_residuals(loss, params, *args) -> dict[str, int]:
@@ -72,10 +78,11 @@ def summary(by_dtype: dict[str, int]) -> tuple[int, float]:
 
 
 def compare(loss, params, *args) -> dict:
-    """Residual bytes per policy, recompute on and off, and each ratio to float32 (on)."""
+    """Residual bytes per policy, recompute on (everywhere), off and the default, and each
+    ratio to float32's with recompute off."""
     rows: dict = {}
     for name, policy in POLICIES.items():
-        for label, rules in (("on", jaxamp.DEFAULT_OP_RULES), ("off", OFF)):
+        for label, rules in (("on", ON), ("off", OFF), ("default", jaxamp.DEFAULT_OP_RULES)):
             fn = jaxamp.autocast(loss, policy, op_rules=rules)
             by = saved_residuals(fn, params, *args)
             total, f32 = summary(by)
@@ -140,7 +147,7 @@ def f32_step_temp(recompute: bool | None) -> int | None:
     model = GPT(cfg)
     tx = optax.adamw(1e-3)
     state = jaxamp.TrainState.create(model, init(model, cfg), tx, policy="float32")
-    rules = jaxamp.DEFAULT_OP_RULES if recompute in (True, None) else OFF
+    rules = {None: jaxamp.DEFAULT_OP_RULES, True: ON}.get(recompute, OFF)
     step = jaxamp.make_train_step(model, lm_loss, tx, policy="float32", op_rules=rules)
     ma = step.lower(state, make_batch(cfg, 8)).compile().memory_analysis()
     return None if ma is None else int(ma.temp_size_in_bytes)

@@ -16,7 +16,8 @@ in this process only, during tracing), each variant's
 * GEMMs by library (``jaxamp.diagnostics._hlo``: cuBLAS calls vs XLA Triton GEMM fusions);
 * ``optimization_barrier`` count in its StableHLO (proves the patch changed the program).
 
-Variants (bf16 unless named; ``off`` is ``recompute=False``, ``on`` today's default):
+Variants (bf16 unless named; ``off`` is ``recompute=False``, ``on`` ``recompute=True``, the
+default before issue 40):
 ``off``, ``on``, ``on-no-param-casts`` (params cast once in the forward and kept),
 ``on-no-cse-barrier`` (``jax.checkpoint(prevent_cse=False)``), ``on-no-rounding``
 (segments read low inputs without ``_recompute._rounded``'s barrier), ``on-no-softmax``
@@ -132,6 +133,9 @@ def main(argv=None) -> int:
     model, params, batch = setup(cfg, batch_size)
     tx = make_tx()
     off_rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+    # "on" is recompute everywhere (the default before issue 40, which recomputes in lax.scan
+    # bodies only; this model's layers are unrolled)
+    on_rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=True)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"command": "python bench/recompute_gpu.py --out DIR"
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
             continue
         dt = name.split("/")[1] if "/" in name else "bfloat16"
         policy = POLICIES[dt]
-        rules = off_rules if name.split("/")[0] == "off" else None
+        rules = off_rules if name.split("/")[0] == "off" else on_rules
         try:
             with patched(name):
                 r = AmpRunner(model, params, tx, batch, policy,

@@ -117,6 +117,11 @@ def _carry_dtypes(init: list[Value], body_dtypes) -> list:
 
 
 def scan(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+    with ev.in_scan():  # its body's output dtypes and its trace: the same Body
+        return _scan(ev, eqn, ins, site)
+
+
+def _scan(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     p = scan_params(eqn)
     nc, nk = p.num_consts, p.num_carry
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]

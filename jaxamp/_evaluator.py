@@ -116,6 +116,7 @@ class Evaluator:
         # recompute segments (jaxamp._recompute): off inside a segment and a user's remat
         self.segment_depth = 0
         self.remat_depth = 0
+        self.scan_depth = 0  # inside a lax.scan body (OpRules.recompute="scan")
         self.recompute_memo: dict = {}  # id(sub-program) -> (it, recomputable)
         self.segment_plans: dict = {}  # id(jaxpr) -> (jaxpr, taken starts, segments)
 
@@ -137,8 +138,19 @@ class Evaluator:
         finally:
             self.remat_depth -= 1
 
+    @contextlib.contextmanager
+    def in_scan(self):
+        """Evaluating a ``lax.scan`` body, where ``recompute="scan"`` makes segments."""
+        self.scan_depth += 1
+        try:
+            yield
+        finally:
+            self.scan_depth -= 1
+
     def segments_on(self) -> bool:
-        return self.op_rules.recompute and not self.segment_depth and not self.remat_depth
+        where = self.op_rules.recompute
+        return (where is True or (where == "scan" and self.scan_depth > 0)) \
+            and not self.segment_depth and not self.remat_depth
 
     # ---- regions -------------------------------------------------------------------------
     def policy(self, region: tuple[int, ...]) -> jmp.Policy:
@@ -281,7 +293,8 @@ class Evaluator:
                  if self.policies[i] is not None and i not in base]
         entry = base + tuple(outer)  # the region the call is made in
         out_wants = [v in wants for v in node.outputs]
-        key = ("call", node.sig, tuple(self._relative(v, entry) for v in ins), entry)
+        key = ("call", node.sig, tuple(self._relative(v, entry) for v in ins), entry,
+               self.segments_on())  # a call in a scan body and one outside: two bodies
         body = self.bodies.get(key)
         if body is None:
             program = Program([], node.inputs, node.outputs, eqns[node.start:node.end], scope)
@@ -347,7 +360,7 @@ class Evaluator:
         key = (self.sharing.program_key(closed),
                tuple((m.stored, m.const, m.region, m.splat, d) for m, d in zip(metas, dtypes)),
                region, None if out_wants is None else tuple(out_wants),
-               self.segment_depth > 0, self.remat_depth > 0)
+               self.segment_depth > 0, self.remat_depth > 0, self.scan_depth > 0)
         body = self.bodies.get(key)
         if body is None:
             body = self.bodies[key] = Body(self, closed, metas, region, out_wants)

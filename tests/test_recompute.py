@@ -1,5 +1,7 @@
 """Activation memory (GitHub issue #24): the residuals autocast's programs keep for the backward
-pass, by dtype (``bench/memory_engine.py``'s count), with recompute segments on and off."""
+pass, by dtype (``bench/memory_engine.py``'s count), with recompute segments on and off. Most
+tests ask for segments everywhere (``ON``: ``recompute=True``); the default makes them in
+``lax.scan`` bodies only (issue #40), which the last tests check."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from memory_engine import OFF, saved_residuals, summary  # noqa: E402
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 F16 = "params=float32,compute=float16,output=float32"
+ON = jaxamp.DEFAULT_OP_RULES.extend(recompute=True)  # segments everywhere
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,8 @@ def test_low_precision_keeps_a_third_of_float32s_residuals(small_gpt, policy):
     loss, params, batch = small_gpt
     f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
                                      params, batch))
-    on, f32_share = summary(saved_residuals(jaxamp.autocast(loss, policy), params, batch))
+    on, f32_share = summary(saved_residuals(jaxamp.autocast(loss, policy, op_rules=ON),
+                                             params, batch))
     off, off_share = summary(saved_residuals(jaxamp.autocast(loss, policy, op_rules=OFF),
                                              params, batch))
     assert on / f32 <= 0.35 and f32_share <= 0.10, (on / f32, f32_share)
@@ -46,7 +50,7 @@ def test_low_precision_keeps_a_third_of_float32s_residuals(small_gpt, policy):
 def test_recompute_changes_no_forward_value_and_gradients_only_by_rounding(small_gpt):
     loss, params, batch = small_gpt
     for policy, tol in (("float32", 1e-5), (BF16, None)):
-        on = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, policy)))(params, batch)
+        on = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, policy, op_rules=ON)))(params, batch)
         off = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, policy, op_rules=OFF)))(
             params, batch)
         np.testing.assert_allclose(on[0], off[0], rtol=1e-6)
@@ -58,7 +62,7 @@ def test_recompute_changes_no_forward_value_and_gradients_only_by_rounding(small
             cos = [float(x @ r / np.linalg.norm(x) / np.linalg.norm(r)) for x in (a, b)]
             assert cos[0] > 0.999 and abs(cos[0] - cos[1]) < 1e-4, cos
     # outside any transformation the segments run in place: the forward is bit for bit
-    eager_on = jaxamp.autocast(loss, BF16)(params, batch)
+    eager_on = jaxamp.autocast(loss, BF16, op_rules=ON)(params, batch)
     eager_off = jaxamp.autocast(loss, BF16, op_rules=OFF)(params, batch)
     assert float(eager_on) == float(eager_off)
 
@@ -75,7 +79,7 @@ def test_the_kept_softmax_max_is_of_the_logits_the_backward_recomputes():
     def loss(w, x):
         return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * x)
 
-    grad = jax.grad(jaxamp.autocast(loss, BF16))
+    grad = jax.grad(jaxamp.autocast(loss, BF16, op_rules=ON))
     on, ref = jax.jit(grad)(w, x), grad(w, x)
     assert np.isfinite(ref).all() and np.isfinite(on).all(), int((~np.isfinite(on)).sum())
     np.testing.assert_array_equal(on, ref)  # CPU: bit for bit
@@ -164,39 +168,97 @@ def test_a_users_checkpoint_policy_wins_inside_its_scope():
         return jnp.sum(jax.nn.softmax(h * 3.0) ** 2)
 
     saving = jax.checkpoint(block, policy=jax.checkpoint_policies.everything_saveable)
-    plain_on = summary(saved_residuals(jaxamp.autocast(block, BF16), w, x))[0]
+    plain_on = summary(saved_residuals(jaxamp.autocast(block, BF16, op_rules=ON), w, x))[0]
     plain_off = summary(saved_residuals(jaxamp.autocast(block, BF16, op_rules=OFF), w, x))[0]
     assert plain_on < plain_off  # outside a checkpoint, the segment keeps less
-    kept_on = saved_residuals(jaxamp.autocast(saving, BF16), w, x)
+    kept_on = saved_residuals(jaxamp.autocast(saving, BF16, op_rules=ON), w, x)
     kept_off = saved_residuals(jaxamp.autocast(saving, BF16, op_rules=OFF), w, x)
     assert kept_on == kept_off and summary(kept_on)[0] > plain_on
 
 
 def test_recompute_switch_is_checked():
-    assert jaxamp.DEFAULT_OP_RULES.recompute
+    assert jaxamp.DEFAULT_OP_RULES.recompute == "scan" and ON.recompute is True
     assert not OFF.recompute and OFF.extend(fp32={"tanh"}).recompute is False
-    with pytest.raises(TypeError, match="recompute= must be True or False"):
-        jaxamp.DEFAULT_OP_RULES.extend(recompute="no")
+    assert OFF.extend(recompute="scan").recompute == "scan"
+    for bad in ("no", 1, "loops"):
+        with pytest.raises(TypeError, match=r"recompute= must be one of \('scan', True, "
+                                            r"False\), got " + repr(bad)):
+            jaxamp.DEFAULT_OP_RULES.extend(recompute=bad)
+    with pytest.raises(ValueError, match="recompute='always' is not one of"):
+        jaxamp.OpRules(recompute="always")
+
+
+def _checkpoints(jaxpr) -> int:
+    from jaxamp._jaxpr import iter_eqns
+
+    return sum(e.primitive.name in ("remat", "remat2", "checkpoint") for e in iter_eqns(jaxpr))
+
+
+def test_the_default_recomputes_in_scan_bodies_only(small_gpt):
+    """Issue #40: straight-line code keeps what JAX keeps (the program of recompute=False,
+    equation for equation), a ``lax.scan`` body (a scanned layer stack) gets the segments
+    (the residuals of recompute=True, which there lower both the GPU program's kernel bytes
+    and its temp memory: BENCHMARKS "What each piece of recompute does to the GPU
+    program")."""
+    loss, params, batch = small_gpt
+    for policy in (BF16, F16):
+        def program(rules, f=loss, policy=policy):
+            return str(jax.make_jaxpr(jax.grad(jaxamp.autocast(f, policy, op_rules=rules)))(
+                params, batch))
+
+        assert program(jaxamp.DEFAULT_OP_RULES) == program(OFF)
+        assert _checkpoints(jax.make_jaxpr(jax.grad(jaxamp.autocast(loss, policy)))(
+            params, batch)) == 0
+
+    # the same blocks under lax.scan: the default keeps what recompute=True keeps
+    w = {"w1": jax.random.normal(jax.random.key(0), (3, 32, 128)) / 6,
+         "w2": jax.random.normal(jax.random.key(1), (3, 128, 32)) / 12,
+         "g": jnp.ones((3, 32))}
+    x = jax.random.normal(jax.random.key(2), (4, 16, 32))
+
+    def block(h, p):
+        n = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        return h + jax.nn.gelu((n * p["g"]) @ p["w1"]) @ p["w2"], None
+
+    def scanned(w, x):
+        return jnp.sum(jax.lax.scan(block, x, w)[0] ** 2)
+
+    def unrolled(w, x):
+        for i in range(3):
+            x = block(x, jax.tree.map(lambda a, i=i: a[i], w))[0]
+        return jnp.sum(x ** 2)
+
+    for policy in (BF16, F16):
+        kept = {label: summary(saved_residuals(jaxamp.autocast(f, policy, op_rules=rules),
+                                               w, x))[0]
+                for label, f, rules in (("scan", scanned, jaxamp.DEFAULT_OP_RULES),
+                                        ("scan on", scanned, ON), ("scan off", scanned, OFF),
+                                        ("unrolled", unrolled, jaxamp.DEFAULT_OP_RULES),
+                                        ("unrolled off", unrolled, OFF))}
+        assert kept["scan"] == kept["scan on"] < kept["scan off"], kept
+        assert kept["unrolled"] == kept["unrolled off"], kept
+        # and the gradients are recompute=True's, bit for bit, and close to recompute off's
+        g = {label: jax.jit(jax.grad(jaxamp.autocast(scanned, policy, op_rules=rules)))(w, x)
+             for label, rules in (("default", jaxamp.DEFAULT_OP_RULES), ("on", ON),
+                                  ("off", OFF))}
+        for a, b, c in zip(*(jax.tree.leaves(g[k]) for k in ("default", "on", "off"))):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, rtol=0.05, atol=0.05 * float(np.abs(c).max()))
 
 
 def test_the_diagnostics_read_the_program_with_recompute_off(small_gpt):
-    from jaxamp._jaxpr import iter_eqns
     from jaxamp.diagnostics._trace import trace_model
 
     loss, params, batch = small_gpt
 
-    def checkpoints(jaxpr):
-        return sum(e.primitive.name in ("remat", "remat2", "checkpoint")
-                   for e in iter_eqns(jaxpr))
-
-    # the default rules put the segments (and the param casts) in checkpoints ...
-    default = jax.make_jaxpr(jax.grad(jaxamp.autocast(loss, BF16)))(params, batch)
-    assert checkpoints(default) > 10
+    # recompute's rules put the segments (and the param casts) in checkpoints ...
+    default = jax.make_jaxpr(jax.grad(jaxamp.autocast(loss, BF16, op_rules=ON)))(params, batch)
+    assert _checkpoints(default) > 10
     # ... the audit's trace of the same function under the same rules has none; it keeps
     # the rules it was given (what it checks the program against)
     t = trace_model(loss, (params, batch), policy=BF16, overrides=None,
-                    op_rules=jaxamp.DEFAULT_OP_RULES, argnums=0)
-    assert checkpoints(t.jaxpr) == 0 and t.op_rules.recompute
+                    op_rules=ON, argnums=0)
+    assert _checkpoints(t.jaxpr) == 0 and t.op_rules.recompute
     report = jaxamp.audit(loss, params, batch, policy=BF16)
     assert not [f for f in report.findings if "remat" in f.detail or "checkpoint" in f.detail]
 
@@ -205,7 +267,7 @@ def _residual_ratio(loss, params, batch):
     """(residual bytes under float16 / float32's with recompute off, float32 share)."""
     f32, _ = summary(saved_residuals(jaxamp.autocast(loss, "float32", op_rules=OFF),
                                      params, batch))
-    on, share = summary(saved_residuals(jaxamp.autocast(loss, F16), params, batch))
+    on, share = summary(saved_residuals(jaxamp.autocast(loss, F16, op_rules=ON), params, batch))
     return on / f32, share
 
 
@@ -234,13 +296,14 @@ def test_a_tanh_before_a_matmul_keeps_its_output_and_not_its_input():
         return jnp.sum(jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"])
 
     tanh16 = 8 * 64 * 2  # (the low copies of x and w2 are made again in the backward)
-    assert saved_residuals(jaxamp.autocast(loss, F16), params, x) == {"float16": tanh16}
+    kept = saved_residuals(jaxamp.autocast(loss, F16, op_rules=ON), params, x)
+    assert kept == {"float16": tanh16}
     # recompute off: tanh, 1 - tanh and the low copies of x and w2
     assert saved_residuals(jaxamp.autocast(loss, F16, op_rules=OFF), params, x) == {
         "float16": 2 * tanh16 + 8 * 16 * 2 + 64 * 4 * 2}
     # the same values: the gradients are those of recompute off
     for policy in ("float32", F16):
-        on = jax.jit(jax.grad(jaxamp.autocast(loss, policy)))(params, x)
+        on = jax.jit(jax.grad(jaxamp.autocast(loss, policy, op_rules=ON)))(params, x)
         off = jax.jit(jax.grad(jaxamp.autocast(loss, policy, op_rules=OFF)))(params, x)
         for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)):
             np.testing.assert_array_equal(a, b)
@@ -267,7 +330,8 @@ def test_a_tanh_whose_output_the_matmul_casts_keeps_its_smaller_input():
     def loss(p, x):
         return jnp.sum(model.apply({"params": p}, x))
 
-    kept = saved_residuals(jaxamp.autocast(loss, F16, overrides={Act: "float32"}), params, x)
+    kept = saved_residuals(jaxamp.autocast(loss, F16, overrides={Act: "float32"}, op_rules=ON),
+                           params, x)
     assert kept == {"float16": 2 * 8 * 64 * 2}, kept  # tanh's input and the matmul's copy
 
 
@@ -310,7 +374,8 @@ def test_no_float32_attention_weights_cross_a_barrier(name, policy):
     from corpus_models import CORPUS
 
     case = CORPUS[name]()
-    loss = jaxamp.autocast(lambda p, b: case.loss(case.model.apply, p, b), policy)
+    loss = jaxamp.autocast(lambda p, b: case.loss(case.model.apply, p, b), policy,
+                           op_rules=ON)
     text = jax.jit(jax.grad(loss)).lower(case.params, case.batch).as_text()
     arrays = _barrier_arrays(text)
     low = "bf16" if "bfloat16" in policy else "f16"
