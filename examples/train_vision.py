@@ -160,7 +160,13 @@ def train(args, run: lm_stop.Run) -> int:
     state = jaxamp.TrainState.create(model, variables, tx, policy=policy,
                                      rng=jax.random.PRNGKey(args.seed))  # checkpointable
     step_fn = jaxamp.make_train_step(model, loss_fn, clip_norm=args.clip_norm or None)
-    eval_fn = jax.jit(lambda state, images: jnp.argmax(jaxamp.autocast(model.apply, policy)(
+    # XLA:CPU since jax 0.11 compiles this bfloat16 forward to NaN (its YNNPACK fusion of the
+    # convolutions, tests/test_example_vision.py); recompute segments' barriers keep that
+    # fusion off, and in a forward without a backward they change nothing else
+    rules = jaxamp.DEFAULT_OP_RULES.extend(
+        recompute=True if jax.default_backend() == "cpu" else "scan")
+    eval_fn = jax.jit(lambda state, images: jnp.argmax(jaxamp.autocast(
+        model.apply, policy, op_rules=rules)(
         {"params": state.params, **state.collections}, images, train=False), -1))
     val = [make_batch(args.seed + 1, i, 256) for i in range(2)]  # the same 512 images always
 
