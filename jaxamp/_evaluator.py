@@ -34,7 +34,7 @@ from jaxamp._control import HIGHER_ORDER, INLINE
 from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate, name_stack
 from jaxamp._op_rules import RuleCall, Site, first_order
 from jaxamp._sharing import Node, Program
-from jaxamp._values import F32, Value, cast, is_float
+from jaxamp._values import F32, Value, cast, given_casts, is_float
 from jaxamp.policy import matmul_dtype
 from jaxamp.rules import OpRules
 
@@ -71,16 +71,24 @@ class Body:
     then calling it evaluates it once. :meth:`values` gives its outputs with what the
     evaluation learnt about them (stored, constant, region)."""
 
-    def __init__(self, ev: Evaluator, closed, metas: Sequence[Value], region, out_wants):
+    def __init__(self, ev: Evaluator, closed, metas: Sequence[Value], region, out_wants,
+                 casts: Sequence[tuple[int, Any]] = ()):
         self.out: list[Value] | None = None
+        self.casts = tuple(casts)  # (input, dtype): copies given after the inputs (given_casts)
+        n = len(metas)
 
         def run(*vals):
-            outs = ev.run_body(closed, metas, region, vals, out_wants)
+            outs = ev.run_body(closed, metas, region, vals[:n], out_wants,
+                               dict(zip(self.casts, vals[n:])))
             self.out = [Value(None, o.stored, o.const, o.region, splat=o.splat) for o in outs]
             return [o.val for o in outs]
 
         run.__name__ = "jaxamp_body"
         self.fn = inline_jit(run) if jit_inlines() else run
+
+    def args(self, ins: Sequence[Value]) -> list:
+        """What :attr:`fn` takes for inputs ``ins``: their arrays, then the copies it is given."""
+        return [v.val for v in ins] + [ins[i].casts[d] for i, d in self.casts]
 
     def out_dtypes(self, specs) -> list:
         return [np.dtype(o.dtype) if is_float(o.dtype) else o.dtype
@@ -285,20 +293,23 @@ class Evaluator:
         body = self.bodies.get(key)
         if body is None:
             program = Program([], node.inputs, node.outputs, eqns[node.start:node.end], scope)
-            body = self.bodies[key] = Body(self, program, ins, entry, out_wants)
+            body = self.bodies[key] = Body(self, program, ins, entry, out_wants,
+                                           given_casts(ins))
         with source_context(eqns[node.start], keep=scope):
-            outs = body.fn(*[v.val for v in ins])
+            outs = body.fn(*body.args(ins))
         return body.values(outs)
 
     def _relative(self, v: Value, region: tuple[int, ...]) -> tuple:
         """What the evaluation of a call in ``region`` can learn about input ``v``: its flags
         and dtype, and where it comes from relative to ``region`` (the policies of the module
-        regions it leaves), which decides its crossing casts."""
+        regions it leaves), which decides its crossing casts, and the copies made of it
+        (:func:`jaxamp._values.given_casts`)."""
         cut = 0
         while cut < min(len(v.region), len(region)) and v.region[cut] == region[cut]:
             cut += 1
         return (v.stored, v.const, v.splat, v.dtype, cut,
-                tuple(self.policies[i] for i in v.region[cut:]))
+                tuple(self.policies[i] for i in v.region[cut:]),
+                tuple(d for _, d in given_casts([v])))
 
     def run_eqn(self, eqn, raw: list[Value], base, wants: set, drop=None) -> list[Value]:
         region = self.region_of(eqn, base)
@@ -333,9 +344,12 @@ class Evaluator:
 
     # ---- sub-programs ---------------------------------------------------------------------
     def run_body(self, closed, metas: Sequence[Value], region, vals,
-                 out_wants=None) -> list[Value]:
-        """Evaluates a sub-jaxpr in the current trace: fresh values, no shared cast caches."""
+                 out_wants=None, casts: dict | None = None) -> list[Value]:
+        """Evaluates a sub-jaxpr in the current trace: fresh values, no shared cast caches
+        but the copies ``casts`` ((input, dtype) -> array) it is given."""
         args = [m.fresh(x) for m, x in zip(metas, vals)]
+        for (i, dtype), x in (casts or {}).items():
+            args[i].casts[dtype] = x
         return self.eval(closed, None, args, region, out_wants)
 
     def body(self, closed, metas: Sequence[Value], region, out_wants=None,

@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
 from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
 from jaxamp._sharing import Program
-from jaxamp._values import Value, convert, is_float
+from jaxamp._values import Value, convert, given_casts, is_float
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.policy import matmul_dtype
 
@@ -285,17 +285,19 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     if not traced:  # run eagerly: nothing to differentiate, the equations one by one
         with ev.in_segment():
             return ev.eval(program, None, ins, base, out_wants)
+    given = given_casts(ins)  # the copies made of the inputs before: read, not made again
     key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
-           tuple(out_wants))
+           tuple(out_wants), given)
     first = eqns[seg.start]  # never skipped: a segment starts at one of its own
     known = ev.bodies.get(key)
     if known is None or known[0] is not first:
         from jaxamp._evaluator import Body
 
-        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants))
+        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants, given))
     body: Body = known[1]
-    vals = [v.val for v in ins]
+    vals = body.args(ins)
+    traced = [i for i, x in enumerate(vals) if isinstance(x, Tracer)]
 
     def fn(*xs):
         full = list(vals)

@@ -18,7 +18,8 @@ from jax import lax
 
 from jaxamp._compat import Tracer
 
-__all__ = ["F32", "Value", "bind", "cast", "convert", "dtype_of", "is_float", "spec", "widest"]
+__all__ = ["F32", "Value", "bind", "cast", "convert", "dtype_of", "given_casts", "is_float", "spec",
+           "widest"]
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -134,3 +135,14 @@ def cast(v: Value, dtype) -> Any:
         else:
             v.casts[dtype] = convert(v.val, dtype)
     return v.casts[dtype]
+
+
+def given_casts(ins: Sequence[Value]) -> tuple[tuple[int, np.dtype], ...]:
+    """(input index, dtype): the narrower copies already made of traced inputs ``ins``, which a
+    body evaluated on fresh values (a recompute segment, a shared module call) is given with
+    them, so that it reads them instead of casting the input again. Wider copies are not
+    given: a body would keep them for its backward pass in place of the narrower input."""
+    return tuple((i, d) for i, v in enumerate(ins) if v.is_float
+                 for d in sorted((k for k in v.casts if isinstance(k, np.dtype)
+                                  and isinstance(v.casts[k], Tracer)
+                                  and jnp.finfo(k).bits < jnp.finfo(v.dtype).bits), key=str))
