@@ -34,7 +34,7 @@ from jaxamp._control import HIGHER_ORDER, INLINE
 from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate, name_stack
 from jaxamp._op_rules import RuleCall, Site, first_order
 from jaxamp._sharing import Node, Program
-from jaxamp._values import F32, Value, cast, given_casts, is_float
+from jaxamp._values import F32, Value, cast, given_casts, is_float, made_casts
 from jaxamp.policy import matmul_dtype
 from jaxamp.rules import OpRules
 
@@ -72,16 +72,26 @@ class Body:
     evaluation learnt about them (stored, constant, region)."""
 
     def __init__(self, ev: Evaluator, closed, metas: Sequence[Value], region, out_wants,
-                 casts: Sequence[tuple[int, Any]] = ()):
+                 casts: Sequence[tuple[int, Any]] = (), export: bool = False):
         self.out: list[Value] | None = None
         self.casts = tuple(casts)  # (input, dtype): copies given after the inputs (given_casts)
+        # with export: the copies made inside of inputs and of outputs, (index, dtype) each,
+        # returned after the outputs (keep() records them)
+        self.made: list = []
+        self.made_out: list = []
         n = len(metas)
 
         def run(*vals):
-            outs = ev.run_body(closed, metas, region, vals[:n], out_wants,
-                               dict(zip(self.casts, vals[n:])))
+            args = [m.fresh(x) for m, x in zip(metas, vals[:n])]
+            for (i, dtype), x in zip(self.casts, vals[n:]):
+                args[i].casts[dtype] = x
+            outs = ev.eval(closed, None, args, region, out_wants)
             self.out = [Value(None, o.stored, o.const, o.region, splat=o.splat) for o in outs]
-            return [o.val for o in outs]
+            if export:
+                self.made = [c for c in made_casts(args) if c not in self.casts]
+                self.made_out = made_casts(outs)
+            return [o.val for o in outs] + [args[i].casts[d] for i, d in self.made] \
+                + [outs[j].casts[d] for j, d in self.made_out]
 
         run.__name__ = "jaxamp_body"
         self.fn = inline_jit(run) if jit_inlines() else run
@@ -89,6 +99,16 @@ class Body:
     def args(self, ins: Sequence[Value]) -> list:
         """What :attr:`fn` takes for inputs ``ins``: their arrays, then the copies it is given."""
         return [v.val for v in ins] + [ins[i].casts[d] for i, d in self.casts]
+
+    def keep(self, ins: Sequence[Value], outs: Sequence[Any], values: Sequence[Value]) -> None:
+        """Records the copies that the call returning ``outs`` made (after its outputs) on its
+        inputs ``ins`` and on its output ``values``, so that what reads them later does not
+        cast them again."""
+        k = len(self.out) + len(self.made)
+        for (i, dtype), x in zip(self.made, outs[len(self.out):k]):
+            ins[i].casts.setdefault(dtype, x)
+        for (j, dtype), x in zip(self.made_out, outs[k:]):
+            values[j].casts.setdefault(dtype, x)
 
     def out_dtypes(self, specs) -> list:
         return [np.dtype(o.dtype) if is_float(o.dtype) else o.dtype
@@ -294,10 +314,12 @@ class Evaluator:
         if body is None:
             program = Program([], node.inputs, node.outputs, eqns[node.start:node.end], scope)
             body = self.bodies[key] = Body(self, program, ins, entry, out_wants,
-                                           given_casts(ins))
+                                           given_casts(ins), export=True)
         with source_context(eqns[node.start], keep=scope):
             outs = body.fn(*body.args(ins))
-        return body.values(outs)
+        values = body.values(outs)
+        body.keep(ins, outs, values)
+        return values
 
     def _relative(self, v: Value, region: tuple[int, ...]) -> tuple:
         """What the evaluation of a call in ``region`` can learn about input ``v``: its flags
@@ -344,12 +366,9 @@ class Evaluator:
 
     # ---- sub-programs ---------------------------------------------------------------------
     def run_body(self, closed, metas: Sequence[Value], region, vals,
-                 out_wants=None, casts: dict | None = None) -> list[Value]:
-        """Evaluates a sub-jaxpr in the current trace: fresh values, no shared cast caches
-        but the copies ``casts`` ((input, dtype) -> array) it is given."""
+                 out_wants=None) -> list[Value]:
+        """Evaluates a sub-jaxpr in the current trace: fresh values, no shared cast caches."""
         args = [m.fresh(x) for m, x in zip(metas, vals)]
-        for (i, dtype), x in (casts or {}).items():
-            args[i].casts[dtype] = x
         return self.eval(closed, None, args, region, out_wants)
 
     def body(self, closed, metas: Sequence[Value], region, out_wants=None,

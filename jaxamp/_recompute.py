@@ -294,7 +294,8 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     if known is None or known[0] is not first:
         from jaxamp._evaluator import Body
 
-        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants, given))
+        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants, given,
+                                              export=True))
     body: Body = known[1]
     vals = body.args(ins)
     traced = [i for i, x in enumerate(vals) if isinstance(x, Tracer)]
@@ -304,10 +305,11 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         for i, x in zip(traced, _rounded(xs)):
             full[i] = x
         outs = body.fn(*full)
+        outs, made = outs[:len(body.out)], outs[len(body.out):]
         if seg.tail:  # decided as the checkpoint traces fn; JAX asks the policy later
             keep[0] = _kept_by_matmuls(ev, seg.tail, base, outs[0], body.out[0])
-        low[:] = _low_casts(ev, seg, base, outs, body.out)
-        return [*outs, *(convert(outs[i], d) for i, d in low)]
+        low[:] = [c for c in _low_casts(ev, seg, base, outs, body.out) if c not in body.made_out]
+        return [*outs, *made, *(convert(outs[i], d) for i, d in low)]
 
     keep = [False]  # a tail keeps its op's output when the matmuls keep that very array
     low: list = []  # the low-precision casts of outputs made inside (_low_casts)
@@ -320,6 +322,7 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
             *[vals[i] for i in traced])
     n = len(outs) - len(low)
     values = body.values(outs[:n])
+    body.keep(ins, outs[:n], values)  # the copies it made: not made again after it
     for (i, dtype), x in zip(low, outs[n:]):
         values[i].casts[dtype] = x  # the matmul rule's cast(value, dtype) finds it
     return values
