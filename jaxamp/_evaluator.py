@@ -34,7 +34,7 @@ from jaxamp._control import HIGHER_ORDER, INLINE
 from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate, name_stack
 from jaxamp._op_rules import RuleCall, Site, first_order
 from jaxamp._sharing import Node, Program
-from jaxamp._values import F32, Value, cast, given_casts, is_float, made_casts
+from jaxamp._values import F32, Value, cast, copies, is_float
 from jaxamp.policy import matmul_dtype
 from jaxamp.rules import OpRules
 
@@ -69,12 +69,15 @@ class Body:
     """A sub-program evaluated under autocast as a cached, inlined ``jax.jit``: JAX traces
     :attr:`fn` once per input types, so asking for its output dtypes (:meth:`out_dtypes`) and
     then calling it evaluates it once. :meth:`values` gives its outputs with what the
-    evaluation learnt about them (stored, constant, region)."""
+    evaluation learnt about them (stored, constant, region). A recompute segment's or a
+    shared call's body is given the copies made of its inputs (``casts``, after them:
+    :meth:`args`) and, with ``export``, returns those it made of its inputs and outputs after
+    its outputs (:meth:`keep` records them), so a value is cast once across its boundary."""
 
     def __init__(self, ev: Evaluator, closed, metas: Sequence[Value], region, out_wants,
                  casts: Sequence[tuple[int, Any]] = (), export: bool = False):
         self.out: list[Value] | None = None
-        self.casts = tuple(casts)  # (input, dtype): copies given after the inputs (given_casts)
+        self.casts = tuple(casts)  # (input, dtype): copies given after the inputs (copies())
         # with export: the copies made inside of inputs and of outputs, (index, dtype) each,
         # returned after the outputs (keep() records them)
         self.made: list = []
@@ -88,8 +91,8 @@ class Body:
             outs = ev.eval(closed, None, args, region, out_wants)
             self.out = [Value(None, o.stored, o.const, o.region, splat=o.splat) for o in outs]
             if export:
-                self.made = [c for c in made_casts(args) if c not in self.casts]
-                self.made_out = made_casts(outs)
+                self.made = [c for c in copies(args) if c not in self.casts]
+                self.made_out = copies(outs)
             return [o.val for o in outs] + [args[i].casts[d] for i, d in self.made] \
                 + [outs[j].casts[d] for j, d in self.made_out]
 
@@ -313,8 +316,8 @@ class Evaluator:
         body = self.bodies.get(key)
         if body is None:
             program = Program([], node.inputs, node.outputs, eqns[node.start:node.end], scope)
-            body = self.bodies[key] = Body(self, program, ins, entry, out_wants,
-                                           given_casts(ins), export=True)
+            body = self.bodies[key] = Body(self, program, ins, entry, out_wants, copies(ins),
+                                           export=True)
         with source_context(eqns[node.start], keep=scope):
             outs = body.fn(*body.args(ins))
         values = body.values(outs)
@@ -325,13 +328,13 @@ class Evaluator:
         """What the evaluation of a call in ``region`` can learn about input ``v``: its flags
         and dtype, and where it comes from relative to ``region`` (the policies of the module
         regions it leaves), which decides its crossing casts, and the copies made of it
-        (:func:`jaxamp._values.given_casts`)."""
+        (:func:`jaxamp._values.copies`)."""
         cut = 0
         while cut < min(len(v.region), len(region)) and v.region[cut] == region[cut]:
             cut += 1
         return (v.stored, v.const, v.splat, v.dtype, cut,
                 tuple(self.policies[i] for i in v.region[cut:]),
-                tuple(d for _, d in given_casts([v])))
+                tuple(d for _, d in copies([v])))
 
     def run_eqn(self, eqn, raw: list[Value], base, wants: set, drop=None) -> list[Value]:
         region = self.region_of(eqn, base)

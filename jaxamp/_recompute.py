@@ -23,7 +23,10 @@ matmul output unrounded where it fuses it into the next op; with
 ``--xla_allow_excess_precision=false`` the results with and without segments are
 bit-identical. (The matmul rule, likewise, casts a param operand inside a ``jax.checkpoint``
 that keeps nothing: the backward casts it again instead of keeping its low copy;
-:func:`jaxamp._op_rules.recompute_param_casts`.)
+:func:`jaxamp._op_rules.recompute_param_casts`.) A value is cast once across a segment's
+boundary, as without segments: the segment reads the copies made of its inputs before it and
+returns the copies it makes (:func:`jaxamp._values.copies`), and the backward casts only
+inside the segment that made a copy.
 
 Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
 module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
@@ -44,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
 from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
 from jaxamp._sharing import Program
-from jaxamp._values import Value, convert, given_casts, is_float
+from jaxamp._values import Value, convert, copies, is_float
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.policy import matmul_dtype
 
@@ -285,7 +288,7 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     if not traced:  # run eagerly: nothing to differentiate, the equations one by one
         with ev.in_segment():
             return ev.eval(program, None, ins, base, out_wants)
-    given = given_casts(ins)  # the copies made of the inputs before: read, not made again
+    given = tuple(copies(ins))  # the copies made of the inputs before: read, not made again
     key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
            tuple(out_wants), given)

@@ -18,8 +18,8 @@ from jax import lax
 
 from jaxamp._compat import Tracer
 
-__all__ = ["F32", "Value", "bind", "cast", "convert", "dtype_of", "given_casts", "is_float",
-           "made_casts", "spec", "widest"]
+__all__ = ["F32", "Value", "bind", "cast", "convert", "copies", "dtype_of", "is_float", "spec",
+           "widest"]
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -137,21 +137,14 @@ def cast(v: Value, dtype) -> Any:
     return v.casts[dtype]
 
 
-def given_casts(ins: Sequence[Value]) -> tuple[tuple[int, np.dtype], ...]:
-    """(input index, dtype): the copies already made of traced inputs ``ins`` (each cast
-    once), which a body evaluated on fresh values (a recompute segment, a shared module call)
-    is given with them, so that it reads them instead of casting the input again. Where a
-    body's derivative reads a wider copy (a float32 copy of a float16 input a normalisation
-    reads), the body keeps that copy in place of its input: one array, however many bodies
-    read it."""
-    return tuple((i, d) for i, v in enumerate(ins) if v.is_float
-                 for d in sorted((k for k in v.casts if isinstance(k, np.dtype)
-                                  and isinstance(v.casts[k], Tracer)), key=str))
-
-
-def made_casts(args: Sequence[Value]) -> list[tuple[int, np.dtype]]:
-    """(input index, dtype): the float copies of ``args`` (the fresh inputs of a body) that
-    exist after evaluating it, in a fixed order."""
-    return [(i, d) for i, v in enumerate(args) if v.is_float
+def copies(values: Sequence[Value]) -> list[tuple[int, np.dtype]]:
+    """(index, dtype): the copies made of traced float ``values`` (``cast`` makes each once),
+    in a fixed order. A body evaluated on fresh values (a recompute segment, a shared module
+    call) is given those of its inputs and returns those it makes of its inputs and outputs
+    (:class:`jaxamp._evaluator.Body`), so that no value is cast twice across its boundary.
+    Where a body's derivative reads a wider copy (a float32 copy of a float16 input that a
+    normalisation reads), the body keeps that copy in place of its input: one array, however
+    many bodies read it."""
+    return [(i, d) for i, v in enumerate(values) if v.is_float
             for d in sorted((k for k in v.casts if isinstance(k, np.dtype)
                              and isinstance(v.casts[k], Tracer)), key=str)]
