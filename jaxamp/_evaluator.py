@@ -34,7 +34,7 @@ from jaxamp._control import HIGHER_ORDER, INLINE
 from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate, name_stack
 from jaxamp._op_rules import RuleCall, Site, first_order
 from jaxamp._sharing import Node, Program
-from jaxamp._values import F32, Value, cast, is_float
+from jaxamp._values import F32, Value, cast, copies, is_float
 from jaxamp.policy import matmul_dtype
 from jaxamp.rules import OpRules
 
@@ -69,18 +69,49 @@ class Body:
     """A sub-program evaluated under autocast as a cached, inlined ``jax.jit``: JAX traces
     :attr:`fn` once per input types, so asking for its output dtypes (:meth:`out_dtypes`) and
     then calling it evaluates it once. :meth:`values` gives its outputs with what the
-    evaluation learnt about them (stored, constant, region)."""
+    evaluation learnt about them (stored, constant, region). A recompute segment's or a
+    shared call's body is given the copies made of its inputs (``casts``, after them:
+    :meth:`args`) and, with ``export``, returns those it made of its inputs and outputs after
+    its outputs (:meth:`keep` records them), so a value is cast once across its boundary."""
 
-    def __init__(self, ev: Evaluator, closed, metas: Sequence[Value], region, out_wants):
+    def __init__(self, ev: Evaluator, closed, metas: Sequence[Value], region, out_wants,
+                 casts: Sequence[tuple[int, Any]] = (), export: bool = False):
         self.out: list[Value] | None = None
+        self.casts = tuple(casts)  # (input, dtype): copies given after the inputs (copies())
+        # with export: the copies made inside of inputs and of outputs, (index, dtype) each,
+        # returned after the outputs (keep() records them)
+        self.made: list = []
+        self.made_out: list = []
+        n = len(metas)
 
         def run(*vals):
-            outs = ev.run_body(closed, metas, region, vals, out_wants)
+            args = [m.fresh(x) for m, x in zip(metas, vals[:n])]
+            for (i, dtype), x in zip(self.casts, vals[n:]):
+                args[i].casts[dtype] = x
+            outs = ev.eval(closed, None, args, region, out_wants)
             self.out = [Value(None, o.stored, o.const, o.region, splat=o.splat) for o in outs]
-            return [o.val for o in outs]
+            if export:
+                self.made = [c for c in copies(args) if c not in self.casts]
+                self.made_out = copies(outs)
+            return [o.val for o in outs] + [args[i].casts[d] for i, d in self.made] \
+                + [outs[j].casts[d] for j, d in self.made_out]
 
         run.__name__ = "jaxamp_body"
         self.fn = inline_jit(run) if jit_inlines() else run
+
+    def args(self, ins: Sequence[Value]) -> list:
+        """What :attr:`fn` takes for inputs ``ins``: their arrays, then the copies it is given."""
+        return [v.val for v in ins] + [ins[i].casts[d] for i, d in self.casts]
+
+    def keep(self, ins: Sequence[Value], outs: Sequence[Any], values: Sequence[Value]) -> None:
+        """Records the copies that the call returning ``outs`` made (after its outputs) on its
+        inputs ``ins`` and on its output ``values``, so that what reads them later does not
+        cast them again."""
+        k = len(self.out) + len(self.made)
+        for (i, dtype), x in zip(self.made, outs[len(self.out):k]):
+            ins[i].casts.setdefault(dtype, x)
+        for (j, dtype), x in zip(self.made_out, outs[k:]):
+            values[j].casts.setdefault(dtype, x)
 
     def out_dtypes(self, specs) -> list:
         return [np.dtype(o.dtype) if is_float(o.dtype) else o.dtype
@@ -298,20 +329,25 @@ class Evaluator:
         body = self.bodies.get(key)
         if body is None:
             program = Program([], node.inputs, node.outputs, eqns[node.start:node.end], scope)
-            body = self.bodies[key] = Body(self, program, ins, entry, out_wants)
+            body = self.bodies[key] = Body(self, program, ins, entry, out_wants, copies(ins),
+                                           export=True)
         with source_context(eqns[node.start], keep=scope):
-            outs = body.fn(*[v.val for v in ins])
-        return body.values(outs)
+            outs = body.fn(*body.args(ins))
+        values = body.values(outs)
+        body.keep(ins, outs, values)
+        return values
 
     def _relative(self, v: Value, region: tuple[int, ...]) -> tuple:
         """What the evaluation of a call in ``region`` can learn about input ``v``: its flags
         and dtype, and where it comes from relative to ``region`` (the policies of the module
-        regions it leaves), which decides its crossing casts."""
+        regions it leaves), which decides its crossing casts, and the copies made of it
+        (:func:`jaxamp._values.copies`)."""
         cut = 0
         while cut < min(len(v.region), len(region)) and v.region[cut] == region[cut]:
             cut += 1
         return (v.stored, v.const, v.splat, v.dtype, cut,
-                tuple(self.policies[i] for i in v.region[cut:]))
+                tuple(self.policies[i] for i in v.region[cut:]),
+                tuple(d for _, d in copies([v])))
 
     def run_eqn(self, eqn, raw: list[Value], base, wants: set, drop=None) -> list[Value]:
         region = self.region_of(eqn, base)

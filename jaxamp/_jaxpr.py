@@ -17,6 +17,9 @@ audit all read programs through the functions here (no other module reads ``.eqn
 * :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses;
 * :func:`spans` finds runs of consecutive equations (autocast's recompute segments) and
   :func:`span_io` what such a run reads from before it and what is read after it;
+* :func:`flat_scopes` sees through in-line calls (a value is one value inside and outside a
+  recompute segment): :func:`duplicate_casts` and :func:`lossy_round_trips` check casts
+  across those boundaries;
 * :func:`param_matmuls` lists the matmuls that read a program input (a param), in order (the
   first and last matmul that the FP8 rule keeps in the compute dtype).
 """
@@ -43,6 +46,7 @@ from jaxamp._compat import (
 __all__ = [
     "LOW_PRECISION",
     "Run",
+    "Flat",
     "Span",
     "Sub",
     "all_consumers_accept",
@@ -54,6 +58,7 @@ __all__ = [
     "evaluate",
     "evaluate_rerouted",
     "feeders",
+    "flat_scopes",
     "iter_eqns",
     "iter_jaxprs",
     "jaxpr_of",
@@ -468,35 +473,117 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
 
 # ---- checks on casts ------------------------------------------------------------------------
 
+#: Calls whose body runs once, in line, on the caller's values (a recompute segment is a
+#: ``checkpoint``): across them a value is one value. Loop bodies and branches are not.
+_IN_LINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
+                      "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                      "custom_vjp_call_jaxpr"})
+#: First-order primitives whose outputs are their operands' values (``optimization_barrier``:
+#: recompute reads its low-precision inputs through one, :func:`jaxamp._recompute._rounded`).
+_IDENTITY = frozenset({"optimization_barrier"})
+
+
+class Flat(NamedTuple):
+    """A first-order equation seen from the program around it: ``ins``/``outs`` are, per
+    operand/result, the var of the outermost program that holds the same value."""
+
+    eqn: Any
+    ins: list
+    outs: list
+
+
+def flat_scopes(j: Any) -> list[list[Flat]]:
+    """The first-order equations of ``j``, with the bodies of in-line calls (``pjit``,
+    ``checkpoint``/``remat``, ``custom_jvp_call``, ...) and ``optimization_barrier`` seen
+    through: a value passed into such a body, or returned from it, is one value on both
+    sides. One list per scope, in order: ``j`` itself, then each loop body or branch
+    (``scan``, ``while``, ``cond``, ``shard_map``) and each differentiated ``checkpoint``
+    (the backward's replay of a forward one, which recomputes its values from the kept
+    ones), whose inputs are values of their own."""
+    scopes: list[list[Flat]] = []
+    calls = iter(range(1, 1 << 62))  # one number per body run: a jaxpr called twice (a
+    # shared module call, one jit per layer) makes new values each time
+
+    def scope(jaxpr) -> None:
+        found: list[Flat] = []
+        scopes.append(found)
+        flatten(as_jaxpr(jaxpr), {}, found, 0)
+
+    def flatten(jaxpr, env: dict, found: list, call: int) -> None:
+        def same(v):
+            if not isinstance(v, jcore.Var):
+                return v
+            return env.get(v, v if not call else (call, v))
+
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in _IDENTITY and len(eqn.invars) == len(eqn.outvars):
+                env.update((o, same(v)) for o, v in zip(eqn.outvars, eqn.invars))
+                continue
+            subs = sub_programs(eqn)
+            if not subs:
+                found.append(Flat(eqn, [same(v) for v in eqn.invars],
+                                  [same(v) for v in eqn.outvars]))
+                continue
+            for sub in subs:
+                if name not in _IN_LINE or None in sub.ins \
+                        or eqn.params.get("differentiated"):  # a backward replay
+                    scope(sub.jaxpr)
+                    continue
+                inner = {v: same(o) for v, o in zip(sub.jaxpr.invars, sub.ins)
+                         if isinstance(o, jcore.Var)}  # (a literal: a value of its own)
+                n = next(calls)
+                flatten(sub.jaxpr, inner, found, n)
+                env.update((o, inner.get(v, (n, v))) for o, v in zip(sub.outs, sub.jaxpr.outvars)
+                           if o is not None and isinstance(v, jcore.Var)
+                           and not isinstance(o, jcore.DropVar))
+
+    scope(j)
+    return scopes
+
 
 def _is_cast(eqn) -> bool:
     return eqn.primitive.name == "convert_element_type"
 
 
-def lossy_round_trips(j: Any) -> list[jcore.JaxprEqn]:
-    """Casts that take a value float32 -> float16/bfloat16 -> float32 (precision thrown away)."""
+def _scopes(j: Any, nested: bool) -> list[list[Flat]]:
+    if nested:
+        return flat_scopes(j)
+    return [[Flat(e, list(e.invars), list(e.outvars)) for e in jaxpr.eqns]
+            for jaxpr in iter_jaxprs(j)]
+
+
+def lossy_round_trips(j: Any, *, nested: bool = True) -> list[jcore.JaxprEqn]:
+    """Casts that take a value float32 -> float16/bfloat16 -> float32 (precision thrown away).
+    ``nested``: the two casts may be on either side of an in-line call's boundary (a cast
+    down before a recompute segment, back up inside it; :func:`flat_scopes`); else both are
+    in one jaxpr."""
     found = []
-    for jaxpr in iter_jaxprs(j):
-        down = {e.outvars[0]: e for e in jaxpr.eqns
-                if _is_cast(e) and np.dtype(e.invars[0].aval.dtype) == np.float32
-                and np.dtype(e.outvars[0].aval.dtype) in LOW_PRECISION}
-        found += [e for e in jaxpr.eqns if _is_cast(e) and e.invars[0] in down
-                  and np.dtype(e.outvars[0].aval.dtype) == np.float32]
+    for flat in _scopes(j, nested):
+        down = {f.outs[0] for f in flat
+                if _is_cast(f.eqn) and np.dtype(f.eqn.invars[0].aval.dtype) == np.float32
+                and np.dtype(f.eqn.outvars[0].aval.dtype) in LOW_PRECISION}
+        found += [f.eqn for f in flat if _is_cast(f.eqn) and f.ins[0] in down
+                  and np.dtype(f.eqn.outvars[0].aval.dtype) == np.float32]
     return found
 
 
-def duplicate_casts(j: Any) -> list[tuple[jcore.JaxprEqn, jcore.JaxprEqn]]:
-    """Pairs of casts of the same floating value to the same dtype within one jaxpr. (An
-    integer made float twice is the traced code's own, as autocast never casts integers:
-    eqx-zoo's RoPE converts its positions once per attention call.)"""
+def duplicate_casts(j: Any, *, nested: bool = True
+                    ) -> list[tuple[jcore.JaxprEqn, jcore.JaxprEqn]]:
+    """Pairs of casts of the same floating value to the same dtype. ``nested``: also where
+    one is inside an in-line call's body (a recompute segment) and the other outside it, or
+    each in its own (:func:`flat_scopes`); else within one jaxpr. (An integer made float
+    twice is the traced code's own, as autocast never casts integers: eqx-zoo's RoPE
+    converts its positions once per attention call.)"""
     found = []
-    for jaxpr in iter_jaxprs(j):
+    for flat in _scopes(j, nested):
         seen: dict = {}
-        for e in jaxpr.eqns:
+        for f in flat:
+            e = f.eqn
             if not _is_cast(e) or not isinstance(e.invars[0], jcore.Var) \
                     or not jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating):
                 continue
-            key = (e.invars[0], np.dtype(new_dtype(e)))
+            key = (f.ins[0], np.dtype(new_dtype(e)))
             if key in seen:
                 found.append((seen[key], e))
             else:

@@ -142,13 +142,16 @@ def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
 def recompute_param_casts(eqn, ins: list[Value], site: Site, params, dtype,
                           wide: tuple[bool, ...]) -> list[Value]:
     """``eqn`` in ``dtype`` under a ``jax.checkpoint`` that keeps nothing: the casts of its
-    param operands (``wide``) are inside it, so the backward pass casts them again."""
+    param operands (``wide``) are inside it, so the backward pass casts them again. The
+    casts are returned too: what reads a param's low copy after the matmul reads them."""
     def run(*xs):
-        return bind(eqn.primitive, [convert_dtype(x, dtype) if w else x
-                                     for x, w in zip(xs, wide)], params)
+        lows = [convert_dtype(x, dtype) if w else x for x, w in zip(xs, wide)]
+        return bind(eqn.primitive, lows, params), [x for x, w in zip(lows, wide) if w]
 
-    out = checkpoint_in_place(run, jax.checkpoint_policies.nothing_saveable)(
+    out, lows = checkpoint_in_place(run, jax.checkpoint_policies.nothing_saveable)(
         *[v.val if w else cast(v, dtype) for v, w in zip(ins, wide)])
+    for v, low in zip([v for v, w in zip(ins, wide) if w], lows):
+        v.casts.setdefault(np.dtype(dtype), low)
     return results(eqn, out, site.region)
 
 

@@ -23,7 +23,10 @@ matmul output unrounded where it fuses it into the next op; with
 ``--xla_allow_excess_precision=false`` the results with and without segments are
 bit-identical. (The matmul rule, likewise, casts a param operand inside a ``jax.checkpoint``
 that keeps nothing: the backward casts it again instead of keeping its low copy;
-:func:`jaxamp._op_rules.recompute_param_casts`.)
+:func:`jaxamp._op_rules.recompute_param_casts`.) A value is cast once across a segment's
+boundary, as without segments: the segment reads the copies made of its inputs before it and
+returns the copies it makes (:func:`jaxamp._values.copies`), and the backward casts only
+inside the segment that made a copy.
 
 Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
 module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
@@ -44,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
 from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
 from jaxamp._sharing import Program
-from jaxamp._values import Value, convert, is_float
+from jaxamp._values import Value, convert, copies, is_float
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.policy import matmul_dtype
 
@@ -285,27 +288,31 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     if not traced:  # run eagerly: nothing to differentiate, the equations one by one
         with ev.in_segment():
             return ev.eval(program, None, ins, base, out_wants)
+    given = tuple(copies(ins))  # the copies made of the inputs before: read, not made again
     key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
-           tuple(out_wants))
+           tuple(out_wants), given)
     first = eqns[seg.start]  # never skipped: a segment starts at one of its own
     known = ev.bodies.get(key)
     if known is None or known[0] is not first:
         from jaxamp._evaluator import Body
 
-        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants))
+        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants, given,
+                                              export=True))
     body: Body = known[1]
-    vals = [v.val for v in ins]
+    vals = body.args(ins)
+    traced = [i for i, x in enumerate(vals) if isinstance(x, Tracer)]
 
     def fn(*xs):
         full = list(vals)
         for i, x in zip(traced, _rounded(xs)):
             full[i] = x
         outs = body.fn(*full)
+        outs, made = outs[:len(body.out)], outs[len(body.out):]
         if seg.tail:  # decided as the checkpoint traces fn; JAX asks the policy later
             keep[0] = _kept_by_matmuls(ev, seg.tail, base, outs[0], body.out[0])
-        low[:] = _low_casts(ev, seg, base, outs, body.out)
-        return [*outs, *(convert(outs[i], d) for i, d in low)]
+        low[:] = [c for c in _low_casts(ev, seg, base, outs, body.out) if c not in body.made_out]
+        return [*outs, *made, *(convert(outs[i], d) for i, d in low)]
 
     keep = [False]  # a tail keeps its op's output when the matmuls keep that very array
     low: list = []  # the low-precision casts of outputs made inside (_low_casts)
@@ -318,6 +325,7 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
             *[vals[i] for i in traced])
     n = len(outs) - len(low)
     values = body.values(outs[:n])
+    body.keep(ins, outs[:n], values)  # the copies it made: not made again after it
     for (i, dtype), x in zip(low, outs[n:]):
         values[i].casts[dtype] = x  # the matmul rule's cast(value, dtype) finds it
     return values

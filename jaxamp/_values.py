@@ -18,7 +18,8 @@ from jax import lax
 
 from jaxamp._compat import Tracer
 
-__all__ = ["F32", "Value", "bind", "cast", "convert", "dtype_of", "is_float", "spec", "widest"]
+__all__ = ["F32", "Value", "bind", "cast", "convert", "copies", "dtype_of", "is_float", "spec",
+           "widest"]
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -134,3 +135,16 @@ def cast(v: Value, dtype) -> Any:
         else:
             v.casts[dtype] = convert(v.val, dtype)
     return v.casts[dtype]
+
+
+def copies(values: Sequence[Value]) -> list[tuple[int, np.dtype]]:
+    """(index, dtype): the copies made of traced float ``values`` (``cast`` makes each once),
+    in a fixed order. A body evaluated on fresh values (a recompute segment, a shared module
+    call) is given those of its inputs and returns those it makes of its inputs and outputs
+    (:class:`jaxamp._evaluator.Body`), so that no value is cast twice across its boundary.
+    Where a body's derivative reads a wider copy (a float32 copy of a float16 input that a
+    normalisation reads), the body keeps that copy in place of its input: one array, however
+    many bodies read it."""
+    return [(i, d) for i, v in enumerate(values) if v.is_float
+            for d in sorted((k for k in v.casts if isinstance(k, np.dtype)
+                             and isinstance(v.casts[k], Tracer)), key=str)]

@@ -14,7 +14,8 @@ Per model and policy, everything read from the traced program or from real runs:
 - ``sensitive_f32``: equations of ``exp``, ``log``, ``rsqrt``, ``logistic``, ... and every
   ``reduce_sum`` (softmax and normalisation statistics, the loss) in the forward whose float
   operands are all float32, out of all of them;
-- ``round_trips``: forward casts float32 -> low -> float32;
+- ``round_trips``: forward casts float32 -> low -> float32 (this and the duplicate casts read
+  across in-line calls: a recompute segment's checkpoint, a shared call; ``_jaxpr.flat_scopes``);
 - ``train``: 20 ``jaxamp.make_train_step`` steps (Adam) on the batch: first and last loss, and
   the steps skipped after the first five (float16's dynamic scale starts high and backs off).
 """

@@ -363,3 +363,89 @@ def test_tile_keeps_the_activation_dtype_without_a_warning():
     tiles = [e for e in iter_eqns(jaxpr) if e.primitive.name == "tile"]
     assert [str(e.invars[0].aval.dtype) for e in tiles] == ["float16"]
     np.testing.assert_allclose(jax.jit(jaxamp.autocast(fn, F16))(w, x), fn(w, x), rtol=2e-3)
+
+
+# ---- cast elimination across recompute segments (issue #40) ---------------------------------
+# A recompute segment (and a repeated module call) evaluates on fresh values: a copy made of a
+# value outside was made again inside, and one made inside again after it. The cast checks
+# read the forward through the segments' checkpoints (_jaxpr.flat_scopes).
+RECOMPUTE = {"on": jaxamp.DEFAULT_OP_RULES.extend(recompute=True),
+             "off": jaxamp.DEFAULT_OP_RULES.extend(recompute=False)}
+LOW_DTYPES = ("float16", "bfloat16")
+
+
+def cast_checks(closed) -> tuple[int, int, int]:
+    """(values cast twice to one dtype, float32 -> low -> float32 round trips, casts between
+    float16 and bfloat16) of a forward program, across its in-line calls."""
+    low_to_low = [e for e in iter_eqns(closed) if e.primitive.name == "convert_element_type"
+                  and {str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype)}
+                  == set(LOW_DTYPES)]
+    return len(duplicate_casts(closed)), len(lossy_round_trips(closed)), len(low_to_low)
+
+
+class PostLNLayer(nn.Module):
+    """BERT's post-LN layer: the LayerNorm output feeds the FFN's matmul and, in the next
+    segment, the residual add (transformers' FlaxBertLayer)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(x + nn.Dense(16)(x))
+        return nn.LayerNorm()(x + nn.Dense(16)(nn.gelu(nn.Dense(32)(x))))
+
+
+class GatedMLP(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        gate = nn.gelu(nn.Dense(32, use_bias=False, name="gate_proj")(h))
+        return nn.Dense(16, use_bias=False, name="down_proj")(
+            gate * nn.Dense(32, use_bias=False, name="up_proj")(h))
+
+
+class HandRMSNorm(nn.Module):
+    """tunix's RMSNorm, written out (no policy region of its own, as Flax's norms have)."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (1 + scale)
+
+
+class SharedMLPCalls(nn.Module):
+    """tunix's Gemma: a normalisation's output read only by the matmuls of an MLP module that
+    every layer calls (a shared module call, evaluated once and replayed)."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = x + GatedMLP(name=f"mlp_{i}")(HandRMSNorm(name=f"norm_{i}")(x))
+        return x
+
+
+class TimestepBlocks(nn.Module):
+    """A diffusion UNet's timestep embedding: every block computes silu(temb) (float32) of the
+    same low-precision embedding, each in its own segment."""
+
+    @nn.compact
+    def __call__(self, x, t):
+        temb = nn.Dense(16, name="temb")(t)
+        for i in range(3):
+            x = x + nn.Dense(16, name=f"proj_{i}")(nn.silu(temb))[:, None]
+            x = nn.Dense(16, name=f"fc_{i}")(nn.LayerNorm(name=f"ln_{i}")(x))
+        return x
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("policy", [F16, BF16])
+@pytest.mark.parametrize("model", [PostLNLayer, SharedMLPCalls, TimestepBlocks],
+                         ids=lambda m: m.__name__)
+def test_no_value_is_cast_twice_across_recompute_segments(model, policy, recompute):
+    x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+    args = (x, jnp.ones((2, 8))) if model is TimestepBlocks else (x,)
+    variables = model().init(jax.random.key(1), *args)
+    fwd = jaxamp.autocast(model().apply, policy, op_rules=RECOMPUTE[recompute])
+    closed = jax.make_jaxpr(fwd)(variables, *args)
+    assert cast_checks(closed) == (0, 0, 0)
+    # the segments are there, and the old one-jaxpr-at-a-time check saw nothing wrong either
+    segments = [e for e in iter_eqns(closed) if e.primitive.name in ("checkpoint", "remat2")]
+    assert bool(segments) == (recompute == "on")
+    assert duplicate_casts(closed, nested=False) == []

@@ -25,7 +25,7 @@ from jax import lax
 import jaxamp
 from jaxamp import _attention, _evaluator, engine
 from jaxamp import nnx_frontend as _nnx
-from jaxamp._jaxpr import iter_eqns, lossy_round_trips
+from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import trace_cost  # noqa: E402
@@ -132,6 +132,27 @@ def test_norms_and_embeddings_inside_an_override_take_its_dtypes(override):
     # the override did take effect, and the rest of the model stayed bfloat16
     want = "float32" if override == "float32" else "float16"
     assert _dots(closed)[:2] == [want, want] and set(_dots(closed)[2:]) == {"bfloat16"}
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "no-recompute"])
+def test_a_float16_override_under_bfloat16_casts_each_value_once(recompute):
+    """Issue #40: with ``{"blocks_0": "compute=float16"}`` under a bfloat16 default, blocks_0's
+    float16 output leaves it as float32 (output=float32) for blocks_1's LayerNorm and residual
+    add, each in a recompute segment of its own: both cast it, the second now reads the
+    first's copy. No float32 -> low -> float32 round trip and no float16 <-> bfloat16 cast,
+    read across the segments' checkpoints."""
+    model, variables, ids = _stack()
+    rules = jaxamp.DEFAULT_OP_RULES.extend(recompute=recompute)
+    fwd = jaxamp.autocast(model.apply, BF16, overrides={"blocks_0": "compute=float16"},
+                          op_rules=rules)
+    closed = jax.make_jaxpr(fwd)(variables, ids)
+    assert duplicate_casts(closed) == []
+    assert lossy_round_trips(closed) == []
+    assert [c for c in _casts(closed) if c[0] in LOW and c[1] in LOW and c[0] != c[1]] == []
+    assert _dots(closed)[:2] == ["float16", "float16"]
+    assert set(_dots(closed)[2:]) == {"bfloat16"}
+    segments = [e for e in iter_eqns(closed) if e.primitive.name in ("checkpoint", "remat2")]
+    assert bool(segments) == recompute
 
 
 def test_a_user_class_rule_for_a_norm_still_wins():

@@ -121,6 +121,33 @@ def test_walk_maps_sub_program_inputs_to_caller_vars():
     assert entered in (["scan", "pjit"], ["scan", "jit"])  # the primitive's name by version
 
 
+def test_cast_checks_see_across_in_line_calls():
+    """A cast outside a ``jax.checkpoint`` (a recompute segment) and one of the same value
+    inside it are two casts of one value; a cast down outside and back up inside, through the
+    ``optimization_barrier`` a segment reads its low inputs with, is a round trip. One jaxpr
+    at a time sees neither; a jitted body called twice makes new values each time."""
+    from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
+
+    def body(x, low):
+        return x.astype(jnp.bfloat16) * 2, jax.lax.optimization_barrier(low).astype(jnp.float32)
+
+    def f(x):
+        low = x.astype(jnp.bfloat16)
+        twice, back = jax.checkpoint(body)(x, low)
+        return low, twice, back
+
+    closed = jax.make_jaxpr(f)(np.ones(3, np.float32))
+    assert duplicate_casts(closed, nested=False) == [] == lossy_round_trips(closed, nested=False)
+    ((a, b),) = duplicate_casts(closed)
+    assert (a.outvars[0].aval.dtype, b.outvars[0].aval.dtype) == (jnp.bfloat16, jnp.bfloat16)
+    (up,) = lossy_round_trips(closed)
+    assert up.outvars[0].aval.dtype == jnp.float32
+
+    inner = jax.jit(lambda x: x.astype(jnp.bfloat16) + 1)
+    closed = jax.make_jaxpr(lambda x: inner(inner(x).astype(jnp.float32)))(np.ones(3))
+    assert duplicate_casts(closed) == []
+
+
 def test_rebinding_leaves_no_call_per_primitive(mlp):
     """autocast evaluates sub-programs and repeated module calls as cached jitted bodies
     where JAX inlines them (``_compat.jit_inlines``): the program it produces has no call
