@@ -123,6 +123,11 @@ class HandCastGPT(nn.Module):
         t = ids.shape[-1]
         if t > cfg.block_size:
             raise ValueError(f"GPT: sequence length {t} exceeds block_size {cfg.block_size}.")
+        if cfg.attention != "manual":
+            raise ValueError(
+                f"HandCastGPT writes attention out only; got GPTConfig(attention="
+                f"{cfg.attention!r}). Use dataclasses.replace(config, attention='manual') for "
+                "the twin of the example's written-out attention.")
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=INIT, dtype=self.dtype,
                          name="embed")
         pos = self.param("pos_embed", INIT, (cfg.block_size, cfg.d_model))
