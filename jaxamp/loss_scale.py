@@ -204,21 +204,21 @@ _DYNAMIC_RULES = (
         lambda hi, lo: _f32(hi) >= _f32(lo),
         "max_loss_scale must be >= min_loss_scale, got max_loss_scale={max_loss_scale!r} "
         "< min_loss_scale={min_loss_scale!r}",
-        "Raise max_loss_scale or lower min_loss_scale.",
+        "",
     ),
     _Rule(
         ("loss_scale", "min_loss_scale"),
         lambda ls, lo: _f32(ls) >= _f32(lo),
         "loss_scale must be within [min_loss_scale, max_loss_scale], got "
         "loss_scale={loss_scale!r} < min_loss_scale={min_loss_scale!r}",
-        "Pick a loss_scale inside that range (or widen it).",
+        "",  # the range is the fix (callers add their own)
     ),
     _Rule(
         ("loss_scale", "max_loss_scale"),
         lambda ls, hi: _f32(ls) <= _f32(hi),
         "loss_scale must be within [min_loss_scale, max_loss_scale], got "
         "loss_scale={loss_scale!r} > max_loss_scale={max_loss_scale!r}",
-        "Pick a loss_scale inside that range (or widen it).",
+        "",  # the range is the fix (callers add their own)
     ),
     _Rule(
         ("hysteresis",), lambda x: x >= 1, "{name} must be >= 1, got {x}", "Use e.g. hysteresis=1."
@@ -268,7 +268,7 @@ def _validate(obj: Any, rules: tuple[_Rule, ...], given: dict[str, Any]) -> None
         x = args[0]
         stored = {f: (_f32(v) if dtypes[f] == _F32 else v) for f, v in values.items()}
         message = rule.allowed.format(name=rule.fields[0], x=x, x32=_f32(x), **stored)
-        raise ValueError(f"{cls}: {message}. {rule.fix}")
+        raise ValueError(f"{cls}: {message}." + (f" {rule.fix}" if rule.fix else ""))
 
 
 def _first_fix(rules: tuple[_Rule, ...], field: str) -> str:
