@@ -252,7 +252,7 @@ def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
     concatenation copies the vector gradients (54 kB in that step, 0.5 MB in GPT-2 small) and
     the one reduction waits for the last of them: small next to the matrices, whose reductions
     still run beside the backward as each gradient is ready (grouping those put the whole
-    norm on the step's critical path: BENCHMARKS.md)."""
+    norm on the step's critical path: the CPU figures in BENCHMARKS.md's History)."""
     is_vector = [g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE for g in leaves]
     if sum(is_vector) < 2:
         return leaves
