@@ -344,17 +344,18 @@ def jit_inlines() -> bool:
         f = inline_jit(lambda x: x + 1)
         for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
             closed = jax.make_jaxpr(fn)(1.0)
-            if any(e.primitive.name in ("jit", "pjit") for e in _eqns_of(closed)):
+            if _calls_jit(closed):
                 return False
         return True
     except Exception:  # pragma: no cover - be conservative
         return False
 
 
-def _eqns_of(closed):
-    from jaxamp._jaxpr import iter_eqns  # the one reader of equations
-
-    return list(iter_eqns(closed))
+def _calls_jit(j) -> bool:
+    """Whether a ``jit`` equation is left in ``j`` or its sub-jaxprs."""
+    jaxpr, _ = open_jaxpr(j)
+    return any(e.primitive.name == "jit" or any(_calls_jit(s) for s in sub_jaxprs(e))
+               for e in jaxpr.eqns)
 
 
 def target_platform() -> str:

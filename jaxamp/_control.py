@@ -45,6 +45,7 @@ from jaxamp._compat import (
     while_params,
 )
 from jaxamp._op_rules import Rule, Site, as_traced
+from jaxamp._primitives import CALLS, REMAT
 from jaxamp._values import Value, cast, dtype_of, is_float, spec, widest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["HIGHER_ORDER", "INLINE"]
 
-INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+#: Calls evaluated in line, in the caller's context.
+INLINE = CALLS
 
 
 def inline(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
@@ -284,7 +286,7 @@ def custom_vjp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
 #: primitive name -> its rule.
 HIGHER_ORDER: dict[str, Rule] = {
     **{name: inline for name in INLINE},
-    **{name: remat for name in ("remat2", "checkpoint", "remat")},
+    **{name: remat for name in REMAT},
     "scan": scan,
     "while": while_loop,
     "cond": cond,

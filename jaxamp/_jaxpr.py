@@ -42,6 +42,7 @@ from jaxamp._compat import (
     sub_jaxprs,
     while_params,
 )
+from jaxamp._primitives import CONTAINERS, IDENTITY, IN_LINE
 
 __all__ = [
     "LOW_PRECISION",
@@ -284,12 +285,6 @@ class Sub(NamedTuple):
     outs: list
 
 
-_CONTAINERS = frozenset({
-    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond",
-    "shard_map", "xla_call", "xla_pmap", "custom_lin"})
-
-
 def _sub(j, ins, outs) -> Sub:
     jaxpr, consts = open_jaxpr(j)
     return Sub(jaxpr, consts or [], list(ins), list(outs))
@@ -304,7 +299,7 @@ def sub_programs(eqn) -> list[Sub]:
     subs = sub_jaxprs(eqn)
     if not subs:
         return []
-    if name not in _CONTAINERS and not any(len(as_jaxpr(s).invars) == len(ins) for s in subs):
+    if name not in CONTAINERS and not any(len(as_jaxpr(s).invars) == len(ins) for s in subs):
         return []
     if name == "cond":
         return [_sub(b, ins[1:], outs) for b in cond_params(eqn).branches]
@@ -473,16 +468,6 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
 
 # ---- checks on casts ------------------------------------------------------------------------
 
-#: Calls whose body runs once, in line, on the caller's values (a recompute segment is a
-#: ``checkpoint``): across them a value is one value. Loop bodies and branches are not.
-_IN_LINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
-                      "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                      "custom_vjp_call_jaxpr"})
-#: First-order primitives whose outputs are their operands' values (``optimization_barrier``:
-#: recompute reads its low-precision inputs through one, :func:`jaxamp._recompute._rounded`).
-_IDENTITY = frozenset({"optimization_barrier"})
-
-
 class Flat(NamedTuple):
     """A first-order equation seen from the program around it: ``ins``/``outs`` are, per
     operand/result, the var of the outermost program that holds the same value."""
@@ -517,7 +502,7 @@ def flat_scopes(j: Any) -> list[list[Flat]]:
 
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name in _IDENTITY and len(eqn.invars) == len(eqn.outvars):
+            if name in IDENTITY and len(eqn.invars) == len(eqn.outvars):
                 env.update((o, same(v)) for o, v in zip(eqn.outvars, eqn.invars))
                 continue
             subs = sub_programs(eqn)
@@ -526,7 +511,7 @@ def flat_scopes(j: Any) -> list[list[Flat]]:
                                   [same(v) for v in eqn.outvars]))
                 continue
             for sub in subs:
-                if name not in _IN_LINE or None in sub.ins \
+                if name not in IN_LINE or None in sub.ins \
                         or eqn.params.get("differentiated"):  # a backward replay
                     scope(sub.jaxpr)
                     continue

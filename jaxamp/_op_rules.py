@@ -27,6 +27,7 @@ from jaxamp._compat import (
     new_dtype,
     sub_jaxprs,
 )
+from jaxamp._primitives import NOT_ELEMENTWISE
 from jaxamp._values import (
     F32,
     F64,
@@ -46,11 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxamp._evaluator import Evaluator
 
 __all__ = ["BY_CLASS", "NOT_ELEMENTWISE", "RuleCall", "Site", "first_order"]
-
-# "promote" primitives whose operands are not broadcast elementwise to the output's shape.
-NOT_ELEMENTWISE = frozenset({"concatenate", "stack", "pad", "dynamic_update_slice", "select_n",
-                             "clamp"})
-
 
 class Site(NamedTuple):
     """Where an equation runs: its region (the module-region ids, outermost first) and, per

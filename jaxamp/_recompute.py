@@ -15,9 +15,10 @@ after it keep their own low-precision inputs). A segment runs past a matmul that
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
 matmul is evaluated first, outside the checkpoint. A segment's last op whose derivative reads
 only its output (``tanh`` before a matmul) is a segment of its own that keeps that output,
-the array the matmul keeps anyway (:data:`_SELF_DERIVED`). The forward pass runs the same
-operations in the same dtypes; only what is kept changes (a low-precision input is read rounded,
-through an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). Compiled, that
+the array the matmul keeps anyway (:data:`jaxamp._primitives.SELF_DERIVED`). The forward pass
+runs the same operations in the same dtypes; only what is kept changes (a low-precision input
+is read rounded, through an ``optimization_barrier``, as the backward reads it:
+:func:`_rounded`). Compiled, that
 rounding is the one difference: without segments XLA's excess precision may use a low-precision
 matmul output unrounded where it fuses it into the next op; with
 ``--xla_allow_excess_precision=false`` the results with and without segments are
@@ -46,6 +47,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
 from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
+from jaxamp._primitives import (
+    LEADING_SUMS,
+    NEVER_RECOMPUTED,
+    SELF_DERIVED,
+    STATISTICS,
+    TRANSPARENT,
+)
 from jaxamp._sharing import Program
 from jaxamp._values import Value, convert, copies, is_float
 from jaxamp.fp8 import FP8Matmuls
@@ -60,34 +68,14 @@ __all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
 STAT = "jaxamp_row_stat"
 _POLICY = jax.checkpoint_policies.save_only_these_names(STAT)
 
-#: Calls whose inside is recomputable when each of their equations is.
-_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call"})
-#: Never recomputed: communication (a collective run again in the backward costs a second
-#: exchange), effects and references, user-named residuals, barriers, and sub-computations
-#: that are costly or have their own derivative rules.
-_KEPT = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
-    "all_to_all", "ppermute", "ragged_all_to_all", "reduce_scatter", "axis_index", "pvary",
-    "device_put", "sharding_constraint", "optimization_barrier", "name", "after_all",
-    "create_token", "get", "swap", "empty2", "custom_lin", "custom_linear_solve",
-    "custom_vjp_call", "custom_vjp_call_jaxpr", "sort", "top_k", "approx_top_k",
-    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-    "scatter_min", "scatter-max", "scatter_max", "rng_bit_generator", "rng_uniform",
-    "select_and_scatter_add", "select_and_gather_add", "cholesky", "eig", "eigh", "lu", "qr",
-    "svd", "schur", "hessenberg", "triangular_solve", "tridiagonal_solve", "fft",
-})
-#: Reductions whose float outputs are row statistics (kept, not recomputed).
-_STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                         "argmin"})
-
-
 class Segment(NamedTuple):
     """Equations ``start:end`` of a jaxpr: the vars the recomputed ones read from before
     (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
     matmuls among them that read nothing the segment makes (the ``up`` projection traced
     between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
     ``run_outs``: the same for the whole range; ``tail``: for a segment of one trailing
-    self-derived op (:data:`_SELF_DERIVED`), the matmuls that read its output, else ``()``;
+    self-derived op (:data:`jaxamp._primitives.SELF_DERIVED`), the matmuls that read its
+    output, else ``()``;
     ``readers``: per output, the matmuls that read it (:func:`_low_casts`)."""
 
     start: int
@@ -104,13 +92,13 @@ class Segment(NamedTuple):
 def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
     name = eqn.primitive.name
     rules = ev.op_rules
-    if name in _KEPT or rules.classify(name) == "matmul" or rules.handler(name) is not None \
-            or not rules.known(name):
+    if name in NEVER_RECOMPUTED or rules.classify(name) == "matmul" \
+            or rules.handler(name) is not None or not rules.known(name):
         return False
     subs = sub_jaxprs(eqn)
     if not subs:
         return True
-    if name not in _TRANSPARENT:
+    if name not in TRANSPARENT:
         return False
     return all(_program_recomputable(ev, s, memo) for s in subs)
 
@@ -125,27 +113,9 @@ def _program_recomputable(ev: Evaluator, closed, memo: dict) -> bool:
 def _weight(ev: Evaluator, eqn) -> int:
     """What recomputing ``eqn`` may save: arithmetic 1, a call (GELU, softmax) 2."""
     name = eqn.primitive.name
-    if name in _TRANSPARENT:
+    if name in TRANSPARENT:
         return 2
     return int(ev.op_rules.classify(name) in ("fp32", "promote"))
-
-
-#: A segment's first equation left out of it when it adds a matmul's output to another array:
-#: a residual stream's ``x + h``. Inside, the checkpoint would keep both operands to
-#: recompute the sum; outside, the add keeps nothing and the segment keeps the sum, which
-#: the next segment keeps anyway (the stream's next residual add reads it). Only when both
-#: operands have the sum's shape: then the sum is no bigger than either (whatever dtypes the
-#: engine gives them), while a broadcast operand (an attention mask bias ``[B, 1, T, T]``)
-#: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
-#: recomputes those from the table, keeping nothing.)
-_LEADING_SUMS = frozenset({"add", "add_any", "sub"})
-#: Ops whose derivative reads only their output (``1 - tanh(x)**2``). Ending a segment, with
-#: its output read by matmuls (an MLP head's ``Dense(tanh(Dense(x)))``), such an op is a
-#: segment of its own that keeps that output, which the matmuls keep anyway: in the segment
-#: before it, the checkpoint would keep the op's input as well, and evaluated plainly, JAX
-#: keeps ``1 - tanh(x)`` beside it. (``logistic`` and ``exp`` are float32 ops: their output
-#: is not the low copy the matmul keeps.)
-_SELF_DERIVED = frozenset({"tanh"})
 
 
 def _trimmed(ev: Evaluator, eqns, made: dict, span):
@@ -153,7 +123,7 @@ def _trimmed(ev: Evaluator, eqns, made: dict, span):
     that made it)."""
     start, end = span.start, span.end
     first = eqns[start]
-    if first.primitive.name in _LEADING_SUMS and len(first.invars) == 2 and all(
+    if first.primitive.name in LEADING_SUMS and len(first.invars) == 2 and all(
             isinstance(v, jcore.Var) and v.aval.shape == first.outvars[0].aval.shape
             for v in first.invars) and any(
             v in made and ev.op_rules.classify(made[v].primitive.name) == "matmul"
@@ -196,7 +166,7 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
         span = _trimmed(ev, eqns, made, span)
         last = eqns[span.end - 1]
         tail = () if span.end - 1 in span.skipped or len(last.outvars) != 1 \
-            or last.primitive.name not in _SELF_DERIVED \
+            or last.primitive.name not in SELF_DERIVED \
             or ev.op_rules.classify(last.primitive.name) == "fp32" \
             else tuple(e for e in uses.get(last.outvars[0], ()) if _plain_matmul(ev, e))
         if tail:
@@ -318,7 +288,7 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
     low: list = []  # the low-precision casts of outputs made inside (_low_casts)
 
     def policy(prim, *args, **params):
-        return _POLICY(prim, *args, **params) or (keep[0] and prim.name in _SELF_DERIVED)
+        return _POLICY(prim, *args, **params) or (keep[0] and prim.name in SELF_DERIVED)
 
     with ev.in_segment():
         outs = checkpoint_in_place(fn, policy if seg.tail else _POLICY)(
@@ -348,7 +318,7 @@ def _rounded(xs: tuple) -> list:
 
 def tag_statistics(eqn, outs: list[Value]) -> list[Value]:
     """The float outputs of a reduction inside a segment, named :data:`STAT` (kept)."""
-    if eqn.primitive.name not in _STATISTICS:
+    if eqn.primitive.name not in STATISTICS:
         return outs
     return [Value(checkpoint_name(o.val, STAT), o.stored, o.const, o.region, splat=o.splat)
             if is_float(o.dtype) and isinstance(o.val, Tracer) else o for o in outs]

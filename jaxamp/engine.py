@@ -97,6 +97,7 @@ from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import Tracer, mesh_is_set
 from jaxamp._evaluator import COUNTERS, REGION_MARKER, Evaluator
 from jaxamp._jaxpr import param_matmuls
+from jaxamp._primitives import PARAM_READS
 from jaxamp._values import F64, Value, cast, dtype_of
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
@@ -329,18 +330,13 @@ def _matmul_ends(jaxpr) -> dict[int, str]:
     """id(eqn) -> ``"first"``/``"last"``: the first and the last ``dot_general`` of the program
     that reads a param (an input, through reshapes/transposes/casts), unless it sits in a loop
     body (it runs once per iteration: every layer of a scanned stack)."""
-    dots = param_matmuls(jaxpr, frozenset({"dot_general"}), _PARAM_READS)
+    dots = param_matmuls(jaxpr, frozenset({"dot_general"}), PARAM_READS)
     ends: dict[int, str] = {}
     if dots and not dots[0][1]:
         ends[id(dots[0][0])] = "first"
     if dots and not dots[-1][1] and dots[-1][0] is not dots[0][0]:
         ends[id(dots[-1][0])] = "last"
     return ends
-
-
-#: What a param goes through between its read and a matmul (still "the param").
-_PARAM_READS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim",
-                          "squeeze", "expand_dims", "copy", "copy_p", "slice"})
 
 
 def _sums_across_devices() -> bool:
