@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,7 +37,6 @@ __all__ = [
     "dce_jaxpr",
     "inline_jit",
     "jit_cache_size",
-    "jit_inlines",
     "mesh_context",
     "mesh_is_set",
     "named_sub_jaxprs",
@@ -333,29 +331,6 @@ def inline_jit(fun):
     lowered) and inlines at trace time for ``inline=jax.Inline.JAX_EARLY``."""
     mode = getattr(jax, "Inline", None)
     return jax.jit(fun, inline=True if mode is None else mode.JAX_EARLY)
-
-
-@functools.cache
-def jit_inlines() -> bool:
-    """Whether :func:`inline_jit` calls are inlined into the jaxpr that calls them, under
-    autodiff too (checked once; if not, autocast calls its cached bodies unjitted, and a body
-    is evaluated once per use)."""
-    try:
-        f = inline_jit(lambda x: x + 1)
-        for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
-            closed = jax.make_jaxpr(fn)(1.0)
-            if _calls_jit(closed):
-                return False
-        return True
-    except Exception:  # pragma: no cover - be conservative
-        return False
-
-
-def _calls_jit(j) -> bool:
-    """Whether a ``jit`` equation is left in ``j`` or its sub-jaxprs."""
-    jaxpr, _ = open_jaxpr(j)
-    return any(e.primitive.name == "jit" or any(_calls_jit(s) for s in sub_jaxprs(e))
-               for e in jaxpr.eqns)
 
 
 def target_platform() -> str:

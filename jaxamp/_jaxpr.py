@@ -26,9 +26,11 @@ audit all read programs through the functions here (no other module reads ``.eqn
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,7 @@ import numpy as np
 from jaxamp._compat import (
     bind_with_params,
     cond_params,
+    inline_jit,
     named_sub_jaxprs,
     new_dtype,
     open_jaxpr,
@@ -45,6 +48,7 @@ from jaxamp._compat import (
 from jaxamp._primitives import CONTAINERS, IDENTITY, IN_LINE
 
 __all__ = [
+    "jit_inlines",
     "LOW_PRECISION",
     "Run",
     "Flat",
@@ -418,6 +422,22 @@ def iter_eqns(j: Any) -> Iterator[jcore.JaxprEqn]:
     """Every equation of a jaxpr and of its sub-jaxprs."""
     for jaxpr in iter_jaxprs(j):
         yield from jaxpr.eqns
+
+
+@functools.cache
+def jit_inlines() -> bool:
+    """Whether :func:`jaxamp._compat.inline_jit` calls are inlined into the jaxpr that calls
+    them, under autodiff too (checked once; if not, autocast calls its cached bodies unjitted,
+    and a body is evaluated once per use)."""
+    try:
+        f = inline_jit(lambda x: x + 1)
+        for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
+            closed = jax.make_jaxpr(fn)(1.0)
+            if any(e.primitive.name == "jit" for e in iter_eqns(closed)):
+                return False
+        return True
+    except Exception:  # pragma: no cover - be conservative
+        return False
 
 
 def containing(j: Any, eqn) -> jcore.Jaxpr | None:
