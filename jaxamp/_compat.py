@@ -32,7 +32,7 @@ __all__ = [
     "cond_params",
     "custom_jvp_params",
     "dot_dimension_numbers",
-    "custom_vjp_call_jaxpr",
+    "custom_vjp_primal_jaxpr",
     "custom_vjp_name",
     "dce_jaxpr",
     "inline_jit",
@@ -169,7 +169,7 @@ def shard_map_jaxpr(eqn) -> Any:
     return eqn.params["jaxpr"]
 
 
-def custom_vjp_call_jaxpr(eqn) -> Any:
+def custom_vjp_primal_jaxpr(eqn) -> Any:
     """The primal function of a ``custom_vjp_call`` equation, as a closed jaxpr."""
     return eqn.params["call_jaxpr"]
 

@@ -35,8 +35,8 @@ from jaxamp._compat import (
     close_jaxpr,
     cond_params,
     custom_jvp_params,
-    custom_vjp_call_jaxpr,
     custom_vjp_name,
+    custom_vjp_primal_jaxpr,
     remat_params,
     scan_params,
     shard_map_again,
@@ -256,7 +256,7 @@ def custom_vjp(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     fwd_jaxpr, (out_specs, res_specs) = jax.make_jaxpr(traced_fwd, return_shape=True)(*specs)
     bwd_jaxpr = jax.make_jaxpr(lambda res, cts: pullback[0].unflatten(res)(cts))(
         res_specs, out_specs)
-    primal = ctx.body(custom_vjp_call_jaxpr(eqn), ins, region)
+    primal = ctx.body(custom_vjp_primal_jaxpr(eqn), ins, region)
     fwd_body = ctx.body(fwd_jaxpr, ins, region)
     fn = jax.custom_vjp(primal.fn)
 

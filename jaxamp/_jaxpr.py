@@ -45,7 +45,7 @@ from jaxamp._compat import (
     sub_jaxprs,
     while_params,
 )
-from jaxamp._primitives import CONTAINERS, IDENTITY, IN_LINE
+from jaxamp._primitives import CONTAINERS, IDENTITY, IN_LINE, LOOPS
 
 __all__ = [
     "jit_inlines",
@@ -464,7 +464,7 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
             subs = sub_programs(eqn)
             name = eqn.primitive.name
             if subs:
-                loop = in_loop or name in ("scan", "while")
+                loop = in_loop or name in LOOPS
                 for sub in subs:
                     inner = {v for v, o in zip(sub.jaxpr.invars, sub.ins)
                              if o is not None and not isinstance(o, jcore.Literal)

@@ -1,7 +1,9 @@
 """The registry of primitive names (jaxamp._primitives) against the installed JAX."""
 
+import ast
 import gc
 import importlib
+import pathlib
 
 import jax
 import jax.extend.core as jcore
@@ -70,3 +72,20 @@ def test_op_rules_defaults_are_the_registry():
     assert defaults.promote is _primitives.PROMOTE
     assert defaults.as_traced is _primitives.AS_TRACED
     assert _primitives.SOFTMAX <= _primitives.FP32 and _primitives.SUM <= _primitives.FP32
+
+
+_ENGINE = ["_attention", "_compat", "_context", "_control", "_evaluator", "_jaxpr", "_op_rules",
+           "_primitives", "_recompute", "_sharing", "_values", "_wgrad", "engine", "rules"]
+
+
+def test_no_engine_module_names_a_stale_primitive():
+    """Read from the code's AST: no string constant in an engine module is a stale name."""
+    package = pathlib.Path(_primitives.__file__).parent
+    found = {}
+    for name in _ENGINE:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        names = {n.value for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        if names & _STALE:
+            found[name] = sorted(names & _STALE)
+    assert found == {}
