@@ -83,9 +83,9 @@ def patched(variant: str):
     plan = rc.plan
 
     def plan_without(prims):
-        def f(ev, jaxpr, taken, cuts):
+        def f(rules, jaxpr, taken, cuts, memo=None):
             eqns = equations(jaxpr)
-            return {k: s for k, s in plan(ev, jaxpr, taken, cuts).items()
+            return {k: s for k, s in plan(rules, jaxpr, taken, cuts, memo).items()
                     if not (_prims([eqns[i] for i in range(s.start, s.end)
                                     if i not in s.hoisted]) & prims)}
         return f
@@ -102,7 +102,7 @@ def patched(variant: str):
     if base == "on-no-stats":  # no segment holding a row statistic (norms, softmax)
         put(rc, "plan", plan_without({"reduce_sum", "reduce_max"}))
     if base == "param-casts-only":
-        put(rc, "plan", lambda ev, jaxpr, taken, cuts: {})
+        put(rc, "plan", lambda rules, jaxpr, taken, cuts, memo=None: {})
     try:
         yield
     finally:
