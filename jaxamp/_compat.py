@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -33,12 +32,11 @@ __all__ = [
     "cond_params",
     "custom_jvp_params",
     "dot_dimension_numbers",
-    "custom_vjp_call_jaxpr",
+    "custom_vjp_primal_jaxpr",
     "custom_vjp_name",
     "dce_jaxpr",
     "inline_jit",
     "jit_cache_size",
-    "jit_inlines",
     "mesh_context",
     "mesh_is_set",
     "named_sub_jaxprs",
@@ -171,7 +169,7 @@ def shard_map_jaxpr(eqn) -> Any:
     return eqn.params["jaxpr"]
 
 
-def custom_vjp_call_jaxpr(eqn) -> Any:
+def custom_vjp_primal_jaxpr(eqn) -> Any:
     """The primal function of a ``custom_vjp_call`` equation, as a closed jaxpr."""
     return eqn.params["call_jaxpr"]
 
@@ -333,28 +331,6 @@ def inline_jit(fun):
     lowered) and inlines at trace time for ``inline=jax.Inline.JAX_EARLY``."""
     mode = getattr(jax, "Inline", None)
     return jax.jit(fun, inline=True if mode is None else mode.JAX_EARLY)
-
-
-@functools.cache
-def jit_inlines() -> bool:
-    """Whether :func:`inline_jit` calls are inlined into the jaxpr that calls them, under
-    autodiff too (checked once; if not, autocast calls its cached bodies unjitted, and a body
-    is evaluated once per use)."""
-    try:
-        f = inline_jit(lambda x: x + 1)
-        for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
-            closed = jax.make_jaxpr(fn)(1.0)
-            if any(e.primitive.name in ("jit", "pjit") for e in _eqns_of(closed)):
-                return False
-        return True
-    except Exception:  # pragma: no cover - be conservative
-        return False
-
-
-def _eqns_of(closed):
-    from jaxamp._jaxpr import iter_eqns  # the one reader of equations
-
-    return list(iter_eqns(closed))
 
 
 def target_platform() -> str:

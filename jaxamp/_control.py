@@ -1,16 +1,17 @@
 """The higher-order rules of autocast's evaluator: one function per primitive with sub-programs.
 
-Each rule is ``rule(ev, eqn, ins, site) -> list[Value]`` (see :mod:`jaxamp._op_rules`), and
-:data:`HIGHER_ORDER` maps a primitive name to its rule. A sub-program (a loop body, a branch,
-a rematerialised block) is evaluated through :meth:`jaxamp._evaluator.Evaluator.body`: once per
+Each rule is ``rule(ctx, eqn, ins, site) -> list[Value]`` (see :mod:`jaxamp._context`), and
+:data:`HIGHER_ORDER` maps a primitive name to its rule; :func:`rule_table` adds the user's
+handlers: the table ``autocast`` hands to the interpreter. A sub-program (a loop body, a branch,
+a rematerialised block) is evaluated through :meth:`jaxamp._context.Context.body`: once per
 (program, what is known of its inputs, region), as a cached ``jax.jit`` that JAX inlines, so
 asking for a body's output dtypes and then running it evaluates it once, and nested control
 flow costs time linear in its size, not exponential in its depth.
 
-* ``jit``/``pjit``/``closed_call``: inlined (its equations take each operand across module
+* ``jit``/``closed_call``: inlined (its equations take each operand across module
   boundaries as they use it); a recorded ``jax.nn.dot_product_attention`` call is bound again
   as cuDNN's fused kernel in the compute dtype where that applies (:mod:`jaxamp._attention`);
-* ``checkpoint``/``remat``: re-applied with its policy around the re-evaluated body;
+* ``remat2`` (``jax.checkpoint``): re-applied with its policy around the re-evaluated body;
 * ``scan``/``while``: carries keep a fixed dtype, the widest of the initial value and what the
   body returns (so float32 accumulators stay float32);
 * ``cond``: branches agree on the widest output dtype;
@@ -20,8 +21,6 @@ flow costs time linear in its size, not exponential in its depth.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -36,43 +35,43 @@ from jaxamp._compat import (
     close_jaxpr,
     cond_params,
     custom_jvp_params,
-    custom_vjp_call_jaxpr,
     custom_vjp_name,
+    custom_vjp_primal_jaxpr,
     remat_params,
     scan_params,
     shard_map_again,
     shard_map_jaxpr,
     while_params,
 )
-from jaxamp._op_rules import Rule, Site, as_traced
+from jaxamp._context import Context, Rule, Site
+from jaxamp._op_rules import RuleCall, as_traced, first_order
+from jaxamp._primitives import CALLS, REMAT
 from jaxamp._values import Value, cast, dtype_of, is_float, spec, widest
 
-if TYPE_CHECKING:  # pragma: no cover
-    from jaxamp._evaluator import Evaluator
+__all__ = ["HIGHER_ORDER", "INLINE", "rule_table"]
 
-__all__ = ["HIGHER_ORDER", "INLINE"]
-
-INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+#: Calls evaluated in line, in the caller's context.
+INLINE = CALLS
 
 
-def inline(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def inline(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     recorded = _attention.CALL_NAME.fullmatch(call_name(eqn))
-    if recorded and int(recorded[1]) == ev.call:
-        outs = attention(ev, ins, site, int(recorded[2]))
+    if recorded and int(recorded[1]) == ctx.call:
+        outs = attention(ctx, ins, site, int(recorded[2]))
         if outs is not None:
             return outs
-    return ev.eval(call_jaxpr(eqn), None, ins, site.region, site.want32)
+    return ctx.eval(call_jaxpr(eqn), None, ins, site.region, site.want32)
 
 
-def attention(ev: Evaluator, ins, site: Site, index: int) -> list[Value] | None:
+def attention(ctx: Context, ins, site: Site, index: int) -> list[Value] | None:
     """A recorded ``jax.nn.dot_product_attention`` call bound again as cuDNN's fused kernel
     in the region's compute dtype, or None: re-evaluate its traced XLA path."""
-    call = ev.attention_calls[index]
+    call = ctx.attention_calls[index]
     static = call[1]
-    dtype = ev.compute_dtype(site.region)
+    dtype = ctx.compute_dtype(site.region)
     if not _attention.wants_cudnn(static) or dtype == np.float32:
         return None
-    vals = [ev.operand(v, site.region).val for v in ins]
+    vals = [ctx.operand(v, site.region).val for v in ins]
     try:
         out = _attention.redispatch(call, vals, dtype)
     except Exception:
@@ -82,22 +81,22 @@ def attention(ev: Evaluator, ins, site: Site, index: int) -> list[Value] | None:
     return [Value(o, False, False, site.region) for o in jax.tree.leaves(out)]
 
 
-def remat(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def remat(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     p = remat_params(eqn)
-    with ev.in_user_remat():  # the user's policy decides what its body keeps
-        body = ev.body(p.jaxpr, ins, site.region)
+    with ctx.in_user_remat():  # the user's policy decides what its body keeps
+        body = ctx.body(p.jaxpr, ins, site.region)
         outs = jax.checkpoint(body.fn, prevent_cse=p.prevent_cse, policy=p.policy)(
             *[v.val for v in ins])
     return body.values(outs)
 
 
-def shard_map(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def shard_map(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """A ``shard_map`` body (a hand-written tensor-parallel layer, its ``psum``) re-evaluated
     per device under the region's policy, bound again as a ``shard_map`` with the same mesh
     and specs. Params enter as stored and are cast per shard where they are used. (The
     backward's ``psum`` of an activation gradient, the transpose of ``pvary``, is in that
     activation's dtype.)"""
-    body = ev.body(shard_map_jaxpr(eqn), ins, site.region)
+    body = ctx.body(shard_map_jaxpr(eqn), ins, site.region)
     outs = shard_map_again(eqn, body.fn, [v.val for v in ins])
     return body.values(outs)
 
@@ -116,12 +115,12 @@ def _carry_dtypes(init: list[Value], body_dtypes) -> list:
     return dtypes
 
 
-def scan(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
-    with ev.in_scan():  # its body's output dtypes and its trace: the same Body
-        return _scan(ev, eqn, ins, site)
+def scan(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
+    with ctx.in_scan():  # its body's output dtypes and its trace: the same Body
+        return _scan(ctx, eqn, ins, site)
 
 
-def _scan(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def _scan(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     p = scan_params(eqn)
     nc, nk = p.num_consts, p.num_carry
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
@@ -129,7 +128,7 @@ def _scan(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     x_specs = [jax.ShapeDtypeStruct(np.shape(v.val)[1:], v.dtype) for v in xs]
 
     def body_for(dtypes):
-        return ev.body(p.jaxpr, consts + live + xs, site.region,
+        return ctx.body(p.jaxpr, consts + live + xs, site.region,
                        dtypes=[v.dtype for v in consts] + list(dtypes) + [v.dtype for v in xs])
 
     def body_dtypes(dtypes):
@@ -150,7 +149,7 @@ def _scan(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     return [Value(o, False, False, site.region) for o in (*carry, *ys)]
 
 
-def while_loop(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def while_loop(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     p = while_params(eqn)
     cn, bn = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
@@ -159,7 +158,7 @@ def while_loop(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     cvals = [v.val for v in cconsts]
 
     def loop_body(closed, consts, dtypes):
-        return ev.body(closed, consts + live, site.region,
+        return ctx.body(closed, consts + live, site.region,
                        dtypes=[v.dtype for v in consts] + list(dtypes))
 
     def body_dtypes(dtypes):
@@ -182,11 +181,11 @@ def while_loop(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     return [Value(o, False, False, site.region) for o in outs]
 
 
-def cond(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def cond(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     index, ops = ins[0], ins[1:]
     vals = [v.val for v in ops]
     specs = [spec(x) for x in vals]
-    bodies = [ev.body(br, ops, site.region) for br in cond_params(eqn).branches]
+    bodies = [ctx.body(br, ops, site.region) for br in cond_params(eqn).branches]
     per_branch = [b.out_dtypes(specs) for b in bodies]
     dtypes = [widest(list(ds)) if all(is_float(d) for d in ds) else ds[0]
               for ds in zip(*per_branch)]
@@ -200,11 +199,11 @@ def cond(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     return [Value(o, False, False, site.region) for o in outs]
 
 
-def custom_jvp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def custom_jvp(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     p = custom_jvp_params(eqn)
     if p.num_consts:
-        return as_traced(ev, eqn, ins, site)
-    primal = ev.body(p.call_jaxpr, ins, site.region)
+        return as_traced(ctx, eqn, ins, site)
+    primal = ctx.body(p.call_jaxpr, ins, site.region)
     fn = jax.custom_jvp(primal.fn)
 
     def rule(primals, tangents):
@@ -213,7 +212,7 @@ def custom_jvp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
         jaxpr, consts, out_zeros = p.jvp(zeros)
         metas = list(ins) + [v.live() for v, z in zip(ins, zeros) if not z]
         nz = [t for t, z in zip(tangents, zeros) if not z]
-        outs = ev.run_body(close_jaxpr(jaxpr, consts), metas, site.region, [*primals, *nz])
+        outs = ctx.run_body(close_jaxpr(jaxpr, consts), metas, site.region, [*primals, *nz])
         n = len(out_zeros)
         p_out = [cast(o, d) for o, d in zip(outs[:n], out_dtypes)]
         nz_t = iter(outs[n:])
@@ -226,15 +225,15 @@ def custom_jvp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     return [Value(o, False, all(v.const for v in ins), site.region) for o in outs]
 
 
-def custom_vjp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def custom_vjp(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """A ``jax.custom_vjp`` function keeps its custom rule, and both of its halves run under
     the region's policy. Its forward and backward rules are traced (as written, in the traced
     dtypes) through the public ``jax.vjp`` into two plain jaxprs, the forward returning the
     residuals the backward reads; each is then re-evaluated like any other program, so the
     matmuls of a hand-written attention kernel and of its backward run in the compute dtype
     and its softmax in float32. ``OpRules.custom_vjp_as_traced`` opts functions out."""
-    if ev.op_rules.runs_custom_vjp_as_traced(custom_vjp_name(eqn)):
-        return as_traced(ev, eqn, ins, site)
+    if ctx.op_rules.runs_custom_vjp_as_traced(custom_vjp_name(eqn)):
+        return as_traced(ctx, eqn, ins, site)
     region = site.region
     floats = [i for i, v in enumerate(eqn.invars) if is_float(v.aval.dtype)]
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
@@ -257,8 +256,8 @@ def custom_vjp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     fwd_jaxpr, (out_specs, res_specs) = jax.make_jaxpr(traced_fwd, return_shape=True)(*specs)
     bwd_jaxpr = jax.make_jaxpr(lambda res, cts: pullback[0].unflatten(res)(cts))(
         res_specs, out_specs)
-    primal = ev.body(custom_vjp_call_jaxpr(eqn), ins, region)
-    fwd_body = ev.body(fwd_jaxpr, ins, region)
+    primal = ctx.body(custom_vjp_primal_jaxpr(eqn), ins, region)
+    fwd_body = ctx.body(fwd_jaxpr, ins, region)
     fn = jax.custom_vjp(primal.fn)
 
     def fwd(*xs):
@@ -270,7 +269,7 @@ def custom_vjp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
 
     def bwd(res, cts):
         acts = [Value(None, False, False, region) for _ in range(len(res) + len(cts))]
-        outs = ev.run_body(bwd_jaxpr, acts, region, [*res, *cts])
+        outs = ctx.run_body(bwd_jaxpr, acts, region, [*res, *cts])
         cts_in = [None] * len(ins)
         for i, o in zip(floats, outs):
             cts_in[i] = cast(o, ins[i].dtype)
@@ -284,7 +283,7 @@ def custom_vjp(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
 #: primitive name -> its rule.
 HIGHER_ORDER: dict[str, Rule] = {
     **{name: inline for name in INLINE},
-    **{name: remat for name in ("remat2", "checkpoint", "remat")},
+    **{name: remat for name in REMAT},
     "scan": scan,
     "while": while_loop,
     "cond": cond,
@@ -292,3 +291,26 @@ HIGHER_ORDER: dict[str, Rule] = {
     "custom_vjp_call": custom_vjp,
     "shard_map": shard_map,
 }
+
+
+def _handled(handler, fallback: Rule) -> Rule:
+    """A user's handler (``OpRules.extend(handlers=...)``) as a rule: it gets a
+    :class:`jaxamp.RuleCall`; where it returns None, ``fallback`` runs."""
+
+    def rule(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
+        out = handler(RuleCall(ctx, eqn, ins, site))
+        if out is not None:
+            return [Value(o, False, False, site.region) for o in out]
+        return fallback(ctx, eqn, ins, site)
+
+    return rule
+
+
+def rule_table(op_rules) -> dict[str, Rule]:
+    """Primitive name -> rule for :class:`jaxamp.OpRules` ``op_rules``: the user's handlers
+    (falling back to the built-in rule), else the higher-order rules; a primitive not in it
+    gets :func:`jaxamp._op_rules.first_order` (its op class's rule)."""
+    table = dict(HIGHER_ORDER)
+    for name in {name for name, _ in op_rules.handlers}:
+        table[name] = _handled(op_rules.handler(name), table.get(name, first_order))
+    return table

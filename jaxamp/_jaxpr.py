@@ -26,9 +26,11 @@ audit all read programs through the functions here (no other module reads ``.eqn
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
@@ -36,14 +38,17 @@ import numpy as np
 from jaxamp._compat import (
     bind_with_params,
     cond_params,
+    inline_jit,
     named_sub_jaxprs,
     new_dtype,
     open_jaxpr,
     sub_jaxprs,
     while_params,
 )
+from jaxamp._primitives import CONTAINERS, IDENTITY, IN_LINE, LOOPS
 
 __all__ = [
+    "jit_inlines",
     "LOW_PRECISION",
     "Run",
     "Flat",
@@ -284,12 +289,6 @@ class Sub(NamedTuple):
     outs: list
 
 
-_CONTAINERS = frozenset({
-    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond",
-    "shard_map", "xla_call", "xla_pmap", "custom_lin"})
-
-
 def _sub(j, ins, outs) -> Sub:
     jaxpr, consts = open_jaxpr(j)
     return Sub(jaxpr, consts or [], list(ins), list(outs))
@@ -304,7 +303,7 @@ def sub_programs(eqn) -> list[Sub]:
     subs = sub_jaxprs(eqn)
     if not subs:
         return []
-    if name not in _CONTAINERS and not any(len(as_jaxpr(s).invars) == len(ins) for s in subs):
+    if name not in CONTAINERS and not any(len(as_jaxpr(s).invars) == len(ins) for s in subs):
         return []
     if name == "cond":
         return [_sub(b, ins[1:], outs) for b in cond_params(eqn).branches]
@@ -425,6 +424,22 @@ def iter_eqns(j: Any) -> Iterator[jcore.JaxprEqn]:
         yield from jaxpr.eqns
 
 
+@functools.cache
+def jit_inlines() -> bool:
+    """Whether :func:`jaxamp._compat.inline_jit` calls are inlined into the jaxpr that calls
+    them, under autodiff too (checked once; if not, autocast calls its cached bodies unjitted,
+    and a body is evaluated once per use)."""
+    try:
+        f = inline_jit(lambda x: x + 1)
+        for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
+            closed = jax.make_jaxpr(fn)(1.0)
+            if any(e.primitive.name == "jit" for e in iter_eqns(closed)):
+                return False
+        return True
+    except Exception:  # pragma: no cover - be conservative
+        return False
+
+
 def containing(j: Any, eqn) -> jcore.Jaxpr | None:
     """The jaxpr among ``j`` and its sub-jaxprs whose equations include ``eqn``."""
     for jaxpr in iter_jaxprs(j):
@@ -449,7 +464,7 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
             subs = sub_programs(eqn)
             name = eqn.primitive.name
             if subs:
-                loop = in_loop or name in ("scan", "while")
+                loop = in_loop or name in LOOPS
                 for sub in subs:
                     inner = {v for v, o in zip(sub.jaxpr.invars, sub.ins)
                              if o is not None and not isinstance(o, jcore.Literal)
@@ -472,16 +487,6 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
 
 
 # ---- checks on casts ------------------------------------------------------------------------
-
-#: Calls whose body runs once, in line, on the caller's values (a recompute segment is a
-#: ``checkpoint``): across them a value is one value. Loop bodies and branches are not.
-_IN_LINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
-                      "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                      "custom_vjp_call_jaxpr"})
-#: First-order primitives whose outputs are their operands' values (``optimization_barrier``:
-#: recompute reads its low-precision inputs through one, :func:`jaxamp._recompute._rounded`).
-_IDENTITY = frozenset({"optimization_barrier"})
-
 
 class Flat(NamedTuple):
     """A first-order equation seen from the program around it: ``ins``/``outs`` are, per
@@ -517,7 +522,7 @@ def flat_scopes(j: Any) -> list[list[Flat]]:
 
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name in _IDENTITY and len(eqn.invars) == len(eqn.outvars):
+            if name in IDENTITY and len(eqn.invars) == len(eqn.outvars):
                 env.update((o, same(v)) for o, v in zip(eqn.outvars, eqn.invars))
                 continue
             subs = sub_programs(eqn)
@@ -526,7 +531,7 @@ def flat_scopes(j: Any) -> list[list[Flat]]:
                                   [same(v) for v in eqn.outvars]))
                 continue
             for sub in subs:
-                if name not in _IN_LINE or None in sub.ins \
+                if name not in IN_LINE or None in sub.ins \
                         or eqn.params.get("differentiated"):  # a backward replay
                     scope(sub.jaxpr)
                     continue

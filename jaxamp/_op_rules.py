@@ -1,6 +1,6 @@
 """The first-order rules of autocast's evaluator: one small function per op class.
 
-Each rule is ``rule(ev, eqn, ins, site) -> list[Value]``: ``ev`` the evaluator (policies,
+Each rule is ``rule(ctx, eqn, ins, site) -> list[Value]``: ``ctx`` the evaluator (policies,
 region crossings, op rules), ``eqn`` the traced equation, ``ins`` its operands as the
 equation's region sees them (cast on leaving/entering module regions), ``site`` its region and
 which outputs are wanted in float32. :data:`BY_CLASS` maps an op class of
@@ -11,8 +11,8 @@ primitive (``OpRules.extend(handlers=...)``) gets a :class:`RuleCall` and runs b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,8 @@ from jaxamp._compat import (
     new_dtype,
     sub_jaxprs,
 )
+from jaxamp._context import Context, Rule, Site
+from jaxamp._primitives import NOT_ELEMENTWISE
 from jaxamp._values import (
     F32,
     F64,
@@ -42,23 +44,7 @@ from jaxamp._values import convert as convert_dtype
 from jaxamp._wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
 from jaxamp.policy import matmul_dtype
 
-if TYPE_CHECKING:  # pragma: no cover
-    from jaxamp._evaluator import Evaluator
-
 __all__ = ["BY_CLASS", "NOT_ELEMENTWISE", "RuleCall", "Site", "first_order"]
-
-# "promote" primitives whose operands are not broadcast elementwise to the output's shape.
-NOT_ELEMENTWISE = frozenset({"concatenate", "stack", "pad", "dynamic_update_slice", "select_n",
-                             "clamp"})
-
-
-class Site(NamedTuple):
-    """Where an equation runs: its region (the module-region ids, outermost first) and, per
-    output, whether every consumer computes in float32."""
-
-    region: tuple[int, ...]
-    want32: list[bool]
-
 
 def results(eqn, out, region, *, stored=False, const=False) -> list[Value]:
     outs = out if eqn.primitive.multiple_results else [out]
@@ -78,7 +64,7 @@ def _traced_float(var) -> bool:
     return is_float(var.aval.dtype) or dtype_of(var.aval) == F64
 
 
-def as_traced(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def as_traced(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs an equation exactly as traced (its original input dtypes)."""
     vals = [cast(v, var.aval.dtype) if v.is_float and _traced_float(var) else v.val
             for v, var in zip(ins, eqn.invars)]
@@ -91,7 +77,7 @@ def as_traced(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     return results(eqn, out, site.region, stored=stored, const=const)
 
 
-def structural(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def structural(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Keeps the operand's dtype; a stored value stays stored (an embedding gathers rows of
     the stored table, then casts them)."""
     floats = [v for v in ins if v.is_float]
@@ -140,17 +126,17 @@ def gather_low(eqn, low_table, table, indices: Sequence[Any]):
     return rows(low_table, table, *indices)
 
 
-def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def matmul(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs in the region's compute dtype, inputs and output; with ``f32_weight_grads`` a
     param operand's gradient comes out in float32 (:mod:`jaxamp._wgrad`)."""
     name = eqn.primitive.name
-    dtype = ev.matmul_dtype(site.region)
+    dtype = ctx.matmul_dtype(site.region)
     floats = [v for v in ins if v.is_float]
     params = dict(eqn.params)
     if params.get("preferred_element_type") is not None and floats:
         params["preferred_element_type"] = dtype
     wide = tuple(v.stored and not v.const and v.is_float for v in ins)
-    if ev.f32_weight_grads and dtype != F32 and len(ins) == 2:
+    if ctx.f32_weight_grads and dtype != F32 and len(ins) == 2:
         # a param's gradient summed over the batch (across devices) in float32
         if name == "dot_general" and any(wide):
             out = dot_f32_weight_grads(eqn.primitive, params,
@@ -164,7 +150,7 @@ def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     # A param as the function got it (region (): no op made it here; a transposed kernel
     # is not one, and keeping it in float32 would cost more than its low copy)
     given = tuple(w and v.region == () for v, w in zip(ins, wide))
-    if ev.segments_on() and dtype != F32 and any(given) \
+    if ctx.segments_on() and dtype != F32 and any(given) \
             and any(isinstance(v.val, Tracer) for v in ins):
         # its low-precision copy is made again in the backward pass from the param (kept
         # anyway), not kept as a residual (jaxamp._recompute)
@@ -188,7 +174,7 @@ def recompute_param_casts(eqn, ins: list[Value], site: Site, params, dtype,
     return results(eqn, out, site.region)
 
 
-def fp32(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def fp32(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs in float32 (inputs cast up); the output stays float32."""
     return bind_eqn(eqn, [cast(v, F32) for v in ins], site)
 
@@ -209,7 +195,7 @@ def promoted(v: Value, dtype, eqn):
     return cast(v, dtype)
 
 
-def promote(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def promote(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs in the widest activation dtype among the operands (float32 if every consumer
     wants it); with only stored operands, as traced, the result still stored."""
     floats = [v for v in ins if v.is_float]
@@ -233,7 +219,7 @@ def promote(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     return bind_eqn(eqn, [promoted(v, dtype, eqn) for v in ins], site)
 
 
-def convert(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def convert(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """A cast written in the traced function: a float -> float downcast (often jnp's own,
     after summing low-precision values in float32) or a weak-type change is autocast's to
     decide, so it passes the value through; an explicit upcast is honoured."""
@@ -247,8 +233,6 @@ def convert(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     # An int/bool -> float conversion makes a stored value (cast where it is used).
     return [Value(out, v.stored or not v.is_float, v.const, site.region)]
 
-
-Rule = Callable[["Evaluator", Any, list, Site], list]
 
 #: op class of :class:`jaxamp.OpRules` -> its rule.
 BY_CLASS: dict[str, Rule] = {
@@ -265,30 +249,30 @@ def _float64_in(eqn) -> bool:
                if hasattr(v.aval, "dtype"))
 
 
-def _note_float64_matmul(ev: Evaluator, site: Site) -> None:
+def _note_float64_matmul(ctx: Context, site: Site) -> None:
     """A matmul left in float64 where its region's policy asks for a low-precision one: the
     policy changes nothing there (autocast warns, naming the float64 inputs)."""
-    dtype = np.dtype(matmul_dtype(ev.policy(site.region)))
+    dtype = np.dtype(matmul_dtype(ctx.policy(site.region)))
     if dtype.itemsize < 4:
-        ev.float64_matmuls.add("float8" if dtype.itemsize == 1 else dtype.name)
+        ctx.note_float64_matmul("float8" if dtype.itemsize == 1 else dtype.name)
 
 
-def first_order(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
+def first_order(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """The rule of ``eqn``'s op class (a constant computation, a float64 one and a
     primitive with sub-programs that autocast does not know run as traced)."""
     name = eqn.primitive.name
     if name == "convert_element_type":
-        return convert(ev, eqn, ins, site)
-    kind = ev.op_rules.classify(name)
-    if not ev.op_rules.known(name):
-        ev.unknown.add(name)
+        return convert(ctx, eqn, ins, site)
+    kind = ctx.op_rules.classify(name)
+    if not ctx.op_rules.known(name):
+        ctx.note_unknown(name)
     if sub_jaxprs(eqn) or _float64_in(eqn):
         if kind == "matmul" and _float64_in(eqn):
-            _note_float64_matmul(ev, site)
+            _note_float64_matmul(ctx, site)
         kind = "as_traced"
     elif kind in ("promote", "matmul", "fp32") and all(v.const for v in ins):
         kind = "as_traced"
-    return BY_CLASS[kind](ev, eqn, ins, site)
+    return BY_CLASS[kind](ctx, eqn, ins, site)
 
 
 class RuleCall:
@@ -311,14 +295,14 @@ class RuleCall:
     or None to leave the equation to its op class's rule; :meth:`default` runs that rule.
     """
 
-    def __init__(self, ev: Evaluator, eqn, ins: Sequence[Value], site: Site):
-        self._ev, self._ins, self._site = ev, list(ins), site
+    def __init__(self, ctx: Context, eqn, ins: Sequence[Value], site: Site):
+        self._ctx, self._ins, self._site = ctx, list(ins), site
         self.eqn = eqn
         self.args = [v.val for v in ins]
         self.stored = [v.stored for v in ins]
-        self.policy: jmp.Policy = ev.policy(site.region)
+        self.policy: jmp.Policy = ctx.policy(site.region)
         self.want_f32 = list(site.want32)
-        self.position: str | None = ev.matmul_ends.get(id(eqn))
+        self.position: str | None = ctx.matmul_ends.get(id(eqn))
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -331,4 +315,4 @@ class RuleCall:
 
     def default(self) -> list:
         """The built-in rule's outputs for this equation, as arrays."""
-        return [v.val for v in first_order(self._ev, self.eqn, self._ins, self._site)]
+        return [v.val for v in first_order(self._ctx, self.eqn, self._ins, self._site)]

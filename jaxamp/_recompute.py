@@ -15,9 +15,10 @@ after it keep their own low-precision inputs). A segment runs past a matmul that
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
 matmul is evaluated first, outside the checkpoint. A segment's last op whose derivative reads
 only its output (``tanh`` before a matmul) is a segment of its own that keeps that output,
-the array the matmul keeps anyway (:data:`_SELF_DERIVED`). The forward pass runs the same
-operations in the same dtypes; only what is kept changes (a low-precision input is read rounded,
-through an ``optimization_barrier``, as the backward reads it: :func:`_rounded`). Compiled, that
+the array the matmul keeps anyway (:data:`jaxamp._primitives.SELF_DERIVED`). The forward pass
+runs the same operations in the same dtypes; only what is kept changes (a low-precision input
+is read rounded, through an ``optimization_barrier``, as the backward reads it:
+:func:`_rounded`). Compiled, that
 rounding is the one difference: without segments XLA's excess precision may use a low-precision
 matmul output unrounded where it fuses it into the next op; with
 ``--xla_allow_excess_precision=false`` the results with and without segments are
@@ -35,7 +36,7 @@ shared evaluation), and everything under ``OpRules(recompute=False)``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.extend.core as jcore
@@ -45,14 +46,20 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
+from jaxamp._context import Body, Context
 from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
+from jaxamp._primitives import (
+    LEADING_SUMS,
+    NEVER_RECOMPUTED,
+    SELF_DERIVED,
+    STATISTICS,
+    TRANSPARENT,
+)
 from jaxamp._sharing import Program
 from jaxamp._values import Value, convert, copies, is_float
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.policy import matmul_dtype
-
-if TYPE_CHECKING:  # pragma: no cover
-    from jaxamp._evaluator import Body, Evaluator
+from jaxamp.rules import OpRules
 
 __all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
 
@@ -60,34 +67,14 @@ __all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
 STAT = "jaxamp_row_stat"
 _POLICY = jax.checkpoint_policies.save_only_these_names(STAT)
 
-#: Calls whose inside is recomputable when each of their equations is.
-_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call"})
-#: Never recomputed: communication (a collective run again in the backward costs a second
-#: exchange), effects and references, user-named residuals, barriers, and sub-computations
-#: that are costly or have their own derivative rules.
-_KEPT = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
-    "all_to_all", "ppermute", "ragged_all_to_all", "reduce_scatter", "axis_index", "pvary",
-    "device_put", "sharding_constraint", "optimization_barrier", "name", "after_all",
-    "create_token", "get", "swap", "empty2", "custom_lin", "custom_linear_solve",
-    "custom_vjp_call", "custom_vjp_call_jaxpr", "sort", "top_k", "approx_top_k",
-    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-    "scatter_min", "scatter-max", "scatter_max", "rng_bit_generator", "rng_uniform",
-    "select_and_scatter_add", "select_and_gather_add", "cholesky", "eig", "eigh", "lu", "qr",
-    "svd", "schur", "hessenberg", "triangular_solve", "tridiagonal_solve", "fft",
-})
-#: Reductions whose float outputs are row statistics (kept, not recomputed).
-_STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                         "argmin"})
-
-
 class Segment(NamedTuple):
     """Equations ``start:end`` of a jaxpr: the vars the recomputed ones read from before
     (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
     matmuls among them that read nothing the segment makes (the ``up`` projection traced
     between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
     ``run_outs``: the same for the whole range; ``tail``: for a segment of one trailing
-    self-derived op (:data:`_SELF_DERIVED`), the matmuls that read its output, else ``()``;
+    self-derived op (:data:`jaxamp._primitives.SELF_DERIVED`), the matmuls that read its
+    output, else ``()``;
     ``readers``: per output, the matmuls that read it (:func:`_low_casts`)."""
 
     start: int
@@ -101,62 +88,43 @@ class Segment(NamedTuple):
     readers: tuple = ()
 
 
-def _recomputable(ev: Evaluator, eqn, memo: dict) -> bool:
+def _recomputable(rules: OpRules, eqn, memo: dict) -> bool:
     name = eqn.primitive.name
-    rules = ev.op_rules
-    if name in _KEPT or rules.classify(name) == "matmul" or rules.handler(name) is not None \
-            or not rules.known(name):
+    if name in NEVER_RECOMPUTED or rules.classify(name) == "matmul" \
+            or rules.handler(name) is not None or not rules.known(name):
         return False
     subs = sub_jaxprs(eqn)
     if not subs:
         return True
-    if name not in _TRANSPARENT:
+    if name not in TRANSPARENT:
         return False
-    return all(_program_recomputable(ev, s, memo) for s in subs)
+    return all(_program_recomputable(rules, s, memo) for s in subs)
 
 
-def _program_recomputable(ev: Evaluator, closed, memo: dict) -> bool:
+def _program_recomputable(rules: OpRules, closed, memo: dict) -> bool:
     key = id(closed)
     if key not in memo:
-        memo[key] = (closed, all(_recomputable(ev, e, memo) for e in equations(closed)))
+        memo[key] = (closed, all(_recomputable(rules, e, memo) for e in equations(closed)))
     return memo[key][1]
 
 
-def _weight(ev: Evaluator, eqn) -> int:
+def _weight(rules: OpRules, eqn) -> int:
     """What recomputing ``eqn`` may save: arithmetic 1, a call (GELU, softmax) 2."""
     name = eqn.primitive.name
-    if name in _TRANSPARENT:
+    if name in TRANSPARENT:
         return 2
-    return int(ev.op_rules.classify(name) in ("fp32", "promote"))
+    return int(rules.classify(name) in ("fp32", "promote"))
 
 
-#: A segment's first equation left out of it when it adds a matmul's output to another array:
-#: a residual stream's ``x + h``. Inside, the checkpoint would keep both operands to
-#: recompute the sum; outside, the add keeps nothing and the segment keeps the sum, which
-#: the next segment keeps anyway (the stream's next residual add reads it). Only when both
-#: operands have the sum's shape: then the sum is no bigger than either (whatever dtypes the
-#: engine gives them), while a broadcast operand (an attention mask bias ``[B, 1, T, T]``)
-#: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
-#: recomputes those from the table, keeping nothing.)
-_LEADING_SUMS = frozenset({"add", "add_any", "sub"})
-#: Ops whose derivative reads only their output (``1 - tanh(x)**2``). Ending a segment, with
-#: its output read by matmuls (an MLP head's ``Dense(tanh(Dense(x)))``), such an op is a
-#: segment of its own that keeps that output, which the matmuls keep anyway: in the segment
-#: before it, the checkpoint would keep the op's input as well, and evaluated plainly, JAX
-#: keeps ``1 - tanh(x)`` beside it. (``logistic`` and ``exp`` are float32 ops: their output
-#: is not the low copy the matmul keeps.)
-_SELF_DERIVED = frozenset({"tanh"})
-
-
-def _trimmed(ev: Evaluator, eqns, made: dict, span):
+def _trimmed(rules: OpRules, eqns, made: dict, span):
     """``span`` without a leading sum with a matmul's output (``made``: var -> the equation
     that made it)."""
     start, end = span.start, span.end
     first = eqns[start]
-    if first.primitive.name in _LEADING_SUMS and len(first.invars) == 2 and all(
+    if first.primitive.name in LEADING_SUMS and len(first.invars) == 2 and all(
             isinstance(v, jcore.Var) and v.aval.shape == first.outvars[0].aval.shape
             for v in first.invars) and any(
-            v in made and ev.op_rules.classify(made[v].primitive.name) == "matmul"
+            v in made and rules.classify(made[v].primitive.name) == "matmul"
             for v in first.invars):
         start += 1
         while start < end and start in span.skipped:
@@ -167,38 +135,40 @@ def _trimmed(ev: Evaluator, eqns, made: dict, span):
                          skipped=tuple(k for k in span.skipped if start < k < end))
 
 
-def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment]:
-    """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
-    ``taken`` (start index -> run with ``.end``: shared module calls), none across an
-    index in ``cuts``."""
+def plan(rules: OpRules, jaxpr, taken: dict, cuts: set[int],
+         memo: dict | None = None) -> dict[int, Segment]:
+    """The segments of ``jaxpr`` (start index -> :class:`Segment`) under op rules ``rules``,
+    around the runs in ``taken`` (start index -> run with ``.end``: shared module calls), none
+    across an index in ``cuts``. A pure function of its arguments; ``memo`` (id(sub-program)
+    -> (it, recomputable)) may be shared between calls on the programs of one trace."""
     eqns = equations(jaxpr)
-    memo: dict = ev.recompute_memo
-    ok = [_recomputable(ev, e, memo) for e in eqns]
+    memo = {} if memo is None else memo
+    ok = [_recomputable(rules, e, memo) for e in eqns]
     for start, run in taken.items():  # a shared call's equations are its own
         ok[start:run.end] = [False] * (run.end - start)
     out, made, uses = {}, producers(jaxpr), consumers(jaxpr)
 
     def add(span, tail=()):
         own = [k for k in range(span.start, span.end) if k not in span.skipped]
-        if not own or not tail and sum(_weight(ev, eqns[k]) for k in own) < 2:
+        if not own or not tail and sum(_weight(rules, eqns[k]) for k in own) < 2:
             return
         inputs, outputs = span_io(jaxpr, own, span.end)
         run_ins, run_outs = span_io(jaxpr, [*span.skipped, *own], span.end)
         if outputs:
-            readers = tuple(tuple(e for e in uses.get(v, ()) if _plain_matmul(ev, e))
+            readers = tuple(tuple(e for e in uses.get(v, ()) if _plain_matmul(rules, e))
                             for v in outputs)
             out[span.start] = Segment(span.start, span.end, inputs, outputs, span.skipped,
                                       run_ins, run_outs, tail, readers)
 
     for span in spans(jaxpr, ok,
-                      lambda e: ev.op_rules.classify(e.primitive.name) == "matmul",
+                      lambda e: rules.classify(e.primitive.name) == "matmul",
                       lambda k: k in taken or k in cuts):
-        span = _trimmed(ev, eqns, made, span)
+        span = _trimmed(rules, eqns, made, span)
         last = eqns[span.end - 1]
         tail = () if span.end - 1 in span.skipped or len(last.outvars) != 1 \
-            or last.primitive.name not in _SELF_DERIVED \
-            or ev.op_rules.classify(last.primitive.name) == "fp32" \
-            else tuple(e for e in uses.get(last.outvars[0], ()) if _plain_matmul(ev, e))
+            or last.primitive.name not in SELF_DERIVED \
+            or rules.classify(last.primitive.name) == "fp32" \
+            else tuple(e for e in uses.get(last.outvars[0], ()) if _plain_matmul(rules, e))
         if tail:
             add(span._replace(end=span.end - 1,
                               skipped=tuple(k for k in span.skipped if k < span.end - 1)))
@@ -208,16 +178,16 @@ def plan(ev: Evaluator, jaxpr, taken: dict, cuts: set[int]) -> dict[int, Segment
     return out
 
 
-def _plain_matmul(ev: Evaluator, eqn) -> bool:
+def _plain_matmul(rules: OpRules, eqn) -> bool:
     """A matmul the built-in rule may run: no handler of the user's (it may keep anything),
     at most the FP8 rule, which defers outside ``matmul=float8`` regions."""
     name = eqn.primitive.name
-    handler = ev.op_rules.handler(name)
-    return ev.op_rules.classify(name) == "matmul" and (
+    handler = rules.handler(name)
+    return rules.classify(name) == "matmul" and (
         handler is None or isinstance(handler, FP8Matmuls))
 
 
-def _low_casts(ev: Evaluator, seg: Segment, base, outs, metas) -> list[tuple[int, np.dtype]]:
+def _low_casts(ctx: Context, seg: Segment, base, outs, metas) -> list[tuple[int, np.dtype]]:
     """(output index, dtype): the segment's outputs that matmuls read cast down (a float32
     softmax before ``P @ V``, a float32 LayerNorm before a projection), each with the narrower
     dtype those matmuls cast it to. The segment makes that cast itself, inside its checkpoint:
@@ -233,34 +203,34 @@ def _low_casts(ev: Evaluator, seg: Segment, base, outs, metas) -> list[tuple[int
         if not readers or not is_float(out.dtype) or meta.stored or meta.const:
             continue
         width = np.dtype(out.dtype).itemsize
-        dtypes = {d for d in _matmul_casts(ev, readers, base, out, meta)
+        dtypes = {d for d in _matmul_casts(ctx, readers, base, out, meta)
                   if d is not None and d.itemsize < width}
         found += [(i, d) for d in sorted(dtypes, key=str)]
     return found
 
 
-def _kept_by_matmuls(ev: Evaluator, readers: tuple, base, out, meta: Value) -> bool:
+def _kept_by_matmuls(ctx: Context, readers: tuple, base, out, meta: Value) -> bool:
     """Whether every matmul in ``readers`` reads ``out`` as it is: no cast on the way into
     its region, none to its matmul dtype (then it keeps this very array)."""
     return is_float(out.dtype) and all(
-        d is not None and d == out.dtype for d in _matmul_casts(ev, readers, base, out, meta))
+        d is not None and d == out.dtype for d in _matmul_casts(ctx, readers, base, out, meta))
 
 
-def _matmul_casts(ev: Evaluator, readers: tuple, base, out, meta: Value) -> list:
+def _matmul_casts(ctx: Context, readers: tuple, base, out, meta: Value) -> list:
     """Per matmul in ``readers``, the dtype the built-in rule casts ``out`` to (its own dtype
     where it reads it as it is), or None where it is not that plain cast: a region crossing
     casts ``out`` on the way in, or the matmul is FP8 (quantised by its own rule)."""
     value = Value(out, meta.stored, meta.const, meta.region)
     casts = []
     for eqn in readers:
-        region = ev.region_of(eqn, base)
-        plain = ev.crossing(value, region) in (None, value.dtype) \
-            and np.dtype(matmul_dtype(ev.policy(region))).itemsize > 1
-        casts.append(ev.matmul_dtype(region) if plain else None)
+        region = ctx.region_of(eqn, base)
+        plain = ctx.crossing(value, region) in (None, value.dtype) \
+            and np.dtype(matmul_dtype(ctx.policy(region))).itemsize > 1
+        casts.append(ctx.matmul_dtype(region) if plain else None)
     return casts
 
 
-def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+def run_range(ctx: Context, eqns, seg: Segment, base, wants: set, drop,
               ins: list[Value]) -> list[Value]:
     """The equations of ``seg``'s range: its hoisted matmuls, then the segment (:func:`run`)."""
     env = dict(zip(seg.run_ins, ins))
@@ -270,14 +240,14 @@ def run_range(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
 
     for k in seg.hoisted:
         eqn = eqns[k]
-        env.update(zip(eqn.outvars, ev.run_eqn(eqn, [read(v) for v in eqn.invars], base,
+        env.update(zip(eqn.outvars, ctx.run_eqn(eqn, [read(v) for v in eqn.invars], base,
                                                 wants, drop)))
-    env.update(zip(seg.outputs, run(ev, eqns, seg, base, wants, drop,
+    env.update(zip(seg.outputs, run(ctx, eqns, seg, base, wants, drop,
                                     [read(v) for v in seg.inputs])))
     return [env[v] for v in seg.run_outs]
 
 
-def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
+def run(ctx: Context, eqns, seg: Segment, base, wants: set, drop,
         ins: list[Value]) -> list[Value]:
     """Segment ``seg`` of ``eqns`` evaluated under a ``jax.checkpoint`` that keeps only its
     inputs and row statistics (in place where no input is traced: nothing to differentiate)."""
@@ -286,20 +256,15 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
                                                    if k not in seg.hoisted], drop)
     traced = [i for i, v in enumerate(ins) if isinstance(v.val, Tracer)]
     if not traced:  # run eagerly: nothing to differentiate, the equations one by one
-        with ev.in_segment():
-            return ev.eval(program, None, ins, base, out_wants)
+        with ctx.in_segment():
+            return ctx.eval(program, None, ins, base, out_wants)
     given = tuple(copies(ins))  # the copies made of the inputs before: read, not made again
     key = ("segment", id(eqns[seg.start]), seg.end - seg.start, seg.hoisted,
            tuple((v.stored, v.const, v.splat, v.dtype, v.region) for v in ins), base,
            tuple(out_wants), given)
     first = eqns[seg.start]  # never skipped: a segment starts at one of its own
-    known = ev.bodies.get(key)
-    if known is None or known[0] is not first:
-        from jaxamp._evaluator import Body
-
-        known = ev.bodies[key] = (first, Body(ev, program, ins, base, out_wants, given,
-                                              export=True))
-    body: Body = known[1]
+    body = ctx.cached_body(key, first, lambda: Body(ctx, program, ins, base, out_wants, given,
+                                                    export=True, anchor=first))
     vals = body.args(ins)
     traced = [i for i, x in enumerate(vals) if isinstance(x, Tracer)]
 
@@ -310,17 +275,17 @@ def run(ev: Evaluator, eqns, seg: Segment, base, wants: set, drop,
         outs = body.fn(*full)
         outs, made = outs[:len(body.out)], outs[len(body.out):]
         if seg.tail:  # decided as the checkpoint traces fn; JAX asks the policy later
-            keep[0] = _kept_by_matmuls(ev, seg.tail, base, outs[0], body.out[0])
-        low[:] = [c for c in _low_casts(ev, seg, base, outs, body.out) if c not in body.made_out]
+            keep[0] = _kept_by_matmuls(ctx, seg.tail, base, outs[0], body.out[0])
+        low[:] = [c for c in _low_casts(ctx, seg, base, outs, body.out) if c not in body.made_out]
         return [*outs, *made, *(convert(outs[i], d) for i, d in low)]
 
     keep = [False]  # a tail keeps its op's output when the matmuls keep that very array
     low: list = []  # the low-precision casts of outputs made inside (_low_casts)
 
     def policy(prim, *args, **params):
-        return _POLICY(prim, *args, **params) or (keep[0] and prim.name in _SELF_DERIVED)
+        return _POLICY(prim, *args, **params) or (keep[0] and prim.name in SELF_DERIVED)
 
-    with ev.in_segment():
+    with ctx.in_segment():
         outs = checkpoint_in_place(fn, policy if seg.tail else _POLICY)(
             *[vals[i] for i in traced])
     n = len(outs) - len(low)
@@ -348,7 +313,7 @@ def _rounded(xs: tuple) -> list:
 
 def tag_statistics(eqn, outs: list[Value]) -> list[Value]:
     """The float outputs of a reduction inside a segment, named :data:`STAT` (kept)."""
-    if eqn.primitive.name not in _STATISTICS:
+    if eqn.primitive.name not in STATISTICS:
         return outs
     return [Value(checkpoint_name(o.val, STAT), o.stored, o.const, o.region, splat=o.splat)
             if is_float(o.dtype) and isinstance(o.val, Tracer) else o for o in outs]

@@ -8,7 +8,7 @@ jaxpr and gives each call a structural signature (its equations' primitives, par
 dataflow, module-relative name stacks and the policies of the calls inside it, sub-programs by
 their own signatures): calls whose signature occurs more than once are evaluated once per
 (signature, what is known of their inputs, region) as a cached ``jax.jit`` that JAX inlines
-(:class:`jaxamp._evaluator.Body`), and replayed for the others. Under ``jax.grad`` JAX then
+(:class:`jaxamp._context.Body`), and replayed for the others. Under ``jax.grad`` JAX then
 also linearizes one layer instead of N. The program is the same equations, in the same dtypes,
 with each call's own name-stack prefix (module paths are kept).
 
@@ -21,25 +21,19 @@ structural identity, so N structurally equal ``remat`` bodies are evaluated once
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
 import numpy as np
 
 from jaxamp._attention import CALL_NAME
 from jaxamp._compat import call_name, open_jaxpr
+from jaxamp._context import REGION_MARKER, Context
 from jaxamp._jaxpr import equations, name_stack
 from jaxamp._values import is_float
 
-if TYPE_CHECKING:  # pragma: no cover
-    from jaxamp._evaluator import Evaluator
-
 __all__ = ["REGION_MARKER", "Node", "Program", "Sharing"]
-
-#: ``jaxamp<call.id>``: the name scope autocast gives each module call while tracing.
-REGION_MARKER = re.compile(r"jaxamp<(\d+)\.(\d+)>")
 
 
 class Program(NamedTuple):
@@ -82,8 +76,8 @@ def _aval_key(v) -> tuple:
 class Sharing:
     """Structural signatures and sharing plans of one autocast evaluation."""
 
-    def __init__(self, ev: Evaluator):
-        self.ev = ev
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
         self.keys: dict[int, tuple[Any, Any]] = {}  # id(jaxpr) -> (jaxpr kept alive, key)
         self.stack_keys: dict = {}  # (name stack, marker) -> module-relative stack text
         self.plans: dict = {}
@@ -126,8 +120,8 @@ class Sharing:
         items = []
         recorded = CALL_NAME.fullmatch(call_name(eqn))
         for k, v in eqn.params.items():
-            if k == "name" and recorded and int(recorded[1]) == self.ev.call:
-                names, static, _ = self.ev.attention_calls[int(recorded[2])]
+            if k == "name" and recorded and int(recorded[1]) == self.ctx.call:
+                names, static, _ = self.ctx.attention_calls[int(recorded[2])]
                 v = ("attention", names, repr(sorted(static.items())))
             items.append((k, self.freeze(v)))
         key = tuple(items)
@@ -163,12 +157,12 @@ class Sharing:
         return known
 
     def marker_scope(self, marker: int) -> str:
-        return f"jaxamp<{self.ev.call}.{marker}>"
+        return f"jaxamp<{self.ctx.call}.{marker}>"
 
     def eqn_key(self, eqn, refs: dict, marker: int | None) -> tuple:
-        policies = tuple(self.ev.policies[i] for i in self.ev.markers(eqn))
+        policies = tuple(self.ctx.policies[i] for i in self.ctx.markers(eqn))
         # the first/last matmul (kept out of FP8) is not the same as its repeats
-        end = self.ev.matmul_ends.get(id(eqn))
+        end = self.ctx.matmul_ends.get(id(eqn))
         return (eqn.primitive, self.params_key(eqn), tuple(self.ref(refs, v) for v in eqn.invars),
                 tuple(_aval_key(v) for v in eqn.outvars), self.stack_key(eqn, marker), policies,
                 end)
@@ -229,7 +223,7 @@ class Sharing:
         roots: list[Node] = []
         open_: list[Node] = []
         for i, eqn in enumerate(eqns):
-            path = self.ev.markers(eqn)
+            path = self.ctx.markers(eqn)
             depth = 0
             while depth < min(len(open_), len(path)) and open_[depth].marker == path[depth]:
                 depth += 1
@@ -282,7 +276,7 @@ class Sharing:
             not is_float(getattr(v.aval, "dtype", None))
             or (last_use.get(v, -1) < node.end and first_use.get(v, node.start) >= node.start)
             for v in inputs)
-        node.sig = (self.ev.policies[node.marker], tuple(_aval_key(v) for v in inputs),
+        node.sig = (self.ctx.policies[node.marker], tuple(_aval_key(v) for v in inputs),
                     tuple(items), tuple(refs[v] for v in node.outputs),
                     tuple(v in wants for v in node.outputs))
 

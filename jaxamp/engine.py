@@ -21,7 +21,11 @@ The re-evaluation is a table of rules, as JAX's own interpreters are:
 * :mod:`jaxamp._evaluator`: regions, crossings and the walk; :mod:`jaxamp._sharing`: module calls
   with the same structure, inputs and region (a Transformer's layers) are evaluated once and the
   result re-bound per call under the call's own name stack (``SHARE_REPEATED_CALLS``);
-* :mod:`jaxamp._values`: a value and what is known of it (stored or computed, its casts).
+* :mod:`jaxamp._values`: a value and what is known of it (stored or computed, its casts);
+* :mod:`jaxamp._context`: what a rule or a planner sees (:class:`jaxamp._context.Context`: the
+  call's facts, regions, sub-programs), never the interpreter; autocast builds the rule table
+  (:func:`jaxamp._control.rule_table`) and hands it to the interpreter, as JAX's ``ad.py``;
+* :mod:`jaxamp._primitives`: every fact kept about primitives by name.
 
 Nothing is patched for good: the NNX ``__call__`` hook and the ``jax.nn.dot_product_attention``
 recorder are wrappers installed for the trace only, each closing over whatever function it
@@ -99,8 +103,10 @@ import numpy as np
 
 from jaxamp import _attention, nnx_frontend
 from jaxamp._compat import Tracer, mesh_is_set
+from jaxamp._control import rule_table
 from jaxamp._evaluator import COUNTERS, REGION_MARKER, Evaluator
 from jaxamp._jaxpr import param_matmuls
+from jaxamp._primitives import PARAM_READS
 from jaxamp._values import F64, Value, cast, dtype_of
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
@@ -295,13 +301,16 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[leaves[i] for i in dyn])
         _warn_unmatched(rules, regions)
+        sets_matmul = any(getattr(p, "matmul_dtype", None) is not None
+                          for p in regions.policies)
+        if sets_matmul:
+            _warn_no_fp8_rule(regions.policies, op_rules)
         evaluator = Evaluator(regions.policies, op_rules, regions.call,
                               regions.attention.calls, _sums_across_devices()
                               if f32_weight_grads is None else f32_weight_grads,
-                              share=SHARE_REPEATED_CALLS)
-        if any(getattr(p, "matmul_dtype", None) is not None for p in regions.policies):
-            evaluator.matmul_ends = _matmul_ends(closed.jaxpr)
-            _warn_no_fp8_rule(regions.policies, op_rules)
+                              share=SHARE_REPEATED_CALLS,
+                              matmul_ends=_matmul_ends(closed.jaxpr) if sets_matmul else None,
+                              rules=rule_table(op_rules))
         consts = [Value(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [Value(leaves[i], True, False, ()) for i in dyn]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
@@ -333,18 +342,13 @@ def _matmul_ends(jaxpr) -> dict[int, str]:
     """id(eqn) -> ``"first"``/``"last"``: the first and the last ``dot_general`` of the program
     that reads a param (an input, through reshapes/transposes/casts), unless it sits in a loop
     body (it runs once per iteration: every layer of a scanned stack)."""
-    dots = param_matmuls(jaxpr, frozenset({"dot_general"}), _PARAM_READS)
+    dots = param_matmuls(jaxpr, frozenset({"dot_general"}), PARAM_READS)
     ends: dict[int, str] = {}
     if dots and not dots[0][1]:
         ends[id(dots[0][0])] = "first"
     if dots and not dots[-1][1] and dots[-1][0] is not dots[0][0]:
         ends[id(dots[-1][0])] = "last"
     return ends
-
-
-#: What a param goes through between its read and a matmul (still "the param").
-_PARAM_READS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim",
-                          "squeeze", "expand_dims", "copy", "copy_p", "slice"})
 
 
 def _sums_across_devices() -> bool:

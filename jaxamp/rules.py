@@ -87,7 +87,7 @@ import jax.numpy as jnp
 import jmp
 from flax import nnx
 
-from jaxamp import policy_spec
+from jaxamp import _primitives, policy_spec
 from jaxamp.fp8 import FP8_MATMULS
 from jaxamp.policy import get_policy, opt_state_dtype, with_matmul
 
@@ -101,72 +101,19 @@ __all__ = [
     "module_path",
 ]
 
-MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
-
-FP32_PRIMITIVES = frozenset({
-    # exponentials, logarithms and the functions built on them (softmax, logsumexp, sigmoid)
-    "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "rsqrt", "logistic", "tan", "acos",
-    "asin", "acosh", "asinh", "atanh", "cosh", "sinh", "logistic_cross_entropy", "polynomial",
-    # special functions
-    "erf_inv", "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
-    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "random_gamma",
-    # sums (reductions, cumulative sums, average pooling, cross-device sums)
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
-    "psum", "psum_invariant", "reduce_scatter",
-    # linear algebra and transforms (no float16 kernels; conditioning needs float32)
-    "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
-    "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
-    "symmetric_product",
-})
-
+#: The default op lists (one registry of primitive facts: :mod:`jaxamp._primitives`).
+MATMUL_PRIMITIVES = _primitives.MATMUL
+FP32_PRIMITIVES = _primitives.FP32
 #: The ``fp32`` primitives behind softmax, log-softmax and logsumexp, and the accumulating ones
-#: (sums): the groups the audit names in its advice ("softmax exp/log ran in low precision",
-#: "accumulating reductions ran in low precision"). Both are subsets of FP32_PRIMITIVES.
-SOFTMAX_PRIMITIVES = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "cumlogsumexp"})
-SUM_PRIMITIVES = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
-
-STRUCTURAL_PRIMITIVES = frozenset({
-    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
-    "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_max", "reduce_min", "argmax",
-    "argmin", "stop_gradient", "sharding_constraint", "split", "unstack", "real", "imag",
-    # max/min pooling and running maxima, top-k: they select values, rounding nothing
-    "reduce_window_max", "reduce_window_min", "cummax", "cummin", "top_k", "approx_top_k",
-    # data movement between devices
-    "device_put", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "pmax", "pmin",
-    "all_gather_invariant",
-    "pvary",  # shard_map: marks a replicated value as varying, the value unchanged
-    "tile",  # jnp.tile (jax 0.10-0.12): copies of the operand
-})
-
-PROMOTE_PRIMITIVES = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor",
-    "ceil", "round", "nextafter", "atan2", "sqrt", "cbrt", "square", "integer_pow", "tanh",
-    "one_minus_square", "sin", "cos", "atan", "erf", "erfc", "is_finite", "select_n", "clamp",
-    "concatenate", "stack", "pad", "dynamic_update_slice", "eq", "ne", "lt", "le", "gt", "ge",
-    "optimization_barrier", "reduce_precision",
-})
-
+#: (sums): the groups the audit names in its advice. Both are subsets of FP32_PRIMITIVES.
+SOFTMAX_PRIMITIVES = _primitives.SOFTMAX
+SUM_PRIMITIVES = _primitives.SUM
+STRUCTURAL_PRIMITIVES = _primitives.STRUCTURAL
+PROMOTE_PRIMITIVES = _primitives.PROMOTE
 #: Primitives known to run exactly as traced: integer and bit operations, random numbers,
 #: typed sub-computations (scatter, sort, generic reduce), effects and references, and the
 #: higher-order primitives that autocast re-evaluates itself (jit, scan, cond, ...).
-AS_TRACED_PRIMITIVES = frozenset({
-    "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical",
-    "population_count", "clz", "bitcast_convert_type", "iota", "eq_to", "le_to", "lt_to",
-    "random_bits", "random_clone", "random_fold_in", "random_seed", "random_split", "random_wrap",
-    "random_unwrap", "threefry2x32", "rng_bit_generator", "rng_uniform",
-    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-    "scatter_min", "scatter-max", "scatter_max", "sort", "reduce", "reduce_and", "reduce_or",
-    "reduce_xor", "reduce_window", "select_and_gather_add", "select_and_scatter",
-    "select_and_scatter_add", "complex", "conj", "after_all", "create_token", "axis_index",
-    "empty2", "get", "swap", "name", "convert_element_type", "custom_lin",
-    "custom_linear_solve", "jit", "pjit", "closed_call", "core_call", "call", "remat2",
-    "checkpoint", "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call",
-    "custom_vjp_call_jaxpr", "eval_jaxpr", "shard_map",
-    # reached from jnp/lax functions without being exported (jnp.corrcoef's platform_index,
-    # jnp.empty_like's empty and jnp.frexp's call_hi_primitive in jax 0.12), integer
-    # arithmetic, DCE bookkeeping, and block-scaled matmuls of operands the user quantised
-    "platform_index", "empty", "call_hi_primitive", "mulhi", "dce_sink", "scaled_dot",
-})
+AS_TRACED_PRIMITIVES = _primitives.AS_TRACED
 
 
 #: The values of :attr:`OpRules.recompute`.

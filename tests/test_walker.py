@@ -150,7 +150,7 @@ def test_cast_checks_see_across_in_line_calls():
 
 def test_rebinding_leaves_no_call_per_primitive(mlp):
     """autocast evaluates sub-programs and repeated module calls as cached jitted bodies
-    where JAX inlines them (``_compat.jit_inlines``): the program it produces has no call
+    where JAX inlines them (``_jaxpr.jit_inlines``): the program it produces has no call
     left of them."""
     model, params, x = mlp
     amp = jaxamp.autocast(lambda p, x: jnp.sum(model.apply(p, x)), F16)
@@ -165,6 +165,6 @@ def test_cached_bodies_are_inlined_on_every_supported_jax():
     ``jax.Inline.JAX_EARLY``): without them a body would be evaluated once for its output
     dtypes and again when called, and repeated layers once each (BENCHMARKS.md, "The engine
     as a table of rules")."""
-    from jaxamp._compat import jit_inlines
+    from jaxamp._jaxpr import jit_inlines
 
     assert jit_inlines(), jax.__version__

@@ -1,0 +1,91 @@
+"""The registry of primitive names (jaxamp._primitives) against the installed JAX."""
+
+import ast
+import gc
+import importlib
+import pathlib
+
+import jax
+import jax.extend.core as jcore
+import pytest
+
+from jaxamp import _primitives, rules
+
+# Modules that define primitives jaxamp names; importing them registers every one.
+_MODULES = [
+    "jax.numpy", "jax.lax", "jax.nn", "jax.random", "jax.scipy.special", "jax.ad_checkpoint",
+    "jax._src.lax.linalg", "jax._src.lax.fft", "jax._src.lax.special", "jax._src.lax.ann",
+    "jax._src.lax.parallel", "jax._src.lax.control_flow", "jax._src.custom_derivatives",
+    "jax._src.shard_map", "jax._src.random", "jax._src.ffi",
+]
+#: Names that were in jaxamp's lists and are primitives of no supported JAX (0.10.2, 0.12).
+_STALE = {"core_call", "custom_vjp_call_jaxpr", "xla_call", "xla_pmap", "copy_p", "pjit",
+          "remat", "checkpoint", "expand_dims", "logistic_cross_entropy", "scatter_add",
+          "scatter_mul", "scatter_min", "scatter_max"}
+
+
+def _version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+@pytest.fixture(scope="module")
+def installed() -> set[str]:
+    for name in _MODULES:
+        importlib.import_module(name)
+    return {o.name for o in gc.get_objects() if isinstance(o, jcore.Primitive)}
+
+
+def test_every_registered_name_is_a_primitive_of_this_jax(installed):
+    assert len(installed) > 200
+    version = _version()
+    missing = []
+    for name in sorted(_primitives.all_names() - installed):
+        since, until = _primitives.VERSIONED.get(name, (None, None))
+        if name not in _primitives.VERSIONED or (
+                (since is None or version >= since) and (until is None or version < until)):
+            missing.append(name)
+    assert missing == [], (f"names in jaxamp._primitives that are no primitive of jax "
+                           f"{jax.__version__}: {missing}")
+
+
+def test_versioned_names_are_primitives_where_jax_has_them(installed):
+    version = _version()
+    present = {name for name, (since, until) in _primitives.VERSIONED.items()
+               if (since is None or version >= since) and (until is None or version < until)}
+    assert present <= installed
+    assert present  # each supported JAX has some of them (0.10: closed_call; 0.12: log2)
+
+
+def test_no_stale_name_in_the_registry():
+    assert _STALE & _primitives.all_names() == set()
+
+
+def test_stale_names_are_primitives_of_no_installed_jax(installed):
+    assert _STALE & installed == set()
+
+
+def test_op_rules_defaults_are_the_registry():
+    defaults = rules.OpRules()
+    assert defaults.matmul is _primitives.MATMUL
+    assert defaults.fp32 is _primitives.FP32
+    assert defaults.structural is _primitives.STRUCTURAL
+    assert defaults.promote is _primitives.PROMOTE
+    assert defaults.as_traced is _primitives.AS_TRACED
+    assert _primitives.SOFTMAX <= _primitives.FP32 and _primitives.SUM <= _primitives.FP32
+
+
+_ENGINE = ["_attention", "_compat", "_context", "_control", "_evaluator", "_jaxpr", "_op_rules",
+           "_primitives", "_recompute", "_sharing", "_values", "_wgrad", "engine", "rules"]
+
+
+def test_no_engine_module_names_a_stale_primitive():
+    """Read from the code's AST: no string constant in an engine module is a stale name."""
+    package = pathlib.Path(_primitives.__file__).parent
+    found = {}
+    for name in _ENGINE:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        names = {n.value for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        if names & _STALE:
+            found[name] = sorted(names & _STALE)
+    assert found == {}
