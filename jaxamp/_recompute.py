@@ -194,7 +194,8 @@ def _low_casts(ctx: Context, seg: Segment, base, outs, metas) -> list[tuple[int,
     made outside, the cast's transpose (the cotangent cast up to float32) is computed outside
     the checkpoint too, and enters the backward's ``optimization_barrier`` (``prevent_cse``)
     as a float32 array, which XLA must then write out in full (a ``[B, H, T, T]`` float32
-    array per attention layer: measured, 0.87x the step's speed on an H200; BENCHMARKS.md).
+    array per attention layer: measured, 0.87x the step's speed on an H200; BENCHMARKS.md,
+    History).
     Inside, the low-precision cotangent the matmul makes enters it, and the cast up fuses
     into the recomputation. No FP8 (quantised by its own rule) and no region crossing that
     casts the output on the way."""

@@ -108,7 +108,7 @@ def bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
     and a jitted call per primitive cost more to trace than the linearizations it saved
     (``bench/trace_cost.py``, trace + lower of ``value_and_grad`` against plain:
     transformers' GPT-2 at 12 layers 1.17-1.19x with it, 0.83-1.06x without; the nested
-    control flow at depth 1 1.32-1.34x and 1.24-1.28x; BENCHMARKS.md)."""
+    control flow at depth 1 1.32-1.34x and 1.24-1.28x; BENCHMARKS.md, History)."""
     return prim.bind(*vals, **params)
 
 

@@ -149,8 +149,8 @@ class OpRules:
         XLA already fuses what it keeps into the kernels that make it, and a recompute
         segment (a checkpoint with an ``optimization_barrier``) adds kernel bytes: compiled
         for an H200, recompute everywhere costs the gpt2-small-shape bench GPT 18% more
-        kernel bytes for 8% less temp memory (BENCHMARKS "What each piece of recompute does
-        to the GPU program"). ``False``: keeps every intermediate JAX's autodiff saves.
+        kernel bytes for 8% less temp memory (BENCHMARKS.md, History: the recompute
+        study). ``False``: keeps every intermediate JAX's autodiff saves.
         Inside a user's ``jax.checkpoint`` its own policy decides.
 
     Example:

@@ -21,8 +21,8 @@ What the estimate ignores: kernel launch latency and the gaps between kernels, L
 (every kernel is charged its operand and result bytes from HBM), the efficiency a kernel
 reaches below the peaks (small or skinny GEMMs, tile quantization, an untuned Triton tile),
 elementwise FLOPs (a fusion is charged its bytes only), overlap of kernels, and collectives.
-It ranks programs by the bytes and FLOPs they move; BENCHMARKS.md, "GPU program", records how
-far its ratios agree with step times measured on an H200.
+It ranks programs by the bytes and FLOPs they move; how far its ratios agreed with step times
+measured on an H200 is in BENCHMARKS.md's History.
 
 Without a GPU, JAX needs the CUDA plugin (``pip install "jaxamp-flax[gpu-compile]"``, about
 3 GB) and, on a machine with no GPU, ``JAX_PLATFORMS=cpu`` set before it starts (the plugin
