@@ -79,10 +79,13 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._compat import new_dtype
-from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
-from jaxamp.diagnostics._reference import is_norm, norm_row
-from jaxamp.diagnostics._report import (
+from .._compat import new_dtype
+from .._jaxpr import duplicate_casts, lossy_round_trips
+from ..engine import float64_cause, float64_inputs
+from ..policy import policy_to_str
+from ..rules import OpRules
+from ._reference import is_norm, norm_row
+from ._report import (
     AuditReport,
     Finding,
     PrecisionTable,
@@ -91,8 +94,8 @@ from jaxamp.diagnostics._report import (
     storage_findings,
     without_rounded_state,
 )
-from jaxamp.diagnostics._step import audit_step
-from jaxamp.diagnostics._trace import (
+from ._step import audit_step
+from ._trace import (
     ACCUM,
     EXPLOG,
     LOW,
@@ -107,9 +110,6 @@ from jaxamp.diagnostics._trace import (
     table_rows,
     trace_model,
 )
-from jaxamp.engine import float64_cause, float64_inputs
-from jaxamp.policy import policy_to_str
-from jaxamp.rules import OpRules
 
 __all__ = ["AuditReport", "Finding", "PrecisionTable", "audit", "audit_step",
            "format_precision_table", "precision_table"]

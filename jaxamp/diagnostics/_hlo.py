@@ -339,7 +339,7 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
     ones the float32 rules kept, so the compiled program may hold that many f32 GEMMs."""
     import numpy as np
 
-    from jaxamp._jaxpr import iter_eqns
+    from .._jaxpr import iter_eqns
 
     out: Counter = Counter()
     for eqn in iter_eqns(closed_jaxpr):
@@ -351,6 +351,34 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
         sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
         out_size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
         out[gemm_signature(sizes, out_size)] += 1
+    return out
+
+
+# ---- FP8 dots planned in the lowered (StableHLO) program ----------------------------------
+
+_F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([^>]*)xf8E\w+>, "
+                     r"tensor<[^>]*xf8E\w+>\) -> tensor<([^>]*)x\w+>")
+_CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
+
+
+def planned_fp8_dots(stablehlo: str) -> list[int]:
+    """The FLOPs of each ``dot_general`` with two FP8 operands in StableHLO text
+    (``lower(...).as_text()``): 2 x output elements x contracted size."""
+    out = []
+    for line in stablehlo.splitlines():
+        m = _F8_DOT.search(line)
+        if not m:
+            continue
+        lhs = [int(d) for d in m.group(1).split("x") if d]
+        res = [int(d) for d in m.group(2).split("x") if d]
+        c = _CONTRACTING.search(line)
+        k = 1
+        for d in (int(x) for x in c.group(1).split(",") if x.strip()) if c else ():
+            k *= lhs[d] if d < len(lhs) else 1
+        n = 1
+        for d in res:
+            n *= d
+        out.append(2 * n * k)
     return out
 
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-from jaxamp._compat import new_dtype
-from jaxamp._jaxpr import consumers, containing
-from jaxamp.diagnostics._trace import (
+from .._compat import new_dtype
+from .._jaxpr import consumers, containing
+from ..rules import EMBED_MODULES, FP32_MODULES
+from ._trace import (
     ACCUM,
     EXPLOG,
     PASS_THROUGH,
@@ -34,7 +35,6 @@ from jaxamp.diagnostics._trace import (
     join_dtypes,
     loss_records,
 )
-from jaxamp.rules import EMBED_MODULES, FP32_MODULES
 
 # ---------------------------------------------------------------------------------------------
 # Classifying modules

@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 
-from jaxamp.diagnostics._reference import reference_rows
-from jaxamp.diagnostics._trace import Trace, is_low, low_leaves, matmul_rows
-from jaxamp.state_dtype import StoredState
+from ..state_dtype import StoredState
+from ._reference import reference_rows
+from ._trace import Trace, is_low, low_leaves, matmul_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,13 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._compat import scan_counts
-from jaxamp._jaxpr import walk
-from jaxamp.diagnostics._report import AuditReport, Finding, group_findings, storage_findings
-from jaxamp.diagnostics._trace import (
+from .._compat import scan_counts
+from .._jaxpr import walk
+from ..policy_spec import DEFAULT_POLICY
+from ..rules import ModuleRules
+from ..train import TrainStep
+from ._report import AuditReport, Finding, group_findings, storage_findings
+from ._trace import (
     Recorder,
     attribute,
     clean_path,
@@ -33,9 +36,6 @@ from jaxamp.diagnostics._trace import (
     resolve_call,
     table_rows,
 )
-from jaxamp.policy_spec import DEFAULT_POLICY
-from jaxamp.rules import ModuleRules
-from jaxamp.train import TrainStep
 
 
 class _Graph:

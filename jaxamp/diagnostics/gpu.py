@@ -58,9 +58,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._compat import compile_only_gpu, device_target_config
-from jaxamp.diagnostics._hlo import Kernel, kernels
-from jaxamp.diagnostics.fp8_hlo import planned_fp8_dots
+from .._compat import compile_only_gpu, device_target_config
+from ._hlo import Kernel, kernels, planned_fp8_dots
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
 
@@ -469,7 +468,7 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
       RuntimeError: the plugin gave no compile-only GPU (``JAX_PLATFORMS=cpu`` missing).
       ValueError: an unknown target, or a step built with ``mesh=`` (one GPU only).
     """
-    from jaxamp.train import TrainStep
+    from ..train import TrainStep
 
     tgt = gpu_target(target)
     if isinstance(fn, TrainStep) and fn._mesh is not None:

@@ -35,10 +35,14 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp import nnx_frontend
-from jaxamp._compat import Tracer, bind_with_params, scan_params
-from jaxamp._jaxpr import evaluate, name_stack, sub_programs
-from jaxamp.diagnostics._trace import (
+from .._compat import Tracer, bind_with_params, scan_params
+from .._jaxpr import evaluate, name_stack, sub_programs
+from ..engine import autocast
+from ..nnx_frontend import functional, is_module
+from ..policy import get_policy, policy_to_str
+from ..rules import ModuleRules, OpRules
+from ..transform import default_loss_scale
+from ._trace import (
     LOW,
     SCAFFOLD,
     TOP_LEVEL,
@@ -51,10 +55,6 @@ from jaxamp.diagnostics._trace import (
     recording,
     resolve_call,
 )
-from jaxamp.engine import autocast
-from jaxamp.policy import get_policy, policy_to_str
-from jaxamp.rules import ModuleRules, OpRules
-from jaxamp.transform import default_loss_scale
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -574,9 +574,9 @@ def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_sca
             f32_weight_grads) -> OverflowReport:
     if isinstance(fn, nn.Module):
         fn = fn.apply
-    if nnx_frontend.is_module(fn) or nnx_frontend.is_module(variables):
+    if is_module(fn) or is_module(variables):
         # NNX: locate_overflow(model, *args) or (fn, model, *args); differentiate its params
-        fn, (variables, *args) = nnx_frontend.functional(fn, (variables, *args))
+        fn, (variables, *args) = functional(fn, (variables, *args))
     if not callable(fn):
         raise TypeError(f"locate_overflow: fn must be callable, got {type(fn).__name__}.")
     if loss_fn is not None and not callable(loss_fn):

@@ -49,8 +49,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxamp import policy_spec
-from jaxamp.diagnostics import metrics
+from ..policy_spec import parse as parse_policy
+from .metrics import (
+    METRICS_FILE,
+    STEP_KEYS,
+    SUMMARY_FILE,
+    MetricsError,
+    read_metrics,
+    read_summary,
+)
 
 __all__ = ["ReviewError", "RunFinding", "RunReview", "main", "review_metrics", "review_run"]
 
@@ -196,17 +203,17 @@ def read_run(run_dir: str | Path, notes: list[str] | None = None) -> tuple[list[
         raise ReviewError(f"{d}: no such run directory")
     if not d.is_dir():
         raise ReviewError(f"{d}: not a directory (pass the run directory that holds "
-                          f"{metrics.METRICS_FILE})")
-    if not (d / metrics.METRICS_FILE).is_file():
-        raise ReviewError(f"{d}: no {metrics.METRICS_FILE} in the run directory")
+                          f"{METRICS_FILE})")
+    if not (d / METRICS_FILE).is_file():
+        raise ReviewError(f"{d}: no {METRICS_FILE} in the run directory")
     try:
-        rows = metrics.read_metrics(d / metrics.METRICS_FILE, keys=metrics.STEP_KEYS,
+        rows = read_metrics(d / METRICS_FILE, keys=STEP_KEYS,
                                     on_dropped=None if notes is None else notes.append)
-        summary = metrics.read_summary(d / metrics.SUMMARY_FILE)
-    except metrics.MetricsError as e:
+        summary = read_summary(d / SUMMARY_FILE)
+    except MetricsError as e:
         raise ReviewError(str(e)) from None
     if not rows:
-        raise ReviewError(f"{d / metrics.METRICS_FILE}: no steps logged")
+        raise ReviewError(f"{d / METRICS_FILE}: no steps logged")
     return rows, summary
 
 
@@ -316,7 +323,7 @@ def _policy_compute(summary: Mapping) -> str | None:
     """The canonical compute dtype name of the logged policy (None: absent or unreadable)."""
     pol = summary.get("policy")
     try:
-        return policy_spec.parse(pol)["compute"] if isinstance(pol, str) else None
+        return parse_policy(pol)["compute"] if isinstance(pol, str) else None
     except ValueError:
         return None
 
@@ -598,7 +605,7 @@ def _opt_state_note(summary: Mapping) -> str | None:
     text = f"optimizer state: {_fmt_bytes(sum(sizes.values()))} ({parts})"
     pol = summary.get("policy")
     try:
-        stored = policy_spec.parse(pol).get("opt_state") if isinstance(pol, str) else None
+        stored = parse_policy(pol).get("opt_state") if isinstance(pol, str) else None
     except ValueError:
         stored = None
     low = sizes.get("bfloat16", 0.0)
