@@ -46,7 +46,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -59,6 +58,7 @@ import jax
 import numpy as np
 
 from .._compat import compile_only_gpu, device_target_config
+from ._base import Report
 from ._hlo import Kernel, kernels, planned_fp8_dots
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
@@ -242,7 +242,7 @@ def _abstract(x: Any, sharding) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuProgram:
+class GpuProgram(Report):
     """What :func:`gpu_program` found in the compiled GPU program.
 
     Attributes:
@@ -387,9 +387,6 @@ class GpuProgram:
             out["kernels"] = [dict(dataclasses.asdict(k), seconds=self.target.seconds(k))
                               for k in self.kernels]
         return out
-
-    def to_json(self, indent: int | None = 2, kernels: bool = True) -> str:
-        return json.dumps(self.to_dict(kernels=kernels), indent=indent)
 
     def _lines(self) -> list[tuple[str, str]]:
         s = self.summary()

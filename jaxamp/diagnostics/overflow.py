@@ -23,7 +23,6 @@ float16 limits used: largest finite 65504, smallest normal 2**-14 (~6.1e-5), sma
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,6 +41,7 @@ from ..nnx_frontend import functional, is_module
 from ..policy import get_policy, policy_to_str
 from ..rules import ModuleRules, OpRules
 from ..transform import default_loss_scale
+from ._base import Report, escape, rich_table
 from ._trace import (
     LOW,
     SCAFFOLD,
@@ -335,7 +335,7 @@ def _bits(a: _Acc) -> float | None:
 
 
 @dataclasses.dataclass
-class OverflowReport:
+class OverflowReport(Report):
     """What :func:`locate_overflow` found.
 
     Attributes:
@@ -400,9 +400,6 @@ class OverflowReport:
                 "underflow": self.underflow,
                 "rows": [{k: clean(v) for k, v in r.items()} for r in self.rows]}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
     def summary(self) -> str:
         """A few sentences: where it overflows, how much underflows."""
         lines = []
@@ -434,29 +431,22 @@ class OverflowReport:
                 f"{_pct(r['underflow_scaled'])} |")
         return "\n".join(out)
 
-    def print(self, console=None) -> None:
-        """Prints the rows as a rich table, then the summary."""
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        console = console or Console()
-        t = Table(title=f"overflow / underflow per module ({self.policy}, loss scale "
-                        f"{self.loss_scale:g})", title_justify="left")
-        for col in ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
-                    "param grad max", "underflow unscaled", "underflow scaled"):
-            t.add_column(col)
+    def _rich(self) -> list[Any]:
+        """The rows as a table, then the summary."""
         colors = {"overflow": "bold red", "nonfinite": "red", "near_overflow": "yellow",
                   "underflow": "magenta"}
-        for r in self.rows:
-            st = r["status"]
-            t.add_row(escape(r["module"]),
-                      f"[{colors[st]}]{st}[/{colors[st]}]" if st in colors else st,
-                      _fmt(r["forward_max_abs"]), r["forward_dtypes"],
-                      _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
-                      _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"]))
-        console.print(t)
-        console.print(escape(self.summary()))
+
+        def status(st: str) -> str:
+            return f"[{colors[st]}]{st}[/{colors[st]}]" if st in colors else st
+
+        table = rich_table(
+            f"overflow / underflow per module ({self.policy}, loss scale {self.loss_scale:g})",
+            ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
+             "param grad max", "underflow unscaled", "underflow scaled"),
+            [(escape(r["module"]), status(r["status"]), _fmt(r["forward_max_abs"]),
+              r["forward_dtypes"], _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
+              _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"])) for r in self.rows])
+        return [table, escape(self.summary())]
 
 
 def _pct(x) -> str:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..policy_spec import parse as parse_policy
+from ._base import Report, escape
 from .metrics import (
     METRICS_FILE,
     STEP_KEYS,
@@ -102,7 +102,7 @@ class RunFinding:
 
 
 @dataclasses.dataclass
-class RunReview:
+class RunReview(Report):
     """The review of one run: ``findings`` (empty when healthy) and what was read."""
 
     findings: list[RunFinding]
@@ -124,9 +124,6 @@ class RunReview:
         return {"run_dir": self.run_dir, "num_steps": self.num_steps, "ok": self.ok,
                 "findings": [f.to_dict() for f in self.findings], "notes": list(self.notes)}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
     def to_text(self) -> str:
         head = f"{self.run_dir}: " if self.run_dir else ""
         notes = [f"note: {n}" for n in self.notes]
@@ -146,18 +143,13 @@ class RunReview:
         out += [f"| {f.code} | {_steps_text(f.steps)} | {f.explanation} |" for f in self.findings]
         return "\n".join(out)
 
-    def print(self, console=None) -> None:
-        from rich.console import Console
-        from rich.markup import escape
-
-        console = console or Console()
-        if self.ok:
-            console.print(f"[green]no problems found[/green] ({self.num_steps} steps reviewed)")
+    def _rich(self) -> list[Any]:
+        out = [f"[green]no problems found[/green] ({self.num_steps} steps reviewed)"] \
+            if self.ok else []
         for f in self.findings:
             steps = f" (steps {_steps_text(f.steps)})" if f.steps else ""
-            console.print(f"[bold red]{f.code}[/bold red]{steps}: {escape(f.explanation)}")
-        for n in self.notes:
-            console.print(f"[dim]note:[/dim] {escape(n)}")
+            out.append(f"[bold red]{f.code}[/bold red]{steps}: {escape(f.explanation)}")
+        return out + [f"[dim]note:[/dim] {escape(n)}" for n in self.notes]
 
 
 def _steps_text(steps: Sequence[int], limit: int = 12) -> str:
