@@ -20,9 +20,9 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def to_json(self, indent: int | None = 2, **options: Any) -> str:
-        """:meth:`to_dict` (given ``options``) as a JSON string."""
-        return json.dumps(self.to_dict(**options), indent=indent)
+    def to_json(self, indent: int | None = 2, *args: Any, **kwargs: Any) -> str:
+        """:meth:`to_dict` (given any further arguments) as a JSON string."""
+        return json.dumps(self.to_dict(*args, **kwargs), indent=indent)
 
     def to_markdown(self) -> str:
         raise NotImplementedError

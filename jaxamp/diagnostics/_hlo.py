@@ -419,13 +419,12 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def type_bytes(type_text: str) -> int:
     """Bytes of every array in a (possibly tuple) type."""
-    total = 0
-    for dtype, dims in arrays(type_text):
-        n = 1
-        for d in dims:
-            n *= d
-        total += (n * _BITS[dtype] + 7) // 8
-    return total
+    return sum(array_bytes(dtype, dims) for dtype, dims in arrays(type_text))
+
+
+def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+    """Bytes of one array of HLO element type ``dtype`` (``"bf16"``) and shape ``dims``."""
+    return (_elements(dims) * _BITS[dtype] + 7) // 8
 
 
 def _elements(dims: tuple[int, ...]) -> int:
@@ -482,9 +481,21 @@ class Kernel:
         return self.bytes_read + self.bytes_written
 
 
-def _operand_name(operand: str) -> str | None:
+def operand_name(operand: str) -> str | None:
     m = _OPERAND.match(operand.strip())
     return m.group(2) if m else None
+
+
+def op_name(attrs: str) -> str:
+    """The JAX name stack of an instruction (its ``metadata={op_name=...}``; "" if none)."""
+    m = _OP_NAME.search(attrs)
+    return m.group(1) if m else ""
+
+
+def hlo_modules(text: str) -> list[str]:
+    """``text`` split into its HLO modules (several dump files read as one text)."""
+    parts = re.split(r"^(?=HloModule\b)", text, flags=re.M)
+    return [p for p in parts if p.strip()] or [text]
 
 
 class _Program:
@@ -511,7 +522,7 @@ class _Program:
         out: dict[str, list[Instr]] = {}
         for ins in self.comps.get(comp, []):
             for o in ins.operands:
-                name = _operand_name(o)
+                name = operand_name(o)
                 if name is not None:
                     out.setdefault(name, []).append(ins)
         return out
@@ -535,7 +546,7 @@ def _read_bytes(prog: _Program, comp: str, param: Instr, users: dict) -> int:
             if u.name in seen:
                 continue
             seen.add(u.name)
-            first = _operand_name(u.operands[0]) if u.operands else None
+            first = operand_name(u.operands[0]) if u.operands else None
             if u.opcode in _SLICING and first == name:
                 taken += type_bytes(u.type)
             elif u.opcode in ("dynamic-update-slice", "scatter") and first == name:
@@ -555,7 +566,7 @@ def _written_bytes(prog: _Program, comp: str, result_type: str) -> int:
     if root is None:
         return type_bytes(result_type)
     table = prog.by_name.get(comp, {})
-    outs = [table.get(_operand_name(o) or "") for o in root.operands] \
+    outs = [table.get(operand_name(o) or "") for o in root.operands] \
         if root.opcode == "tuple" else [root]
     total = 0
     for out in outs:
@@ -737,7 +748,7 @@ def _made_from_f8(prog: _Program, comp: str, name: str | None, depth: int = 0) -
     if _is_f8(ins.type):
         return True
     if ins.opcode in ("get-tuple-element", "bitcast", "copy", "reshape", "transpose"):
-        return bool(ins.operands) and _made_from_f8(prog, comp, _operand_name(ins.operands[0]),
+        return bool(ins.operands) and _made_from_f8(prog, comp, operand_name(ins.operands[0]),
                                                     depth + 1)
     if ins.opcode == "fusion":
         called = _CALLS.search(ins.attrs)
@@ -754,7 +765,7 @@ def _reads_f8(prog: _Program, ins: Instr) -> bool:
     called = _CALLS.search(ins.attrs) if ins.opcode == "fusion" else None
     if called and _computes_f8(prog, called.group(1)):
         return True
-    return any(_made_from_f8(prog, ins.computation, _operand_name(o)) for o in ins.operands)
+    return any(_made_from_f8(prog, ins.computation, operand_name(o)) for o in ins.operands)
 
 
 def kernels(text: str) -> list[Kernel]:
@@ -797,12 +808,11 @@ def kernels(text: str) -> list[Kernel]:
                 info = _fusion_kernel(prog, ins)
             else:
                 info = _plain_kernel(prog, ins)
-            name = _OP_NAME.search(ins.attrs)
             f8 = info["kind"] == "gemm" and _reads_f8(prog, ins)
             out.append(Kernel(ins.name, comp, info["kind"], info["library"], info["target"],
                               info["bytes_read"], info["bytes_written"], info["flops"],
                               info["dtypes"], info["precision"], times,
-                              name.group(1) if name else "", f8))
+                              op_name(ins.attrs), f8))
 
     if prog.entry is not None:
         walk(prog.entry, 1, 0)
