@@ -407,7 +407,6 @@ _DIMS = {key: re.compile(key + r"=\{([\d,\s]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _BACKEND_CONFIG = re.compile(r"backend_config=")
 _SLICING = {"slice", "dynamic-slice", "gather"}  # a parameter read only through these: rows
-_PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose", "convert"}  # same elements
 FP8_GEMM_TARGETS = ("__cublas$lt$matmul$f8",)
 
 
