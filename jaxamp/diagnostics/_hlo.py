@@ -208,15 +208,6 @@ def parse_hlo(text: str) -> dict[str, list[Instr]]:
     return out
 
 
-def _operand_info(operand: str, table: dict[str, str]) -> tuple[str | None, int | None]:
-    m = _OPERAND.match(operand.strip())
-    if not m:
-        return None, None
-    if m.group(1):
-        return first_array(m.group(1))
-    return first_array(table.get(m.group(2), ""))
-
-
 def fusion_kind(attrs: str) -> str | None:
     """The ``"kind"`` of a fusion's ``fusion_backend_config`` (None if it has none). Read from
     the config's own braces: XLA writes its fields in name order, so on the H200's XLA (jax
@@ -238,14 +229,13 @@ def fusion_kind(attrs: str) -> str | None:
 
 def find_gemms(text: str) -> list[Gemm]:
     """Every matmul/convolution of a compiled XLA:GPU module, with the library that runs it."""
-    comps = parse_hlo(text)
-    tables = {c: {i.name: i.type for i in instrs} for c, instrs in comps.items()}
+    prog = _Program(text)
+    comps = prog.comps
     gemms: list[Gemm] = []
     inside_gemm_fusion: set[str] = set()
 
     def make(instr: Instr, library: str, target: str, operands_of: Instr) -> Gemm:
-        table = tables[operands_of.computation]
-        infos = [_operand_info(o, table) for o in operands_of.operands[:2]]
+        infos = [first_array(t) for t in prog.operand_types(operands_of)[:2]]
         out_dt, out_n = first_array(instr.type)
         return Gemm(instr.name, instr.computation, library, target,
                     tuple(d for d, _ in infos), out_dt, tuple(n for _, n in infos), out_n)
