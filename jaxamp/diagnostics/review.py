@@ -200,7 +200,7 @@ def read_run(run_dir: str | Path, notes: list[str] | None = None) -> tuple[list[
         raise ReviewError(f"{d}: no {METRICS_FILE} in the run directory")
     try:
         rows = read_metrics(d / METRICS_FILE, keys=STEP_KEYS,
-                                    on_dropped=None if notes is None else notes.append)
+                            on_dropped=None if notes is None else notes.append)
         summary = read_summary(d / SUMMARY_FILE)
     except MetricsError as e:
         raise ReviewError(str(e)) from None
