@@ -11,7 +11,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu import gpu_target_values, judge_gpu_targets, print_gpu_table  # noqa: E402 (no JAX)
+
 EXAMPLE_DTYPES = ("bfloat16", "float16")
 SUMMARY_KEYS = ("preset", "policy", "loss_scale_mode", "steps", "batch_size", "tokens_per_step",
                 "initial_val_loss", "final_val_loss", "final_train_loss", "skipped_steps",
@@ -88,11 +90,7 @@ def main(argv=None) -> int:
         res = {"bench_incomplete": True,
                "jax": read_json(outdir / "gpu-jax.json") or {"missing": True},
                "torch": read_json(outdir / "gpu-torch.json") or {"missing": True}}
-        sys.path.insert(0, str(HERE))
         try:
-            from _gpu import gpu_target_values
-            from _targets import judge_gpu_targets
-
             res["targets"] = judge_gpu_targets(gpu_target_values(res["jax"], res["torch"]),
                                                evaluate=False)
             for t in res["targets"].values():
@@ -127,17 +125,8 @@ def main(argv=None) -> int:
     if "error" not in t:
         print(f"  gpu tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
               f"{t['skipped']} skipped")
-    for name, v in {**(res.get("jax") or {}).get("variants", {}),
-                    **(res.get("torch") or {}).get("variants", {})}.items():
-        if "tokens_per_s" in v:
-            mfu = v.get("mfu")
-            mem = v.get("peak_memory_bytes")
-            print(f"  {name:<22} {v['tokens_per_s']:>12,.0f} tok/s  MFU "
-                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%':>6}  peak "
-                  f"{'n/a' if mem is None else f'{mem / 2**30:.2f} GiB':>10}  compile "
-                  f"{v.get('compile_s', 0):.1f} s")
-        else:
-            print(f"  {name:<22} {v.get('skipped') or v.get('error') or 'not timed'}")
+    print_gpu_table({"dry_run": a.dry_run == "1", **res})
+
     def mib(x):
         return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"
 
@@ -149,11 +138,6 @@ def main(argv=None) -> int:
               f"{mib(r['peak_bytes_after'])} on ({times(r['peak_after_over_before'])}), "
               f"temp {mib(r['temp_bytes_before'])} -> {mib(r['temp_bytes_after'])} "
               f"({times(r['temp_after_over_before'])})")
-    for key, tg in (res.get("targets") or {}).items():
-        if isinstance(tg, dict):
-            val = tg.get("value")
-            print(f"  target {key:<28} {tg['target']:<8} "
-                  f"{'n/a' if val is None else f'{val:.3f}':>7}  {tg['status']}")
     for dt, e in res["gpu_sh"]["examples"].items():
         s = e["summary"]
         if s:

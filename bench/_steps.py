@@ -1,10 +1,11 @@
-"""The steps under test: jaxamp's AMP train step and a plain baseline with the same autocast
-forward, the runners that thread their state through timed calls, and the model, parameters and
-batch shared by every section (built once per process)."""
+"""The steps under test (jaxamp's AMP step, a plain one with the same autocast forward, the
+hand-cast twin's), runners that thread their state through timed calls, interleaved timing."""
 
 from __future__ import annotations
 
-import sys
+import gc
+import statistics
+import time
 from collections.abc import Callable
 
 import jax
@@ -24,22 +25,35 @@ POLICIES = {
 }
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def med(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def interleaved_runtime(runners: dict[str, Callable[[int], None]], *, repeats: int,
+                        steps: int, warmup: int) -> dict[str, list[float]]:
+    """Wall-clock seconds per step of each runner, per repeat. The runners alternate and the
+    order flips every repeat, so machine noise hits every side alike."""
+    for run in runners.values():
+        run(warmup)
+    names = list(runners)
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            gc.collect()
+            t0 = time.perf_counter()
+            runners[name](steps)
+            wall[name].append((time.perf_counter() - t0) / steps)
+    return wall
 
 
 def make_tx() -> optax.GradientTransformation:
     return optax.adamw(1e-3)
 
 
-def amp_loss_of(model, policy: str, loss: Callable = lm_loss) -> Callable:
-    return jaxamp.autocast(lambda params, batch: loss(model.apply, params, batch), policy)
-
-
 def make_baseline_step(model, tx, policy: str, loss: Callable = lm_loss):
     """Same autocast forward/backward as the AMP step; no loss scale, finite check or clip.
     ``loss(apply_fn, params, batch)``: ``make_train_step``'s loss_fn."""
-    loss_fn = amp_loss_of(model, policy, loss)
+    loss_fn = jaxamp.autocast(lambda params, batch: loss(model.apply, params, batch), policy)
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -81,21 +95,6 @@ class AmpRunner:
         return int(self.state.skipped_steps)
 
 
-class BaselineRunner:
-    def __init__(self, model, params, tx, batch, policy, loss: Callable = lm_loss):
-        self.step = make_baseline_step(model, tx, policy, loss)
-        self.params = copy_tree(params)
-        self.opt_state = tx.init(self.params)
-        self.batch = batch
-
-    def __call__(self, steps: int) -> None:
-        params, opt_state = self.params, self.opt_state
-        for _ in range(steps):
-            params, opt_state, _ = self.step(params, opt_state, self.batch)
-        jax.block_until_ready((params, opt_state))
-        self.params, self.opt_state = params, opt_state
-
-
 def make_hand_step(cfg: GPTConfig, tx, compute: str, *, clip_norm: float = 1.0):
     """The hand-written mixed-precision step a careful Flax user writes without jaxamp: the
     ``dtype=`` twin (``gpt_handcast.HandCastGPT``) in :func:`hand_train_step`."""
@@ -106,15 +105,11 @@ def make_hand_step(cfg: GPTConfig, tx, compute: str, *, clip_norm: float = 1.0):
 def hand_train_step(loss_fn: Callable, tx, compute: str, *, clip_norm: float = 1.0,
                     period: int = 2000):
     """A plain ``jax.jit`` step of a hand-cast twin's ``loss_fn(params, batch)`` with ``jmp``
-    loss scaling, doing the work ``jaxamp.make_train_step`` does (scale, unscale, finite check,
-    skip, clip, update).
-
-    ``step(params, opt_state, scale_state, skipped, batch) -> (params, opt_state, scale_state,
-    skipped, loss)``. ``scale_state`` is ``(loss_scale, counter)`` of a ``jmp.DynamicLossScale``
-    for float16 (jaxamp's defaults: 2**16, doubled after ``period`` = 2000 finite steps) and
-    ``()`` (no scaling) otherwise; the jmp object is rebuilt inside the step (its
-    ``__post_init__`` does not accept the placeholders ``jit(...).lower`` passes through
-    pytrees)."""
+    loss scaling, doing ``jaxamp.make_train_step``'s work (scale, unscale, finite check, skip,
+    clip, update): ``step(params, opt_state, scale_state, skipped, batch) -> (params,
+    opt_state, scale_state, skipped, loss)``. ``scale_state``: ``(loss_scale, counter)`` of a
+    ``jmp.DynamicLossScale`` for float16 (jaxamp's defaults), else ``()``; the jmp object is
+    rebuilt inside the step (its ``__post_init__`` refuses ``lower``'s placeholders)."""
     clip = optax.clip_by_global_norm(clip_norm)
     dynamic = compute == "float16"
 
@@ -169,10 +164,6 @@ class HandRunner:
 
 
 _SETUP: dict = {}
-# (compiled AMP step, its optax transformation) by (config, batch, policy name), kept from the
-# compile and memory measurements so ``--smoke`` can time them again (a TrainState's pytree
-# metadata holds the transformation, so the executable only accepts states built with it).
-AMP_EXECUTABLES: dict = {}
 
 
 def setup(cfg: GPTConfig, batch_size: int):

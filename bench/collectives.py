@@ -1,12 +1,10 @@
 #!/usr/bin/env python
 """Bytes communicated per train step on a mesh, float32 vs bfloat16 policy.
 
-The example GPT (``examples/lm_model.py``, ``--preset``) on 8 virtual CPU devices, laid out as
-``--mesh data=D,model=M`` (``examples/lm_mesh.py``: data parallel x Megatron tensor parallel);
-with ``--fsdp`` the params not split over ``model`` are also split over ``data``. Every
-collective of the partitioned program (:func:`jaxamp.collectives`, the HLO after XLA's SPMD
-partitioner: what a GPU runs) is summed by kind and dtype, per device and step (ring
-estimate of the bytes each device sends)::
+The example GPT on 8 virtual CPU devices, ``--mesh data=D,model=M`` (``examples/lm_mesh.py``;
+``--fsdp`` also splits over ``data`` the params ``model`` leaves whole). Every collective of
+the partitioned program (:func:`jaxamp.collectives`: what a GPU runs) is summed by kind and
+dtype, as the bytes each device sends per step (ring estimate)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         python bench/collectives.py --mesh data=4,model=2 [--fsdp] [--json OUT]

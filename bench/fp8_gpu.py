@@ -1,21 +1,14 @@
 """FP8 matmuls on a GPU: does each planned FP8 GEMM become a cuBLASLt FP8 GEMM, and tokens/s of
 the FP8 train step against the bf16 one, side by side in one process.
 
-For each shape (``gpt2-small``: d_model 768; ``d2048``: d_model 2048, whose GEMMs pass torchao's
-size threshold) the same ``bench/gpt.py`` model and batch are compiled under
-``params=float32,compute=bfloat16,output=float32`` and the same policy with ``matmul=float8``
-(jaxamp's default FP8 rule: first/last matmul and small GEMMs stay bf16). It records:
+For ``gpt2-small`` (d_model 768) and ``d2048`` (whose GEMMs pass torchao's size threshold), the
+``bench/gpt.py`` step under ``params=float32,compute=bfloat16,output=float32`` and the same with
+``matmul=float8``. ``hlo``: :func:`jaxamp.fp8_gemms` (planned FP8 dots, ``__cublas$lt$matmul$f8``
+calls compiled) and ``f16_fallback``, the f16 GEMMs that the bf16 step does not have (XLA's
+silent ``TurnF8DotIntoF16Dot``); ``tokens_per_s`` of both steps (interleaved, medians).
+A claim only once run on a GPU (``bash bench/gpu.sh OUTDIR``, stage ``fp8``).
 
-* ``hlo``: :func:`jaxamp.fp8_gemms` on the FP8 step: planned FP8 dots (forward, dgrad, wgrad)
-  in the lowered program, ``__cublas$lt$matmul$f8`` custom calls in the compiled one, and
-  ``jaxamp.diagnostics._hlo``'s reading of every GEMM (library, operand dtypes): ``f16_fallback``
-  counts f16 dots/GEMMs that the bf16 step does not have (XLA's silent ``TurnF8DotIntoF16Dot``);
-* ``tokens_per_s`` of both steps (interleaved repeats, medians) and their ratio.
-
-Nothing here is a claim until it ran on the GPU (``bash bench/gpu.sh OUTDIR``, stage ``fp8``);
-``--cpu-dry-run`` runs toy sizes on CPU to prove the script works (its figures mean nothing).
-
-Usage: ``python bench/fp8_gpu.py --json OUT.json [--cpu-dry-run]``
+Usage: ``python bench/fp8_gpu.py --json OUT.json [--cpu-dry-run]`` (toy sizes on CPU)
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from _timing import interleaved_runtime, med  # noqa: E402
+from _steps import interleaved_runtime, med  # noqa: E402
 from gpt import GPT, GPTConfig, init, lm_loss, make_batch  # noqa: E402
 
 import jaxamp  # noqa: E402
@@ -96,7 +89,7 @@ def measure(name: str, cfg: GPTConfig, batch_size: int, *, dry: bool, steps: int
             jax.block_until_ready(m["loss"])
         return run
 
-    wall, _ = interleaved_runtime({k: runner(k) for k in ("bf16", "fp8")}, repeats=repeats,
+    wall = interleaved_runtime({k: runner(k) for k in ("bf16", "fp8")}, repeats=repeats,
                                   steps=steps, warmup=1)
     tokens = batch_size * cfg.seq
     for label in ("bf16", "fp8"):

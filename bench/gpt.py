@@ -1,14 +1,10 @@
 """A small GPT-style decoder for the benchmarks, written plainly in Flax linen.
 
-There is no dtype code in this file (no ``dtype=``, no ``.astype``): it is the model a user
-writes for float32, and :func:`jaxamp.autocast` decides the precision of every operation.
-``bench/gpt_handcast.py`` is the same architecture with the casts placed by hand.
-
-Architecture: token ``nn.Embed`` + learned positional embedding, ``layers`` pre-LayerNorm blocks
-(``x + attn(ln(x))``, ``x + mlp(ln(x))``) with causal self-attention written by hand around
-``jax.nn.softmax`` and a 4x GELU MLP, a final LayerNorm and an untied ``nn.Dense`` head. The
-blocks are an unrolled Python loop (no ``nn.scan``) so that compile time grows with depth the
-way it does for most user models.
+No dtype code (no ``dtype=``, no ``.astype``): the model a user writes for float32, where
+:func:`jaxamp.autocast` decides every precision (``gpt_handcast.py`` places the casts by hand).
+Token embedding + learned positions, pre-LayerNorm blocks with hand-written causal attention
+around ``jax.nn.softmax`` and a 4x GELU MLP, a final LayerNorm, an untied head. The blocks are
+an unrolled Python loop (no ``nn.scan``), as in most user models.
 """
 
 from __future__ import annotations
@@ -139,10 +135,7 @@ def param_count(params) -> int:
 
 
 def flops_per_token(config: GPTConfig, params) -> int:
-    """Training FLOPs per token: ``6 * N + 12 * L * d * T`` (PaLM appendix B).
-
-    ``N`` counts the parameters used in matmuls: all but the token and positional embeddings
-    (gathers/additions). The attention term is the full (unmasked) ``T x T`` score matrix.
-    """
+    """Training FLOPs per token: ``6 * N + 12 * L * d * T`` (PaLM appendix B); ``N``: the
+    parameters in matmuls (not the embeddings); the attention term: the full ``T x T`` scores."""
     n = param_count(params) - (config.vocab + config.seq) * config.d_model
     return 6 * n + 12 * config.layers * config.d_model * config.seq

@@ -1,20 +1,12 @@
-"""The benchmark GPT with its mixed-precision casts placed by hand, as a careful user would.
+"""The bench GPT (:mod:`gpt`) with its mixed-precision casts placed by hand, as a user would.
 
-Same architecture and parameter tree as :mod:`bench.gpt` (so the same float32 params work for
-both), but:
-
-* ``nn.Dense`` and ``nn.Embed`` compute in ``dtype`` (float16 by default) from float32 params;
-* the positional embedding is sliced, then cast to ``dtype``;
-* ``nn.LayerNorm`` computes in float32 (``dtype=jnp.float32``);
-* the attention scores are cast to float32 before the mask and ``jax.nn.softmax``; the weights
-  go back to ``dtype`` for the ``weights @ V`` matmul;
-* the logits are cast to float32 for the loss;
-* with ``GPTConfig.attention="fused"``: ``jax.nn.dot_product_attention(is_causal=True)`` on
-  query/key/value in ``dtype``, with ``implementation="cudnn"`` where the step is traced for a
-  GPU (JAX's own default is its XLA path there too), as a user with a GPU writes it.
-
-The residual stream is in ``dtype``. This is the reference that ``jaxamp.autocast``'s cast
-count is compared against (``convert_count_hand``).
+Same architecture and parameter tree (the same float32 params work for both). ``nn.Dense`` and
+``nn.Embed`` compute in ``dtype`` (float16 by default) from float32 params; the positional
+embedding is sliced, then cast; ``nn.LayerNorm`` computes in float32; the attention scores are
+cast to float32 before the mask and softmax, the weights back to ``dtype`` for ``weights @ V``;
+the logits are float32 for the loss; the residual stream is in ``dtype``. With
+``GPTConfig.attention="fused"``: ``jax.nn.dot_product_attention(is_causal=True)`` in ``dtype``,
+``implementation="cudnn"`` where the step is traced for a GPU.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""The GPU program's estimate against the step times an H200 measured, and the programs of
-today's code, compiled for the H200 on CPU (``jaxamp.gpu_program``; no GPU needed).
+"""The programs of today's code, compiled for the H200 on CPU and estimated
+(``jaxamp.gpu_program``; no GPU needed).
 
-    JAX_PLATFORMS=cpu python bench/gpu_estimate.py --commit 104ae84 \\
-        --measured bench/results-gpu.json --json bench/results-gpu-estimate-104ae84.json
     JAX_PLATFORMS=cpu python bench/gpu_estimate.py --json bench/results-gpu-estimate.json
     JAX_PLATFORMS=cpu python bench/gpu_estimate.py --model example \\
         --json bench/results-gpu-estimate-example.json
     JAX_PLATFORMS=cpu python bench/gpu_estimate.py --model llama \\
         --json bench/results-gpu-estimate-llama.json
 
-``--commit C`` compiles the variants of ``bench/gpu.sh`` as commit ``C`` built them (its
-``jaxamp`` and ``bench/`` from ``git archive``, in a subprocess) for the built-in H200
-description, and reads each program with today's reader; ``--measured`` (a
-``results-gpu.json`` of that code on an H200) adds the measured step times, and the table gives,
-per variant, the estimate, the measured time, and both as ratios to a reference variant (the
-hand-cast step), with the error of the estimated ratio. Without ``--commit``: today's code.
-
-``--recompute-study``: the bf16 step with recompute everywhere (``jaxamp-recompute``,
-``OpRules(recompute=True)``) and with one piece of it switched off at a time
-(``bench/recompute_gpu.py``'s variants), against recompute off and the default (recompute in
-``lax.scan`` bodies only).
+Each variant is compiled in a subprocess for the built-in H200 description and read with
+``jaxamp.gpu_program``'s reader; the table gives, per variant, the estimate and its ratio to a
+reference variant (the hand-cast step). (The estimate against an H200's measured step times,
+``--commit C --measured``, is in git: ``git show a1e47fe:bench/gpu_estimate.py``.)
 
 ``--model``: ``bench-gpt`` (default): the gpt2-small-shape step of ``bench/gpu.sh``
 (``bench/gpt.py``, 12 layers, d 768, context 1024, batch 16 x 1024, AdamW, clip 1.0) and its
@@ -54,7 +45,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -215,29 +205,11 @@ def _llama(name: str, sds, device):
 
 
 BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama}
-#: ``--recompute-study``: recompute everywhere with one piece of it off at a time
-#: (``bench/recompute_gpu.py``'s patches, applied while tracing a ``jaxamp-recompute`` step),
-#: recompute off, and the default (recompute in ``lax.scan`` bodies only).
-STUDY = ("jaxamp-norecompute/bfloat16", "jaxamp-recompute/bfloat16",
-         "jaxamp+on-no-softmax/bfloat16", "jaxamp+on-no-stats/bfloat16",
-         "jaxamp+param-casts-only/bfloat16", "jaxamp+on-no-param-casts/bfloat16",
-         "jaxamp/bfloat16")
-
-
-def _patched(patch: str):
-    import contextlib
-
-    if not patch:
-        return contextlib.nullcontext()
-    from recompute_gpu import patched
-
-    return patched(patch)
 
 
 def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
     """Builds and compiles each variant with the ``jaxamp`` and ``bench/`` on ``sys.path``
-    (today's or an archived commit's); writes ``<variant>.hlo`` and ``<variant>.json``. Uses
-    only JAX's public API, so the bench GPT's variants build on old trees too."""
+    (a subprocess of :func:`compile_tree`); writes ``<variant>.hlo`` and ``<variant>.json``."""
     import jax
     from jax.experimental import topologies
 
@@ -253,14 +225,10 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str]) -> None:
 
     for name in names:
         t0 = time.perf_counter()
-        side, dt = name.split("/")
-        side, _, patch = side.partition("+")  # "jaxamp+on-no-softmax/bfloat16"
         try:
-            with _patched(patch):  # a patch takes a piece out of recompute everywhere
-                lower = BUILDERS[model](f"{'jaxamp-recompute' if patch else side}/{dt}", sds,
-                                        device)
-                with jax.default_device(device):
-                    lowered = lower()
+            lower = BUILDERS[model](name, sds, device)
+            with jax.default_device(device):
+                lowered = lower()
             compiled = lowered.compile(
                 compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
         except Exception as e:  # a variant this code cannot build
@@ -285,28 +253,6 @@ def compile_tree(tree: Path, out: Path, triton_gemm: bool, model: str,
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--model",
            model, "--variants", ",".join(names)] + (["--triton-gemm"] if triton_gemm else [])
     subprocess.run(cmd, cwd=tree, env=env, check=True)
-
-
-def archive(commit: str, dest: Path) -> None:
-    """The tree of ``commit`` (jaxamp/ and bench/) in ``dest``, from ``git archive``."""
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit,
-                           "jaxamp", "bench"], check=True, capture_output=True).stdout
-    tar = dest / "tree.tar"
-    tar.write_bytes(data)
-    with tarfile.open(tar) as t:
-        t.extractall(dest, filter="data")
-
-
-def measured_ms(path: Path | None) -> dict[str, float]:
-    if path is None:
-        return {}
-    res = json.loads(path.read_text())
-    out = {}
-    for side in ("jax", "torch"):
-        for name, v in (res.get(side) or {}).get("variants", {}).items():
-            if v.get("step_ms"):
-                out[name] = v["step_ms"]
-    return out
 
 
 def model_flops(model: str) -> int | None:
@@ -341,8 +287,7 @@ def attention_calls(prog) -> list[dict]:
     return [{"target": t, "dtypes": list(d), "calls": n} for (t, d), n in calls.items()]
 
 
-def rows(out: Path, measured: dict[str, float], names: list[str],
-         flops: int | None = None) -> list[dict]:
+def rows(out: Path, names: list[str], flops: int | None = None) -> list[dict]:
     """One row per compiled variant, read with today's reader; ``flops``: the model's FLOPs
     per step (:func:`model_flops`), for the estimate's MFU."""
     from jaxamp.diagnostics.gpu import GpuProgram
@@ -359,7 +304,6 @@ def rows(out: Path, measured: dict[str, float], names: list[str],
                        "kernel_bytes": prog.bytes, "launches": prog.launches,
                        "flops": prog.flops, "temp_bytes": info["temp"],
                        "argument_bytes": info["argument"],
-                       "measured_ms": measured.get(name),
                        "gemm_libraries": prog.gemm_libraries(),
                        "attention": [k.target for k in prog.attention],
                        "attention_kernels": attention_calls(prog),
@@ -374,17 +318,12 @@ def rows(out: Path, measured: dict[str, float], names: list[str],
         r["estimated_ratio"] = r["estimated_ms"] / ref["estimated_ms"]
         r["bytes_ratio"] = r["kernel_bytes"] / ref["kernel_bytes"]
         r["temp_ratio"] = r["temp_bytes"] / ref["temp_bytes"]
-        if r["measured_ms"] and ref["measured_ms"]:
-            r["measured_ratio"] = r["measured_ms"] / ref["measured_ms"]
-            r["ratio_error"] = r["estimated_ratio"] / r["measured_ratio"] - 1
-            r["estimate_over_measured"] = r["estimated_ms"] / r["measured_ms"]
     return result
 
 
 def table(result: list[dict]) -> str:
-    head = ("| variant | est. ms | measured ms | est. / measured | est. ratio | measured ratio "
-            "| ratio error | kernel GB | bytes ratio | temp MiB | launches | est. MFU |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| variant | est. ms | est. ratio | kernel GB | bytes ratio | temp MiB | launches "
+            "| est. MFU |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
 
     def f(v, spec):
@@ -392,13 +331,11 @@ def table(result: list[dict]) -> str:
 
     for r in result:
         if "error" in r:
-            lines.append(f"| {r['variant']} | not built: {r['error'][:60]} |" + " |" * 10)
+            lines.append(f"| {r['variant']} | not built: {r['error'][:60]} |" + " |" * 6)
             continue
         lines.append(
-            f"| {r['variant']} | {r['estimated_ms']:.2f} | {f(r['measured_ms'], '.2f')} | "
-            f"{f(r.get('estimate_over_measured'), '.3f')} | "
-            f"{f(r.get('estimated_ratio'), '.3f')} | {f(r.get('measured_ratio'), '.3f')} | "
-            f"{f(r.get('ratio_error'), '+.1%')} | {r['kernel_bytes'] / 1e9:.1f} | "
+            f"| {r['variant']} | {r['estimated_ms']:.2f} | {f(r.get('estimated_ratio'), '.3f')} | "
+            f"{r['kernel_bytes'] / 1e9:.1f} | "
             f"{f(r.get('bytes_ratio'), '.3f')} | {r['temp_bytes'] / 2**20:,.0f} | "
             f"{r['launches']} | {f(r.get('mfu'), '.1%')} |")
     return "\n".join(lines)
@@ -406,46 +343,30 @@ def table(result: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--commit", default=None, help="compile this commit's code (git archive)")
-    ap.add_argument("--measured", type=Path, default=None,
-                    help="a results-gpu.json of the same code measured on an H200")
     ap.add_argument("--model", choices=sorted(MODELS), default="bench-gpt")
     ap.add_argument("--variants", default=None, help="comma-separated (default: the model's)")
     ap.add_argument("--triton-gemm", action="store_true")
-    ap.add_argument("--recompute-study", action="store_true",
-                    help="the default step with each piece of recompute off (bf16)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    default = STUDY if a.recompute_study else MODELS[a.model]
-    names = [v for v in (a.variants or ",".join(default)).split(",") if v]
+    names = [v for v in (a.variants or ",".join(MODELS[a.model])).split(",") if v]
     if a.child is not None:
         child(a.child, a.triton_gemm, a.model, names)
         return 0
-    if a.commit and a.model != "bench-gpt":
-        ap.error("--commit builds the bench GPT's variants only")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        tree = ROOT
-        if a.commit:
-            tree = tmp / "tree"
-            tree.mkdir()
-            archive(a.commit, tree)
-        out = tmp / "programs"
-        out.mkdir()
-        compile_tree(tree, out, a.triton_gemm, a.model, names)
-        result = rows(out, measured_ms(a.measured), names, model_flops(a.model))
+        out = Path(tmp)
+        compile_tree(ROOT, out, a.triton_gemm, a.model, names)
+        result = rows(out, names, model_flops(a.model))
     print(table(result))
     if a.json:
         import jax
 
         a.json.write_text(json.dumps({
-            "commit": a.commit or "HEAD", "model": a.model, "target": "built-in h200",
+            "commit": "HEAD", "model": a.model, "target": "built-in h200",
             "gemms": "triton" if a.triton_gemm else "cublas",
             "config": {"bench-gpt": CONFIG, "llama": LLAMA}.get(a.model, "gpt2-small preset"),
             "batch": BATCH if a.model == "bench-gpt" else SMALL_BATCH, "rows": result,
-            "measured_source": str(a.measured) if a.measured else None,
             "metadata": {"command": " ".join(["python", *sys.argv]),
                          "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
                          "wall_s": round(time.perf_counter() - started, 1)}},

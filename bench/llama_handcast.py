@@ -1,23 +1,14 @@
 """tunix's Llama3 (NNX) with its mixed-precision casts placed by hand, as a careful user would.
 
-tunix's ``Llama3`` has no dtype options: from float32 params it computes in float32. This twin
-is the same model for mixed precision without jaxamp. It subclasses tunix's modules and
-changes only what casts, so the nnx state (paths, shapes, float32 params, their sharding
-metadata) is tunix's and the same params load into both; from the same ``nnx.Rngs`` it even
-initialises the same values:
-
-* every projection (``Einsum``: q, k, v, o, the untied head) and the SwiGLU MLP's
-  ``nnx.Linear`` layers compute in ``dtype`` (bfloat16 by default) from their float32 weights;
-* the token embedding is gathered from the float32 table, then cast to ``dtype``;
-* tunix's ``RMSNorm`` is kept: it already computes in float32 and returns its input's dtype;
-* tunix's attention block is kept: its scores come from ``dtype`` q and k (rotary embeddings in
-  float32, cast back), the softmax runs in float32 and its weights go back to ``dtype`` for
-  ``weights @ V``;
-* the logits are cast to float32 for the loss.
-
-The residual stream is in ``dtype``. With ``dtype=jnp.float32`` it computes what tunix's model
-does. tunix is imported as ``bench/gpu_estimate.py`` imports it (``tests/third_party.py``'s
-``import_bare``: its package ``__init__`` pulls in training libraries the model does not use).
+tunix's ``Llama3`` has no dtype options. This twin subclasses its modules and changes only what
+casts, so the nnx state (paths, shapes, float32 params, sharding metadata) is tunix's: the same
+params load into both, and the same ``nnx.Rngs`` initialise the same values. Every projection
+(``Einsum``: q, k, v, o, the untied head) and the SwiGLU ``nnx.Linear`` layers compute in
+``dtype`` (bfloat16 by default) from float32 weights; the embedding is gathered in float32,
+then cast; tunix's ``RMSNorm`` (float32 inside) and attention (float32 softmax, rotary in
+float32) are kept; the logits are float32; the residual stream is in ``dtype``. tunix is
+imported as ``tests/third_party.py``'s ``import_bare`` does (its package ``__init__`` pulls in
+training libraries the model does not use).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The example's GPT (``examples/lm_model.py``) with its mixed-precision casts placed by hand.
 
-``examples/lm_model.py`` has no dtype code: jaxamp decides every precision at trace time. This
-is the same model as a careful Flax user writes it for mixed precision without jaxamp, the way
-``bench/gpt_handcast.py`` does it for the bench GPT:
-
-* ``nn.Dense`` and ``nn.Embed`` compute in ``dtype`` (bfloat16 by default) from float32 params
-  (``param_dtype`` stays float32), the tied head too (``embed.attend``);
-* the positional embedding is sliced, then cast to ``dtype``;
-* ``nn.LayerNorm`` computes in float32 (``dtype=jnp.float32``);
-* the attention scores are cast to float32 before the causal mask and ``jax.nn.softmax``; the
-  weights go back to ``dtype`` for the ``weights @ V`` matmul;
-* the logits are cast to float32 for the loss.
-
-The residual stream (the ``nn.scan`` carry) is in ``dtype``. Same parameter tree (names and
-shapes), initialisers, ``nn.scan`` over the blocks, optional ``nn.remat`` and dropout as
-:class:`lm_model.GPT`, so the same float32 params work for both; with ``dtype=jnp.float32`` it
-computes exactly what :class:`lm_model.GPT` does. Written-out attention only.
+The model a careful Flax user writes without jaxamp, as ``gpt_handcast.py`` does for the bench
+GPT: ``nn.Dense`` and ``nn.Embed`` (the tied head's ``embed.attend`` too) compute in ``dtype``
+(bfloat16 by default) from float32 params; the positional embedding is sliced, then cast;
+``nn.LayerNorm`` computes in float32; the attention scores are cast to float32 before the causal
+mask and softmax, the weights back to ``dtype`` for ``weights @ V``; the logits are float32.
+The residual stream (the ``nn.scan`` carry) is in ``dtype``. Same parameter tree, initialisers,
+``nn.scan``, ``nn.remat`` and dropout as :class:`lm_model.GPT` (the same float32 params work
+for both; with ``dtype=jnp.float32`` it computes what that model does). Written-out attention
+only.
 """
 
 from __future__ import annotations
@@ -123,6 +116,11 @@ class HandCastGPT(nn.Module):
         t = ids.shape[-1]
         if t > cfg.block_size:
             raise ValueError(f"GPT: sequence length {t} exceeds block_size {cfg.block_size}.")
+        if cfg.attention != "manual":
+            raise ValueError(
+                f"HandCastGPT writes attention out only; got GPTConfig(attention="
+                f"{cfg.attention!r}). Use dataclasses.replace(config, attention='manual') for "
+                "the twin of the example's written-out attention.")
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=INIT, dtype=self.dtype,
                          name="embed")
         pos = self.param("pos_embed", INIT, (cfg.block_size, cfg.d_model))

@@ -1,17 +1,10 @@
-"""AdamW's moments in bfloat16 (``--opt-state bfloat16``, GitHub issue #44) against float32 ones.
+"""AdamW's moments in bfloat16 (``--opt-state bfloat16``, GitHub issue #44) against float32 ones,
+as the Markdown tables of BENCHMARKS.md ("Optimizer state in bfloat16"):
 
-Two measurements, printed as the Markdown tables of BENCHMARKS.md ("Optimizer state in
-bfloat16"):
-
-* quality: ``examples/train_lm.py`` (default policy, float16 compute with dynamic loss
-  scaling) trained ``--steps`` steps twice, with float32 and with bfloat16 moments, same seed
-  and data: final validation loss, throughput, the optimizer state's bytes;
-* memory: the example's train step compiled (not run) for each preset with float32 and with
-  bfloat16 moments, ``compile().memory_analysis()`` on this machine's backend: arguments
-  (params, optimizer state, batch), temporaries, and compile time;
-* cost: ``jaxamp.amp(optax.adamw(...))``'s update alone over ``--update-params`` parameters
-  (two leaves), jitted with the params and state donated, with and without
-  ``state_dtype=jnp.bfloat16``: compile time and the median time of interleaved repeats.
+* quality: ``examples/train_lm.py`` (float16 compute, dynamic loss scaling) trained ``--steps``
+  steps with float32 and with bfloat16 moments, same seed and data;
+* memory: the example's step compiled (not run) per preset, ``memory_analysis()``;
+* cost: ``jaxamp.amp(optax.adamw(...))``'s update alone, jitted and donated, per state dtype.
 
     python bench/opt_state.py                       # tiny, 300 steps; memory of tiny, gpt2-small
     python bench/opt_state.py --steps 60 --preset test --memory test

@@ -1,12 +1,8 @@
 """Peak memory of ``python -m jaxamp.review`` against the size of ``metrics.jsonl``.
 
-The review reads the file one line at a time and keeps a small record per distinct step, so
-its memory depends on the number of steps, not on the file's size. This writes run folders of
-the same 1000 steps (each logged again and again, as a run resumed many times over the same
-steps would) at several file sizes, reviews each in a fresh interpreter and reports the peak
-resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) side by side, with the ratio
-to the smallest file's and to the file size. Before GitHub issue #27 the whole file was read
-into memory (about 7.5x its size: 200 MB -> 1.5 GB).
+Writes run folders of the same 1000 steps (logged again and again, as a run resumed over the
+same steps would) at several file sizes, reviews each in a fresh interpreter and reports the
+peak RSS (``ru_maxrss``), with the ratio to the smallest file's and to the file size::
 
     python bench/review_memory.py            # 2 MB, 20 MB and 200 MB files
     python bench/review_memory.py --mb 2 20  # other sizes

@@ -1,20 +1,12 @@
-"""The benchmark GPT of ``bench/gpt.py``, written in PyTorch, and the PyTorch AMP training recipe.
+"""The bench GPT of ``bench/gpt.py`` in PyTorch, and PyTorch's AMP training recipe: the peer.
 
-This is the *peer* of the jaxamp benchmark: the same architecture and initialisation (token
-embedding + learned positional embedding, pre-LayerNorm blocks with causal softmax attention
-written by hand and a 4x tanh-GELU MLP, final LayerNorm, untied bias-free head; normal(0.02)
-weights, zero biases, LayerNorm epsilon 1e-6 as in ``flax.linen.LayerNorm``), so the parameter
-count equals the Flax model's exactly, and :func:`load_flax_params` copies the Flax float32
-parameters in so both sides start from the very same weights.
-
-:class:`TorchTrainer` runs PyTorch's documented AMP recipe: ``torch.autocast(device_type,
-dtype=...)`` around forward + loss (float32 cross-entropy), ``torch.amp.GradScaler`` for
-float16 (``scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_(..., 1.0);
-scaler.step(opt); scaler.update()``), ``torch.optim.AdamW`` with ``optax.adamw(1e-3)``'s
-hyper-parameters, and optionally ``torch.compile`` on the model.
-
-PyTorch is optional for jaxamp: this module is imported only by ``bench/run.py``'s peer
-section, and only when ``import torch`` works. It does not import JAX.
+Same architecture and initialisation (learned positions, pre-LayerNorm blocks with hand-written
+causal attention and a 4x tanh-GELU MLP, untied bias-free head; normal(0.02) weights, LayerNorm
+epsilon 1e-6 as Flax's), so the parameter count is the Flax model's and :func:`load_flax_params`
+starts both sides from the same weights. :class:`TorchTrainer`: ``torch.autocast`` around
+forward + float32 loss, ``GradScaler`` for float16, ``clip_grad_norm_(1.0)``, AdamW with
+``optax.adamw(1e-3)``'s hyper-parameters, optionally ``torch.compile``. Imported only by
+``_gpu.py``'s torch side (and a test); it does not import JAX.
 """
 
 from __future__ import annotations
@@ -155,20 +147,15 @@ def load_flax_params(model: TorchGPT, params: dict) -> None:
 
 
 class TorchTrainer:
-    """One model + AdamW + GradScaler trained on one fixed batch, PyTorch AMP style.
-
-    ``trainer(steps)`` runs ``steps`` training steps and waits for the device, like the
-    jaxamp runners of ``bench/run.py``. ``compile``: wrap the model in ``torch.compile``; if
-    that fails at the first step, the trainer falls back to eager and says why in
-    ``compile_error``.
-    """
+    """One model + AdamW + GradScaler trained on one fixed batch; ``trainer(steps)`` runs
+    ``steps`` steps and waits for the device. A ``torch.compile`` that fails at the first step
+    falls back to eager and says why in ``compile_error``."""
 
     def __init__(self, config, batch: dict, dtype: str, *, device: str = "cpu",
                  params: dict | None = None, compile: bool = False, clip_norm: float = 1.0,
                  seed: int = 0):
         torch.manual_seed(seed)
         self.device = torch.device(device)
-        self.dtype_name = dtype
         self.amp_dtype = AMP_DTYPES[dtype]
         self.model = TorchGPT(config).to(self.device)
         if params is not None:
@@ -184,7 +171,6 @@ class TorchTrainer:
         self.inputs = torch.from_numpy(np.array(batch["inputs"], dtype=np.int64)).to(self.device)
         self.targets = torch.from_numpy(np.array(batch["targets"], dtype=np.int64)).to(
             self.device)
-        self.first_step_s: float | None = None
         self.last_loss: torch.Tensor | None = None
 
     def autocast(self):
@@ -222,8 +208,7 @@ class TorchTrainer:
             self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             self.compiled, self.forward = False, self.model
             self(1)
-        self.first_step_s = time.perf_counter() - t0
-        return self.first_step_s
+        return time.perf_counter() - t0
 
     def __call__(self, steps: int) -> None:
         loss = None

@@ -1,23 +1,19 @@
 """Trace + lower cost of ``jax.value_and_grad`` under autocast vs plain float32, by depth.
 
-Three models: the bench GPT by number of layers (``--model gpt``); transformers'
-``FlaxGPT2LMHeadModel`` (``--model hf-gpt2``, needs ``pip install "transformers<5"``), a model
-jaxamp was not written around; and ``checkpoint(scan(cond(...)))`` nested 1..N deep
-(``--model nested --depth 1 2 3 4``), the control flow whose cost used to grow as 4^depth. For
-``nested`` the table also gives how often the engine evaluated its busiest jaxpr (bounded
-independent of depth).
+Two models: the bench GPT by number of layers (``--model gpt``), and
+``checkpoint(scan(cond(...)))`` nested 1..N deep (``--model nested --depth 1 2 3 4``), the
+control flow whose cost used to grow as 4^depth; for ``nested`` the table also gives how often
+the engine evaluated its busiest jaxpr (bounded independent of depth). (transformers'
+``FlaxGPT2LMHeadModel``, ``--model hf-gpt2``: ``git show a1e47fe:bench/trace_cost.py``.)
 
-Abstract params (``jax.ShapeDtypeStruct``): tracing and lowering do not touch the data, so the
-124M shapes (d=768, 12 heads, vocab 50257, batch 8 x 1024) cost no memory. Each repeat times a
-fresh ``jax.jit(...).trace`` and ``.lower()`` of both variants, interleaved (order flipped every
-repeat) after ``jax.clear_caches()``; the table reports medians and the median per-repeat ratio,
-of wall-clock time and of process CPU time (trace and lower are single-threaded Python, so CPU
-time is the figure least disturbed by other processes on a shared machine). "calls ratio":
-the Python function calls of one more trace + lower of each (cProfile's count), the same on
-every run to a few calls in 10^5: the work done, free of the machine's noise.
+Abstract params: the 124M shapes (d=768, 12 heads, vocab 50257, batch 8 x 1024) cost no memory.
+Each repeat times a fresh ``jax.jit(...).trace`` and ``.lower()`` of both variants, interleaved,
+after ``jax.clear_caches()``: medians and the median per-repeat ratio, of wall-clock and of
+process CPU time. "calls ratio": the Python function calls of one more trace + lower of each
+(cProfile's count), the same on every run to a few in 10^5: the work, free of the machine's
+noise.
 
     python bench/trace_cost.py --layers 2 6 12 --repeats 5
-    python bench/trace_cost.py --model hf-gpt2 --layers 12 --repeats 7
     python bench/trace_cost.py --model nested --depth 1 2 3 4 --repeats 25
 """
 
@@ -55,27 +51,6 @@ def builders(model, policy=F16_POLICY):
 
     amp = jaxamp.autocast(plain, policy)
     return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}
-
-
-def hf_gpt2(layers: int, batch: int, seq: int):
-    """transformers' FlaxGPT2LMHeadModel at GPT-2 124M shapes (abstract params)."""
-    from transformers import FlaxGPT2LMHeadModel, GPT2Config
-
-    cfg = GPT2Config(n_layer=layers, n_positions=seq)
-    model = FlaxGPT2LMHeadModel(cfg, _do_init=False)
-    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    params = jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, seq)))
-
-    def plain(p, ids):
-        mask = jnp.ones_like(ids)
-        pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        logits = model.module.apply({"params": p}, ids, mask, pos, deterministic=True,
-                                    return_dict=False)[0]
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
-
-    amp = jaxamp.autocast(plain, F16_POLICY)
-    return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}, params, ids
 
 
 def nested_loss(depth: int):
@@ -173,7 +148,7 @@ def compare(fns: dict, params, b, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["gpt", "hf-gpt2", "nested"], default="gpt")
+    ap.add_argument("--model", choices=["gpt", "nested"], default="gpt")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 6, 12])
     ap.add_argument("--depth", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--repeats", type=int, default=5)
@@ -190,13 +165,8 @@ def main() -> None:
           "calls ratio |")
     print("|---|---|---|---|---|---|")
     for n in a.layers:
-        if a.model == "hf-gpt2":
-            fns, params, ids = hf_gpt2(n, a.batch, a.seq)
-            row = {"layers": n, **compare(fns, params, ids, a.repeats)}
-        else:
-            cfg = GPTConfig(layers=n, d_model=a.d_model, heads=a.heads, seq=a.seq,
-                            vocab=a.vocab)
-            row = measure(cfg, a.batch, a.repeats)
+        cfg = GPTConfig(layers=n, d_model=a.d_model, heads=a.heads, seq=a.seq, vocab=a.vocab)
+        row = measure(cfg, a.batch, a.repeats)
         rows.append(row)
         print(f"| {n} | {row['plain_s']:.2f} ({row['plain_trace_s']:.2f}+"
               f"{row['plain_lower_s']:.2f}) | {row['autocast_s']:.2f} "

@@ -101,10 +101,43 @@ def structural(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:
     else:
         vals = [v.val for v in ins]
     outs = bind_eqn(eqn, vals, site, stored=all(v.stored for v in floats), const=all_const)
+    if eqn.primitive.name == "gather" and vals[0] is ins[0].val and _small_table(ins[0], outs[0]):
+        outs[0].recast = lambda dtype: gather_low(eqn, cast(ins[0], dtype), vals[0], vals[1:])
     if all_const and eqn.primitive.name == "broadcast_in_dim" and np.ndim(ins[0].val) == 0 \
             and not isinstance(ins[0].val, Tracer) and ins[0].is_float:
         outs[0].splat = float(ins[0].val)
     return outs
+
+
+def _small_table(table: Value, rows: Value) -> bool:
+    """``rows`` are gathered from a stored (not constant) float32 ``table`` that has no more
+    elements than they do: its low-precision copy costs less than theirs."""
+    return (table.stored and not table.const and table.dtype == F32
+            and np.size(table.val) <= np.size(rows.val))
+
+
+def gather_low(eqn, low_table, table, indices: Sequence[Any]):
+    """``eqn``'s gather of rows from ``low_table`` (``table`` cast down): the same numbers as
+    the gathered rows cast (a cast commutes with picking rows). Its derivative is the float32
+    gather's of ``table``, cast: the table's gradient is scattered (summed) in float32.
+
+    For a table no larger than the rows read from it (a positional or small-vocabulary
+    embedding read at every position): XLA then makes the low-precision rows again where they
+    are read, from the small low-precision table; from the float32 table it would read twice
+    the bytes, so it keeps the rows in memory instead (and copies them where a GEMM adds into
+    its output). A hand-cast model (``nn.Embed(dtype=...)``) casts its table the same way."""
+
+    @jax.custom_jvp
+    def rows(low_table, table, *indices):
+        return bind(eqn.primitive, [low_table, *indices], eqn.params)
+
+    @rows.defjvp
+    def rows_jvp(primals, tangents):
+        # the low table's tangent is its cast of the table's: only the table's is read
+        tangent = bind(eqn.primitive, [tangents[1], *primals[2:]], eqn.params)
+        return rows(*primals), convert_dtype(tangent, primals[0].dtype)
+
+    return rows(low_table, table, *indices)
 
 
 def matmul(ev: Evaluator, eqn, ins: list[Value], site: Site) -> list[Value]:

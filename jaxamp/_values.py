@@ -8,7 +8,7 @@ helpers here bind primitives and casts (:func:`bind`, :func:`convert`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -70,6 +70,9 @@ class Value:
     region: tuple[int, ...]
     casts: dict = dataclasses.field(default_factory=dict)
     splat: float | None = None  # a constant filled with one known value (zeros, finfo.min)
+    # how to make a narrower copy other than by converting ``val`` (rows of a small table:
+    # gathered from its low-precision copy); ``None``: convert. Not carried into a new trace.
+    recast: Callable[[np.dtype], Any] | None = None
 
     @property
     def dtype(self):
@@ -132,6 +135,8 @@ def cast(v: Value, dtype) -> Any:
             v.casts[dtype] = lax.full(np.shape(v.val), value, dtype)
         elif v.const and narrower:
             v.casts[dtype] = saturating(v.val, dtype)
+        elif narrower and v.recast is not None:
+            v.casts[dtype] = v.recast(dtype)
         else:
             v.casts[dtype] = convert(v.val, dtype)
     return v.casts[dtype]

@@ -32,7 +32,11 @@ Value bookkeeping that keeps casts minimal:
 
 * *stored* values (the function's float inputs, e.g. params, and constants) are not cast up
   front; they are cast where an arithmetic op first uses them, after any gather/slice/reshape,
-  so an embedding table is never cast whole and scanned stacked params are cast per layer;
+  so an embedding table larger than the rows read from it is never cast whole and scanned
+  stacked params are cast per layer (a smaller table, positions or a small vocabulary read at
+  every position, is cast whole and its rows gathered from that copy: the same numbers, and
+  XLA makes them again where they are read instead of keeping them; the gradient is the
+  float32 gather's, scattered in float32: ``jaxamp._op_rules.gather_low``);
 * every value is cast at most once per dtype (a cache on the value);
 * constants cast down saturate (an f32 ``finfo.min`` mask becomes -65504 in f16, not -inf);
 * float -> float casts written in the traced function are hints: upcasts are honoured by the

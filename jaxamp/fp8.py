@@ -3,7 +3,7 @@
 A policy with ``matmul=float8`` (``"params=float32,compute=bfloat16,output=float32,
 matmul=float8"``, or an override ``{"blocks_*/mlp/*": "matmul=float8"}``) runs each *eligible*
 ``dot_general`` of its modules as :func:`fp8_dot_general`; the others run in the compute dtype
-and :func:`jaxamp.audit` says why (:attr:`jaxamp.AuditReport.matmuls`).
+and :func:`jaxamp.audit` says why (:attr:`jaxamp.diagnostics.AuditReport.matmuls`).
 
 The recipe (Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format, torchao's
 ``tensorwise``), written as the pattern XLA's GPU compiler fuses into one cuBLASLt FP8 GEMM

@@ -51,7 +51,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,38 +98,6 @@ def _number(cls: str, name: str, value: Any, hint: str) -> float | None:
     return float(arr)
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
-
-
-def _as_float32(cls: str, name: str, x: float, hint: str) -> float:
-    """``x`` as the float32 it will be stored as; ValueError if that is inf, or 0/subnormal
-    while ``x`` is not 0 (a scale of 1e39 would be stored as inf, 1e-46 as 0.0)."""
-    allowed = f"the allowed magnitudes are [{_F32_TINY:g}, {_F32_MAX:g}]"
-    with np.errstate(over="ignore", under="ignore"):
-        f = float(np.float32(x))
-    if math.isfinite(x) and not math.isfinite(f):
-        raise ValueError(
-            f"{cls}: {name}={x!r} overflows float32, the dtype it is stored in ({allowed}). "
-            f"{hint}"
-        )
-    if x != 0 and math.isfinite(x) and abs(f) < _F32_TINY:
-        raise ValueError(
-            f"{cls}: {name}={x!r} underflows float32, the dtype it is stored in (it would be "
-            f"{f!r}; {allowed}). {hint}"
-        )
-    return f
-
-
-def _positive_finite(cls: str, name: str, value: Any, hint: str) -> float | None:
-    """A finite, > 0 value that stays finite and normal in float32; returns the float32 value
-    (comparisons between fields must use what is stored)."""
-    x = _number(cls, name, value, hint)
-    if x is not None and not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{cls}: {name} must be finite and > 0, got {x!r}. {hint}")
-    return None if x is None else _as_float32(cls, name, x, hint)
-
-
 def _integer(cls: str, name: str, value: Any, hint: str) -> int | None:
     x = _number(cls, name, value, hint)
     if x is None:
@@ -140,6 +109,172 @@ def _integer(cls: str, name: str, value: Any, hint: str) -> int | None:
     return int(x)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+_MAGNITUDES = f"the allowed magnitudes are [{_F32_TINY:g}, {_F32_MAX:g}]"
+
+
+def _f32(x: float) -> float:
+    """``x`` as the float32 it is stored as (comparisons between fields use what is stored)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(x))
+
+
+class _Rule(NamedTuple):
+    """One row of a validation table: ``check(*values of fields)`` must hold, else
+    ``ValueError("<cls>: " + allowed.format(...) + ". " + fix)``. ``allowed`` reads ``{x}``
+    (the first field as given), ``{x32}`` (as stored in float32) and each field by name (as
+    stored: float32 for scales and factors, int for counters)."""
+
+    fields: tuple[str, ...]
+    check: Callable[..., bool]
+    allowed: str
+    fix: str
+
+
+def _scale_rules(name: str, fix: str) -> tuple[_Rule, ...]:
+    """A scale: finite and > 0, and finite and normal once stored in float32 (1e39 would be
+    stored as inf, 1e-46 as 0.0)."""
+    stored = "float32, the dtype it is stored in"
+    return (
+        _Rule(
+            (name,),
+            lambda x: math.isfinite(x) and x > 0,
+            "{name} must be finite and > 0, got {x!r}",
+            fix,
+        ),
+        _Rule(
+            (name,),
+            lambda x: math.isfinite(_f32(x)),
+            f"{{name}}={{x!r}} overflows {stored} ({_MAGNITUDES})",
+            fix,
+        ),
+        _Rule(
+            (name,),
+            lambda x: abs(_f32(x)) >= _F32_TINY,
+            f"{{name}}={{x!r}} underflows {stored} (it would be {{x32!r}}; {_MAGNITUDES})",
+            fix,
+        ),
+    )
+
+
+_STATIC_RULES = _scale_rules("loss_scale", "Use e.g. StaticLossScale(2.0**15).")
+
+_IN_F32 = "in float32, the dtype it is stored in"
+_DYNAMIC_RULES = (
+    *_scale_rules("loss_scale", "Use e.g. loss_scale=2.0**16."),
+    _Rule(
+        ("growth_factor",),
+        lambda x: math.isfinite(x) and x > 1,
+        "{name} must be > 1, got {x!r}",
+        "Use e.g. growth_factor=2.0.",
+    ),
+    *_scale_rules("growth_factor", "Use e.g. growth_factor=2.0.")[1:],
+    # 1 + 1e-9 is stored as 1.0: the scale would never grow
+    _Rule(
+        ("growth_factor",),
+        lambda x: _f32(x) > 1,
+        f"{{name}} must be > 1 {_IN_F32}; got {{x!r}}, which rounds to {{x32!r}}",
+        "Use e.g. growth_factor=2.0.",
+    ),
+    _Rule(
+        ("backoff_factor",),
+        lambda x: 0 < x < 1,
+        "{name} must be in the open interval (0, 1), got {x!r}",
+        "Use e.g. backoff_factor=0.5.",
+    ),
+    # 1 - 1e-9 is stored as 1.0, 1e-46 as 0.0
+    _Rule(
+        ("backoff_factor",),
+        lambda x: _F32_TINY <= _f32(x) < 1,
+        f"{{name}} must be in the open interval (0, 1) {_IN_F32} (at least {_F32_TINY:g}); "
+        "got {x!r}, which rounds to {x32!r}",
+        "Use e.g. backoff_factor=0.5.",
+    ),
+    _Rule(
+        ("growth_interval",),
+        lambda x: x >= 1,
+        "{name} must be >= 1, got {x}",
+        "Use e.g. growth_interval=2000.",
+    ),
+    *_scale_rules("min_loss_scale", "Use e.g. min_loss_scale=1.0."),
+    *_scale_rules("max_loss_scale", "Use e.g. max_loss_scale=2.0**24."),
+    _Rule(
+        ("max_loss_scale", "min_loss_scale"),
+        lambda hi, lo: _f32(hi) >= _f32(lo),
+        "max_loss_scale must be >= min_loss_scale, got max_loss_scale={max_loss_scale!r} "
+        "< min_loss_scale={min_loss_scale!r}",
+        "",
+    ),
+    _Rule(
+        ("loss_scale", "min_loss_scale"),
+        lambda ls, lo: _f32(ls) >= _f32(lo),
+        "loss_scale must be within [min_loss_scale, max_loss_scale], got "
+        "loss_scale={loss_scale!r} < min_loss_scale={min_loss_scale!r}",
+        "",  # the range is the fix (callers add their own)
+    ),
+    _Rule(
+        ("loss_scale", "max_loss_scale"),
+        lambda ls, hi: _f32(ls) <= _f32(hi),
+        "loss_scale must be within [min_loss_scale, max_loss_scale], got "
+        "loss_scale={loss_scale!r} > max_loss_scale={max_loss_scale!r}",
+        "",  # the range is the fix (callers add their own)
+    ),
+    _Rule(
+        ("hysteresis",), lambda x: x >= 1, "{name} must be >= 1, got {x}", "Use e.g. hysteresis=1."
+    ),
+    _Rule(
+        ("counter", "growth_interval"),
+        lambda c, gi: 0 <= c < gi,
+        "{name} must be in [0, growth_interval), got {x}",
+        "Use counter=0 for a fresh state.",
+    ),
+    _Rule(
+        ("counter",),
+        lambda c: c >= 0,
+        "{name} must be in [0, growth_interval), got {x}",
+        "Use counter=0 for a fresh state.",
+    ),
+    _Rule(
+        ("hysteresis_counter", "hysteresis"),
+        lambda hc, hy: 0 <= hc <= hy,
+        "{name} must be in [0, hysteresis], got {x}",
+        "Omit it to start at hysteresis.",
+    ),
+    _Rule(
+        ("hysteresis_counter",),
+        lambda hc: hc >= 0,
+        "{name} must be in [0, hysteresis], got {x}",
+        "Omit it to start at hysteresis.",
+    ),
+)
+
+
+def _validate(obj: Any, rules: tuple[_Rule, ...], given: dict[str, Any]) -> None:
+    """Checks ``given`` against ``rules``, in order (the first failing rule raises). Each field
+    is parsed as its stored dtype asks (a real number for float32 fields, an integer for int32)
+    when a rule first reads it; a traced value is not checked, nor any rule that reads it."""
+    cls = type(obj).__name__
+    dtypes = dict(obj._FIELDS)
+    values: dict[str, Any] = {}
+    for rule in rules:
+        for f in rule.fields:
+            if f not in values:
+                parse = _integer if dtypes[f] == _I32 else _number
+                values[f] = parse(cls, f, given[f], _first_fix(rules, f))
+        args = [values[f] for f in rule.fields]
+        if any(a is None for a in args) or rule.check(*args):
+            continue
+        x = args[0]
+        stored = {f: (_f32(v) if dtypes[f] == _F32 else v) for f, v in values.items()}
+        message = rule.allowed.format(name=rule.fields[0], x=x, x32=_f32(x), **stored)
+        raise ValueError(f"{cls}: {message}." + (f" {rule.fix}" if rule.fix else ""))
+
+
+def _first_fix(rules: tuple[_Rule, ...], field: str) -> str:
+    return next(r.fix for r in rules if r.fields[0] == field)
+
+
 def _is_float(x: Any) -> bool:
     return isinstance(x, float) or (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating))
 
@@ -147,19 +282,12 @@ def _is_float(x: Any) -> bool:
 class _LossScaleBase:
     """Pytree plumbing shared by the three loss-scale classes.
 
-    Subclasses list their leaves (all of them, config included) and the fixed
-    dtype of each in ``_FIELDS``. Unflattening bypasses ``__init__`` so no
-    validation runs on tracers or placeholder leaves.
+    Each subclass is a :func:`_pytree_dataclass`: every dataclass field is a leaf (config
+    included) with a fixed dtype, listed in ``_FIELDS``. Unflattening bypasses ``__init__``
+    so no validation runs on tracers or placeholder leaves.
     """
 
     _FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        jax.tree_util.register_pytree_with_keys(
-            cls, cls._flatten_with_keys, cls._unflatten, cls._flatten
-        )
-        _register_flax_serialization(cls)
 
     def _flatten(self) -> tuple[tuple[Any, ...], None]:
         return tuple(getattr(self, n) for n, _ in self._FIELDS), None
@@ -246,6 +374,24 @@ class _LossScaleBase:
         return jax.tree_util.tree_map(f, tree)
 
 
+def _leaf(dtype: Any) -> Any:
+    """A dataclass field stored as a JAX array of ``dtype``, a pytree leaf."""
+    return dataclasses.field(metadata={"dtype": dtype})
+
+
+def _pytree_dataclass(cls: type) -> type:
+    """``cls`` as a frozen dataclass registered as a pytree (with keys, so checkpoints name
+    each leaf) and with ``flax.serialization``: every field is a leaf of its ``_leaf`` dtype,
+    in declaration order."""
+    cls = dataclasses.dataclass(frozen=True, init=False, eq=False)(cls)
+    cls._FIELDS = tuple((f.name, f.metadata["dtype"]) for f in dataclasses.fields(cls))
+    jax.tree_util.register_pytree_with_keys(
+        cls, cls._flatten_with_keys, cls._unflatten, cls._flatten
+    )
+    _register_flax_serialization(cls)
+    return cls
+
+
 def _register_flax_serialization(cls: type) -> None:
     """Registers ``cls`` with ``flax.serialization`` (if flax is installed)."""
     try:
@@ -273,15 +419,13 @@ def _register_flax_serialization(cls: type) -> None:
 # --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, init=False, eq=False)
+@_pytree_dataclass
 class NoOpLossScale(_LossScaleBase):
     """A loss scale of 1 that never adjusts (for bfloat16 or float32 runs).
 
     It has no pytree leaves. ``unscale`` still casts floating leaves to
     float32, so all three classes return gradients of the same dtype.
     """
-
-    _FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
 
     def __init__(self) -> None:
         """Creates the no-op loss scale."""
@@ -309,7 +453,7 @@ class NoOpLossScale(_LossScaleBase):
         return self
 
 
-@dataclasses.dataclass(frozen=True, init=False, eq=False)
+@_pytree_dataclass
 class StaticLossScale(_LossScaleBase):
     """A fixed loss scale.
 
@@ -317,8 +461,7 @@ class StaticLossScale(_LossScaleBase):
         loss_scale: The scale (float32 scalar array).
     """
 
-    loss_scale: jax.Array
-    _FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = (("loss_scale", _F32),)
+    loss_scale: jax.Array = _leaf(_F32)
 
     def __init__(self, loss_scale: Any) -> None:
         """Creates a static loss scale.
@@ -330,9 +473,7 @@ class StaticLossScale(_LossScaleBase):
             ValueError: If ``loss_scale`` is not finite and positive.
             TypeError: If ``loss_scale`` is not a real number.
         """
-        _positive_finite(
-            "StaticLossScale", "loss_scale", loss_scale, "Use e.g. StaticLossScale(2.0**15)."
-        )
+        _validate(self, _STATIC_RULES, {"loss_scale": loss_scale})
         self._set_fields(loss_scale=loss_scale)
 
     @property
@@ -343,7 +484,7 @@ class StaticLossScale(_LossScaleBase):
     adjust = NoOpLossScale.adjust  # a fixed scale: returns ``self`` unchanged
 
 
-@dataclasses.dataclass(frozen=True, init=False, eq=False)
+@_pytree_dataclass
 class DynamicLossScale(_LossScaleBase):
     """A dynamic loss scale (Megatron-LM semantics, torch defaults).
 
@@ -374,27 +515,15 @@ class DynamicLossScale(_LossScaleBase):
         hysteresis: Overflows needed to back off (int32, >= 1).
     """
 
-    loss_scale: jax.Array
-    counter: jax.Array
-    hysteresis_counter: jax.Array
-    growth_factor: jax.Array
-    backoff_factor: jax.Array
-    growth_interval: jax.Array
-    min_loss_scale: jax.Array
-    max_loss_scale: jax.Array
-    hysteresis: jax.Array
-
-    _FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = (
-        ("loss_scale", _F32),
-        ("counter", _I32),
-        ("hysteresis_counter", _I32),
-        ("growth_factor", _F32),
-        ("backoff_factor", _F32),
-        ("growth_interval", _I32),
-        ("min_loss_scale", _F32),
-        ("max_loss_scale", _F32),
-        ("hysteresis", _I32),
-    )
+    loss_scale: jax.Array = _leaf(_F32)
+    counter: jax.Array = _leaf(_I32)
+    hysteresis_counter: jax.Array = _leaf(_I32)
+    growth_factor: jax.Array = _leaf(_F32)
+    backoff_factor: jax.Array = _leaf(_F32)
+    growth_interval: jax.Array = _leaf(_I32)
+    min_loss_scale: jax.Array = _leaf(_F32)
+    max_loss_scale: jax.Array = _leaf(_F32)
+    hysteresis: jax.Array = _leaf(_I32)
 
     def __init__(
         self,
@@ -431,79 +560,9 @@ class DynamicLossScale(_LossScaleBase):
             ValueError: If a value is out of range (message names the field).
             TypeError: If a value is not a real number.
         """
-        c = "DynamicLossScale"
-        ls = _positive_finite(c, "loss_scale", loss_scale, "Use e.g. loss_scale=2.0**16.")
-        gf = _number(c, "growth_factor", growth_factor, "Use e.g. growth_factor=2.0.")
-        if gf is not None and not (math.isfinite(gf) and gf > 1):
-            raise ValueError(
-                f"{c}: growth_factor must be > 1, got {gf!r}. Use e.g. growth_factor=2.0."
-            )
-        if gf is not None:
-            gf32 = _as_float32(c, "growth_factor", gf, "Use e.g. growth_factor=2.0.")
-            if not gf32 > 1:  # 1 + 1e-9 is stored as 1.0: the scale would never grow
-                raise ValueError(
-                    f"{c}: growth_factor must be > 1 in float32, the dtype it is stored in; "
-                    f"got {gf!r}, which rounds to {gf32!r}. Use e.g. growth_factor=2.0."
-                )
-        bf = _number(c, "backoff_factor", backoff_factor, "Use e.g. backoff_factor=0.5.")
-        if bf is not None and not 0 < bf < 1:
-            raise ValueError(
-                f"{c}: backoff_factor must be in the open interval (0, 1), got {bf!r}. "
-                "Use e.g. backoff_factor=0.5."
-            )
-        if bf is not None:
-            with np.errstate(under="ignore"):
-                bf32 = float(np.float32(bf))
-            if not (_F32_TINY <= bf32 < 1):  # 1 - 1e-9 is stored as 1.0, 1e-46 as 0.0
-                raise ValueError(
-                    f"{c}: backoff_factor must be in the open interval (0, 1) in float32, the "
-                    f"dtype it is stored in (at least {_F32_TINY:g}); got {bf!r}, which rounds "
-                    f"to {bf32!r}. Use e.g. backoff_factor=0.5."
-                )
-        gi = _integer(c, "growth_interval", growth_interval, "Use e.g. growth_interval=2000.")
-        if gi is not None and gi < 1:
-            raise ValueError(
-                f"{c}: growth_interval must be >= 1, got {gi}. Use e.g. growth_interval=2000."
-            )
-        lo = _positive_finite(c, "min_loss_scale", min_loss_scale, "Use e.g. min_loss_scale=1.0.")
-        hi = _positive_finite(
-            c, "max_loss_scale", max_loss_scale, "Use e.g. max_loss_scale=2.0**24."
-        )
-        if lo is not None and hi is not None and hi < lo:
-            raise ValueError(
-                f"{c}: max_loss_scale must be >= min_loss_scale, got max_loss_scale={hi!r} "
-                f"< min_loss_scale={lo!r}."
-            )
-        if ls is not None and lo is not None and ls < lo:
-            raise ValueError(
-                f"{c}: loss_scale must be within [min_loss_scale, max_loss_scale], got "
-                f"loss_scale={ls!r} < min_loss_scale={lo!r}."
-            )
-        if ls is not None and hi is not None and ls > hi:
-            raise ValueError(
-                f"{c}: loss_scale must be within [min_loss_scale, max_loss_scale], got "
-                f"loss_scale={ls!r} > max_loss_scale={hi!r}."
-            )
-        hy = _integer(c, "hysteresis", hysteresis, "Use e.g. hysteresis=1.")
-        if hy is not None and hy < 1:
-            raise ValueError(f"{c}: hysteresis must be >= 1, got {hy}. Use e.g. hysteresis=1.")
-        cn = _integer(c, "counter", counter, "Use counter=0 for a fresh state.")
-        if cn is not None and (cn < 0 or (gi is not None and cn >= gi)):
-            raise ValueError(
-                f"{c}: counter must be in [0, growth_interval), got {cn}. "
-                "Use counter=0 for a fresh state."
-            )
         if hysteresis_counter is None:
             hysteresis_counter = hysteresis
-        hc = _integer(
-            c, "hysteresis_counter", hysteresis_counter, "Omit it to start at hysteresis."
-        )
-        if hc is not None and (hc < 0 or (hy is not None and hc > hy)):
-            raise ValueError(
-                f"{c}: hysteresis_counter must be in [0, hysteresis], got {hc}. "
-                "Omit it to start at hysteresis."
-            )
-        self._set_fields(
+        given = dict(
             loss_scale=loss_scale,
             counter=counter,
             hysteresis_counter=hysteresis_counter,
@@ -514,6 +573,8 @@ class DynamicLossScale(_LossScaleBase):
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
         )
+        _validate(self, _DYNAMIC_RULES, given)
+        self._set_fields(**given)
 
     @property
     def at_min(self) -> jax.Array:

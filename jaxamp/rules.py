@@ -16,7 +16,9 @@ class             JAX primitives (defaults)                                     
 ``structural``    ``reshape``, ``transpose``, ``gather``, ``slice``,            (no analog: views)
                   ``reduce_max``, ... -> keep the operand's dtype; a stored
                   value (a param) stays un-cast, so an embedding gathers
-                  rows *then* casts them
+                  rows *then* casts them (a table no larger than the rows
+                  read from it is cast whole, its rows gathered low: the
+                  same numbers, its gradient still summed in float32)
 ``promote``       elementwise arithmetic, ``select_n``, ``concatenate``, ...    "promote" list
                   -> the widest activation dtype (params and constants
                   follow it; with only params/inputs, as traced, left

@@ -12,13 +12,51 @@ One step, in the order the methodology prescribes:
    clips them, and on a non-finite norm or loss the update is skipped (params and the whole
    optimizer state bit-identical, so schedules do not advance);
 4. params, optimizer state and the mutable collections (BatchNorm ``batch_stats``) take their
-   new values by a per-leaf select on applied steps only (no ``lax.cond``); with the policy's
-   ``opt_state=bfloat16`` the optimizer state is stored in bfloat16, written back with
-   stochastic rounding (:mod:`jaxamp.state_dtype`);
+   new values on applied steps only, by :func:`jaxamp.transform.skip` (the one skip, which
+   :func:`jaxamp.amp` uses too: per-leaf selects and ``-0.0`` updates, no ``lax.cond``);
+   with the policy's ``opt_state=bfloat16`` the optimizer state is stored in bfloat16,
+   written back with stochastic rounding (:mod:`jaxamp.state_dtype`);
 5. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
 
 ``TrainState.step`` counts every step, skipped or not; the optimizer's own counter (which drives
 learning-rate schedules) counts applied updates only, and ``skipped_steps`` counts the rest.
+
+The loss function (``loss_fn`` of :func:`make_train_step`):
+
+- linen: ``loss_fn(apply_fn, params, batch) -> loss``; it calls
+  ``apply_fn({"params": params}, ...)``. If the state holds collections, ``apply_fn`` adds them
+  to the variables and ``mutable=`` to the call and returns only the model's output: the
+  loss_fn is written as for a stateless model.
+- NNX (a state created from an NNX model): ``loss_fn(model, batch) -> loss``; it gets the model
+  merged from the state's params and collections, and BatchNorm statistics it updates go back
+  to the state.
+- With an ``rng`` parameter (``loss_fn(apply_fn, params, batch, rng)``) it gets this step's key
+  (derived from ``state.rng``) for ``rngs={"dropout": rng}``; with a default (``rng=None``) it
+  runs without one when the state has no rng.
+- Every leaf of ``batch`` has the same leading (batch) dimension, at least 1: a batch of 0 rows
+  is refused before compiling (its mean loss would be NaN and the step skipped).
+- With ``has_aux=True`` it returns ``(loss, aux)`` (as for ``jax.value_and_grad``); aux goes to
+  ``metrics["aux"]`` in float32 (float leaves). Across micro-batches and devices, an aux leaf
+  whose leading axis is the per-micro-batch batch size (logits, per-token losses) is
+  concatenated back into batch order; other float leaves are averaged; integer/bool leaves
+  (counts) are summed.
+- Micro-batches (``micro_batches=M``) accumulate float32 gradients under one loss scale (one
+  overflow skips the whole window); collections are threaded through them in order.
+
+On a mesh (``mesh=``) the step is one program, partitioned by XLA's SPMD partitioner: the batch
+is split over ``data_axis``; params, optimizer state and collections keep the shardings the state
+has (see :func:`jaxamp.shard_state`: ``NamedSharding`` s, Flax partitioning metadata, replicated
+otherwise), so data parallel, FSDP (params and optimizer state sharded over ``data_axis``),
+tensor parallel (a ``model`` axis) and their combinations are the same step. The result equals
+the single-device step on the global batch (one RNG stream, one skip decision, BatchNorm
+statistics over the global batch); every cross-device gradient reduction is float32 (see
+:func:`jaxamp.autocast`; ``f32_weight_grads=None`` is decided by the mesh/devices). The model's
+sharding constraints (``jax.lax.with_sharding_constraint``, ``nn.with_logical_constraint``) are
+traced under the mesh, and ``axis_rules=`` maps ``nn.with_logical_partitioning`` params and
+``nn.with_logical_constraint`` activations to mesh axes. ``axis_name=`` serves a model written
+for ``jax.pmap`` (Flax's imagenet ResNet: ``nn.BatchNorm(axis_name="batch")``): the step binds
+the name to one member that holds the whole (global) batch, so the model runs unmodified and its
+``pmean`` of batch statistics gives the global batch's, as pmap's mean over devices did.
 """
 
 from __future__ import annotations
@@ -60,8 +98,8 @@ from jaxamp.transform import (
     check_opt_state,
     copy_tree,
     default_loss_scale,
+    skip,
 )
-from jaxamp.transform import select as _select_leaf
 
 __all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "TrainState",
            "default_loss_scale", "make_eval_step", "make_train_step", "nnx_update"]
@@ -339,6 +377,14 @@ class TrainStep:
     :meth:`program` gives the diagnostics what the step runs; ``fn(step, state, batch)`` is
     the call shape of :func:`jaxamp.precision_table`, :func:`jaxamp.audit`,
     :func:`jaxamp.locate_overflow` and :func:`jaxamp.audit_step`.
+
+    ``metrics`` holds float32/bool/int32 scalars: ``loss`` (unscaled), ``grad_norm``
+    (unscaled, before clipping), ``loss_scale`` (used in this step), ``grads_finite``,
+    ``loss_finite``, ``skipped`` (not finite gradients and loss), ``skip_reason`` (int32 bits,
+    0 when applied: :data:`SKIP_NONFINITE_GRADS`, :data:`SKIP_NONFINITE_LOSS`),
+    ``skipped_steps`` (running total), ``loss_scale_at_min``, and ``aux`` with
+    ``has_aux=True``. On a skipped step params, optimizer state and collections come back
+    bit-identical; the loss scale backs off on non-finite gradients only.
     """
 
     def __init__(self, step, donate: bool, mesh: Mesh | None = None, axis_rules=None,
@@ -595,81 +641,78 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
     The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
-    scale, the optimizer, the RNG and the collections; the step only adds how to run.
+    scale, the optimizer, the RNG and the collections; the step only adds how to run. The
+    module docstring (:mod:`jaxamp.train`) says what a step does, how ``loss_fn`` is called,
+    and how a mesh runs it; :class:`TrainStep` lists the metrics.
 
     Args:
-      model: a flax linen Module (its ``apply`` is used), a flax NNX Module, or an apply
-        function; optional, the state's ``apply_fn`` is used.
-      loss_fn: for an NNX model (a state created from one), ``loss_fn(model, batch) -> loss``
-        (or ``loss_fn(model, batch, rng)``): it gets the model merged from the state's params
-        and collections, and BatchNorm statistics it updates go back to the state. For linen,
-        ``loss_fn(apply_fn, params, batch) -> loss``; it calls
-        ``apply_fn({"params": params}, ...)``. The whole loss runs under the policy.
-        With an ``rng`` parameter (``loss_fn(apply_fn, params, batch, rng)``) it gets this
-        step's key (derived from ``state.rng``) for ``rngs={"dropout": rng}``; with a default
-        (``rng=None``) it runs without one when the state has no rng. If the state holds
-        collections, ``apply_fn`` adds them to the variables and ``mutable=`` to the call
-        and returns only the model's output: the loss_fn is written as for a stateless model.
-      tx: the optax optimizer; optional, the state's ``tx`` is used (if given, it must be
-        the one the state was created with).
-      policy: optional: the state's policy is used. If given it must equal the state's
-        (checked before compiling).
+      model: a flax linen Module, a flax NNX Module, or an apply function; optional (the
+        state's ``apply_fn`` is used).
+      loss_fn: linen: ``loss_fn(apply_fn, params, batch[, rng]) -> loss``; NNX:
+        ``loss_fn(model, batch[, rng])``. The whole loss runs under the policy.
+      tx: the optax optimizer; optional (if given, the one the state was created with).
+      policy: optional (the state's); if given it must equal the state's.
       overrides: per-module rules for :func:`jaxamp.autocast`.
-      clip_norm: clip the unscaled float32 gradients to this global norm (a Python or JAX
-        scalar; None: no clip).
-      micro_batches: split the batch into this many micro-batches and accumulate float32
-        gradients under one loss scale; one overflow skips the whole window. Collections are
-        threaded through the micro-batches in order.
-      mesh: run on this :class:`jax.sharding.Mesh` (one program, partitioned by XLA's SPMD
-        partitioner): the batch is split over ``data_axis``; params, optimizer state and
-        collections keep the shardings the state has (see :func:`jaxamp.shard_state`:
-        ``NamedSharding`` s, Flax partitioning metadata, replicated otherwise), so data
-        parallel, FSDP (params and optimizer state sharded over ``data_axis``), tensor
-        parallel (a ``model`` axis) and their combinations are the same step. The result
-        equals the single-device step on the global batch (one RNG stream, one skip
-        decision, BatchNorm statistics over the global batch); every cross-device gradient
-        reduction is float32 (see :func:`jaxamp.autocast`). The model's sharding constraints
-        (``jax.lax.with_sharding_constraint``, ``nn.with_logical_constraint``) are traced
-        under the mesh.
+      clip_norm: clip the unscaled float32 gradients to this global norm (None: no clip).
+      micro_batches: accumulate float32 gradients over this many micro-batches under one
+        loss scale; one overflow skips the whole window.
+      mesh: run on this :class:`jax.sharding.Mesh`, the batch split over ``data_axis`` and
+        the state kept on its shardings (data, FSDP and tensor parallel alike).
       data_axis: the mesh axis the batch is split over.
-      axis_rules: Flax logical axis rules (``[("batch", "data"), ("mlp", "model"), ...]``,
-        as for ``nn.logical_axis_rules``): map ``nn.with_logical_partitioning`` params and
-        ``nn.with_logical_constraint`` activations to mesh axes. Only with ``mesh``.
-      donate: donate the input state's buffers (do not reuse the state you passed in; the
-        step refuses a donated state with a clear error).
-      has_aux: ``loss_fn`` returns ``(loss, aux)`` (as in ``jax.value_and_grad``); aux goes
-        to ``metrics["aux"]`` in float32 (float leaves). Across micro-batches and devices, an
-        aux leaf whose leading axis is the per-micro-batch batch size (logits, per-token
-        losses) is concatenated back into batch order; other float leaves are averaged;
-        integer/bool leaves (counts) are summed.
+      axis_rules: Flax logical axis rules (as for ``nn.logical_axis_rules``); only with mesh.
+      donate: donate the input state's buffers (a donated state is refused afterwards).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux goes to ``metrics["aux"]``.
       mutable: the collections the step updates (default: every collection of the state).
-      op_rules: which primitives run in which dtype, as for :func:`jaxamp.autocast` (the
-        forward and the backward of the step follow them).
-      f32_weight_grads: as for :func:`jaxamp.autocast` (None: decided by the mesh/devices).
-      axis_name: the axis name a model written for ``jax.pmap`` reduces over (Flax's imagenet
-        ResNet: ``nn.BatchNorm(axis_name="batch")``). The step binds it to one member that
-        holds the whole (global) batch, so the model runs unmodified and its ``pmean`` of
-        batch statistics gives the global batch's, as pmap's mean over devices did (on a
-        mesh too: the global batch is one array there).
-      **misplaced: refused, naming where each belongs: what the state holds (``loss_scale=``,
-        ``rng=``, ``params=``, ``collections=``) goes to :meth:`TrainState.create`.
+      op_rules, f32_weight_grads: as for :func:`jaxamp.autocast`.
+      axis_name: the axis name a model written for ``jax.pmap`` reduces over (bound to one
+        member holding the whole global batch).
+      **misplaced: refused, naming where each belongs (``loss_scale=``, ``rng=``,
+        ``params=``, ``collections=`` go to :meth:`TrainState.create`).
 
     Returns:
-      The step (a :class:`TrainStep`). ``metrics`` holds float32/bool/int32 scalars:
-      ``loss`` (unscaled), ``grad_norm`` (unscaled, before clipping), ``loss_scale`` (used
-      in this step),
-      ``grads_finite``, ``loss_finite``, ``skipped`` (not finite gradients and loss),
-      ``skip_reason`` (int32 bits, 0 when applied: :data:`SKIP_NONFINITE_GRADS`,
-      :data:`SKIP_NONFINITE_LOSS`), ``skipped_steps`` (running total),
-      ``loss_scale_at_min``, and ``aux`` with ``has_aux=True``. On a skipped step params,
-      optimizer state and collections come back bit-identical; the loss scale backs off on
-      non-finite gradients only. Every leaf of ``batch`` has the same leading (batch)
-      dimension, at least 1: a batch of 0 rows is refused before compiling (its mean loss
-      would be NaN and the step skipped).
+      The step, a :class:`TrainStep`. On a skipped step params, optimizer state and
+      collections come back bit-identical; the loss scale backs off on non-finite gradients
+      only.
     """
+    _misplaced("make_train_step", misplaced, set())
+    opts = _step_options(
+        apply_fn=None if model is None else _apply_fn_of(model), loss_fn=loss_fn, tx=tx,
+        policy=policy, overrides=overrides, clip_norm=clip_norm, micro_batches=micro_batches,
+        mesh=mesh, data_axis=data_axis, axis_rules=axis_rules, has_aux=has_aux,
+        mutable=mutable, op_rules=op_rules, f32_weight_grads=f32_weight_grads,
+        axis_name=axis_name)
+    return TrainStep(functools.partial(_train_step, opts), donate, opts.mesh, opts.axis_rules,
+                     functools.partial(_step_program, opts))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepOptions:
+    """:func:`make_train_step`'s options, checked: how the step runs (the state holds the
+    rest). ``policy`` and ``apply_fn`` are ``None`` where the state's are used."""
+
+    apply_fn: Callable | None
+    loss_fn: Callable
+    tx: optax.GradientTransformation | None
+    policy: jmp.Policy | None
+    overrides: dict | None
+    clip_norm: float | jax.Array | None
+    micro_batches: int
+    mesh: Mesh | None
+    data_axis: str
+    axis_rules: Any
+    has_aux: bool
+    mutable: tuple[str, ...] | None
+    op_rules: OpRules
+    f32_weight_grads: bool | None
+    axis_name: str | None
+    n_shards: int = 1
+
+
+def _step_options(*, apply_fn, loss_fn, tx, policy, clip_norm, micro_batches, mesh, data_axis,
+                  axis_rules, has_aux, mutable, op_rules, f32_weight_grads, axis_name,
+                  overrides) -> _StepOptions:
+    """make_train_step's options checked eagerly (before any state is seen)."""
     where = "make_train_step"
-    _misplaced(where, misplaced, set())
-    apply_fn_arg = None if model is None else _apply_fn_of(model)
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"{where}: axis_name must be the name (a str) of the axis the model's "
                         f"collectives reduce over, as given to jax.pmap, got {axis_name!r}. "
@@ -680,19 +723,34 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
     if tx is not None and not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
                         f"{type(tx).__name__}.")
-    step_policy = None if policy is None else get_policy(policy)
+    policy = None if policy is None else get_policy(policy)
     check_options(where, op_rules, f32_weight_grads)
     clip_norm = check_clip_norm(clip_norm, where)
     micro_batches = _positive_int(micro_batches, "micro_batches", where)
     if not isinstance(has_aux, bool):
         raise TypeError(f"{where}: has_aux must be True or False, got {has_aux!r}.")
-    if mutable is not None:
-        if isinstance(mutable, str):
-            mutable = (mutable,)
-        if not all(isinstance(m, str) for m in mutable):
-            raise TypeError(f"{where}: mutable must be a list of collection names such as "
-                            f"['batch_stats'], got {mutable!r}.")
-        mutable = tuple(mutable)
+    mutable = _check_mutable(mutable, where)
+    n_shards, axis_rules = _check_mesh(mesh, data_axis, axis_rules, where)
+    if n_shards > 1:
+        op_rules = _fp8_per_shard(op_rules, n_shards)
+    return _StepOptions(apply_fn, loss_fn, tx, policy, overrides, clip_norm, micro_batches,
+                        mesh, data_axis, axis_rules, has_aux, mutable, op_rules,
+                        f32_weight_grads, axis_name, n_shards)
+
+
+def _check_mutable(mutable: Any, where: str) -> tuple[str, ...] | None:
+    if mutable is None:
+        return None
+    if isinstance(mutable, str):
+        mutable = (mutable,)
+    if not all(isinstance(m, str) for m in mutable):
+        raise TypeError(f"{where}: mutable must be a list of collection names such as "
+                        f"['batch_stats'], got {mutable!r}.")
+    return tuple(mutable)
+
+
+def _check_mesh(mesh: Any, data_axis: str, axis_rules: Any, where: str) -> tuple[int, Any]:
+    """-> (devices along the data axis, the checked axis rules)."""
     n_shards = 1
     if mesh is not None:
         if not isinstance(mesh, Mesh):
@@ -702,185 +760,207 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
             raise ValueError(f"{where}: data_axis {data_axis!r} is not an axis of the mesh "
                              f"(axes: {tuple(mesh.axis_names)}). Pass data_axis= one of them.")
         n_shards = mesh.shape[data_axis]
-        op_rules = _fp8_per_shard(op_rules, n_shards)
     axis_rules = check_axis_rules(axis_rules, where)
     if axis_rules is not None and mesh is None:
         raise ValueError(f"{where}: axis_rules= maps logical axes to the axes of a mesh; pass "
                          "mesh= too (e.g. mesh=jax.sharding.Mesh(devices, ('data', "
                          "'model'))).")
-    wants_rng, needs_rng = _takes_rng(loss_fn)
+    return n_shards, axis_rules
 
-    def build(state):
-        """Trace-time: everything the state decides (policy, apply_fn, collections, rng)."""
-        state_policy = state.policy
-        if step_policy is not None and state_policy is not None and step_policy != state_policy:
-            raise ValueError(
-                f"step: make_train_step(policy={policy_to_str(step_policy)!r}) but the state "
-                f"was created with policy={policy_to_str(state_policy)!r} (and a loss scale "
-                f"for it). Give the policy once, to TrainState.create(..., policy=...); "
-                "make_train_step then uses the state's.")
-        pol = step_policy or state_policy or get_policy(DEFAULT_POLICY)
-        apply_fn = apply_fn_arg or state.apply_fn
-        user_loss = _nnx_loss(loss_fn) if isinstance(apply_fn, nnx_frontend.Apply) else loss_fn
-        names = _mutable_names(mutable, state.collections, "step")
-        use_rng = wants_rng and (state.rng is not None or needs_rng)
-        if needs_rng and state.rng is None:
-            raise ValueError("step: loss_fn takes an rng but the state has none. Create the "
-                             "state with TrainState.create(..., rng=jax.random.key(0)) (or "
-                             "give loss_fn's rng a default, rng=None).")
 
-        def loss_of(params, collections, batch, rng):
-            """-> (loss, aux, new collections); the function autocast runs."""
-            def run():
-                bound = _BoundApply(apply_fn, collections, names) if collections else apply_fn
-                kw = {"rng": rng} if use_rng else {}
-                out = user_loss(bound, params, batch, **kw)
-                # checked while the step is traced (the loss is traced once), before compiling
-                paired = has_aux and isinstance(out, tuple) and len(out) == 2
-                _check_loss_is_array(out[0] if paired else out, "step")
-                _check_loss_out(jax.tree.map(_spec, out), has_aux, "step")
-                loss, aux = out if has_aux else (out, None)
-                updates = bound.updates if collections else {}
-                return loss, aux, {**collections, **updates}
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepLoss:
+    """The loss the step differentiates, as the state decides it (its apply_fn, collections
+    and rng): ``loss(params, collections, batch, rng) -> (loss, aux, new collections)``, the
+    function autocast runs."""
 
-            if axis_name is None:
-                return run()
-            # A model written for pmap: its collectives reduce over a one-member axis of that
-            # name whose member is the whole batch (a pmean over it is the identity).
-            outs = jax.vmap(run, in_axes=(), axis_size=1, axis_name=axis_name)()
-            return jax.tree.map(lambda x: x[0], outs)
+    apply_fn: Callable
+    loss_fn: Callable  # linen-style: loss_fn(apply_fn, params, batch[, rng=])
+    mutable: tuple[str, ...]
+    use_rng: bool
+    has_aux: bool
+    axis_name: str | None
 
-        return pol, use_rng, loss_of
+    def __call__(self, params, collections, batch, rng):
+        if self.axis_name is None:
+            return self._run(params, collections, batch, rng)
+        # A model written for pmap: its collectives reduce over a one-member axis of that
+        # name whose member is the whole batch (a pmean over it is the identity).
+        run = functools.partial(self._run, params, collections, batch, rng)
+        outs = jax.vmap(run, in_axes=(), axis_size=1, axis_name=self.axis_name)()
+        return jax.tree.map(lambda x: x[0], outs)
 
-    def step(state: TrainState, batch, shardings=None):
-        pol, use_rng, loss_of = build(state)
-        check(state, batch, pol)  # trace time: before compiling (the loss: as it is traced)
-        amp_loss = autocast(loss_of, pol.with_output_dtype(jnp.float32), overrides=overrides,
-                            op_rules=op_rules, f32_weight_grads=f32_weight_grads)
-        collections0 = state.collections
+    def _run(self, params, collections, batch, rng):
+        bound = _BoundApply(self.apply_fn, collections, self.mutable) if collections \
+            else self.apply_fn
+        out = self.loss_fn(bound, params, batch, **({"rng": rng} if self.use_rng else {}))
+        # checked while the step is traced (the loss is traced once), before compiling
+        paired = self.has_aux and isinstance(out, tuple) and len(out) == 2
+        _check_loss_is_array(out[0] if paired else out, "step")
+        _check_loss_out(jax.tree.map(_spec, out), self.has_aux, "step")
+        loss, aux = out if self.has_aux else (out, None)
+        updates = bound.updates if collections else {}
+        return loss, aux, {**collections, **updates}
 
-        def scaled_loss(params, collections, batch, loss_scale, weight, rng):
-            loss, aux, new_coll = amp_loss(params, collections, batch, rng)
-            loss = loss.astype(jnp.float32)
-            new_coll = jax.tree.map(lambda n, o: n.astype(o.dtype), new_coll, collections0)
-            return loss_scale.scale(loss * weight), (loss, aux, new_coll)
 
-        grad_fn = jax.grad(scaled_loss, has_aux=True)
+def _state_loss(opts: _StepOptions, state: TrainState) -> tuple[jmp.Policy, _StepLoss]:
+    """Trace-time: what the state decides (policy, apply_fn, collections, rng)."""
+    if opts.policy is not None and state.policy is not None and opts.policy != state.policy:
+        raise ValueError(
+            f"step: make_train_step(policy={policy_to_str(opts.policy)!r}) but the state "
+            f"was created with policy={policy_to_str(state.policy)!r} (and a loss scale "
+            f"for it). Give the policy once, to TrainState.create(..., policy=...); "
+            "make_train_step then uses the state's.")
+    policy = opts.policy or state.policy or get_policy(DEFAULT_POLICY)
+    apply_fn = opts.apply_fn or state.apply_fn
+    nnx = isinstance(apply_fn, nnx_frontend.Apply)
+    wants_rng, needs_rng = _takes_rng(opts.loss_fn)
+    if needs_rng and state.rng is None:
+        raise ValueError("step: loss_fn takes an rng but the state has none. Create the "
+                         "state with TrainState.create(..., rng=jax.random.key(0)) (or "
+                         "give loss_fn's rng a default, rng=None).")
+    return policy, _StepLoss(
+        apply_fn, _nnx_loss(opts.loss_fn) if nnx else opts.loss_fn,
+        _mutable_names(opts.mutable, state.collections, "step"),
+        wants_rng and (state.rng is not None or needs_rng), opts.has_aux, opts.axis_name)
 
-        def local(params, collections, batch, loss_scale, key):
-            """Mean loss, aux, new collections and float32 *scaled* grads of the loss."""
-            if micro_batches == 1:
-                k = None if key is None else jax.random.fold_in(key, 0)
-                grads, (loss, aux, coll) = grad_fn(params, collections, batch, loss_scale,
-                                                   1.0, k)
-                return loss, aux, coll, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            micro = jax.tree.map(_split_micro, batch)
 
-            def body(carry, xs):
-                acc, loss_acc, coll = carry
-                mb, i = xs
-                k = None if key is None else jax.random.fold_in(key, i)
-                grads, (loss, aux, coll) = grad_fn(params, coll, mb, loss_scale,
-                                                   1.0 / micro_batches, k)
-                acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-                return (acc, loss_acc + loss, coll), aux
+def _train_step(opts: _StepOptions, state: TrainState, batch: Any, shardings: Any = None):
+    """The step :func:`make_train_step` jits: loss and scaled grads, then the update."""
+    policy, loss_of = _state_loss(opts, state)
+    _check_step(opts, state, batch, policy)  # trace time: before compiling
+    amp_loss = autocast(loss_of, policy.with_output_dtype(jnp.float32),
+                        overrides=opts.overrides, op_rules=opts.op_rules,
+                        f32_weight_grads=opts.f32_weight_grads)
+    grad_fn = jax.grad(functools.partial(_scaled_loss, amp_loss, state.collections),
+                       has_aux=True)
+    key = _step_key(state) if loss_of.use_rng else None
+    if opts.mesh is not None:  # the batch split over the data axis, whatever it arrived as
+        batch = jax.tree.map(lambda x: lax.with_sharding_constraint(
+            x, NamedSharding(opts.mesh, PartitionSpec(opts.data_axis))), batch)
+    loss, aux, new_coll, scaled_grads = _gradients(opts, grad_fn, state, batch, key,
+                                                   shardings)
+    new_state, metrics = _update(opts, state, policy, loss, new_coll, scaled_grads)
+    if opts.has_aux:
+        metrics["aux"] = aux
+    return new_state, metrics
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            if shardings is not None:  # the f32 accumulator sharded like the params
-                zeros = jax.tree.map(lax.with_sharding_constraint, zeros, shardings.params)
-            carry0 = (zeros, jnp.zeros((), jnp.float32), collections)
-            (grads, loss, coll), auxs = lax.scan(
-                body, carry0, (micro, jnp.arange(micro_batches)))
-            aux = None if auxs is None else _reduce_aux(
-                auxs, micro_size(batch), strided=mesh is not None)
-            return loss / micro_batches, aux, coll, grads
 
-        def _split_micro(x):
-            if mesh is None:  # contiguous micro-batches
-                return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
-            # Strided: micro-batch m takes rows m, m + M, ...: every device holds an equal
-            # share of every micro-batch, so all devices work on each one (no resharding).
-            x = jnp.swapaxes(x.reshape(x.shape[0] // micro_batches, micro_batches,
-                                       *x.shape[1:]), 0, 1)
-            return lax.with_sharding_constraint(
-                x, NamedSharding(mesh, PartitionSpec(None, data_axis)))
+def _scaled_loss(amp_loss, collections0, params, collections, batch, loss_scale, weight, rng):
+    """-> (scaled weighted float32 loss, (loss, aux, new collections in their old dtypes))."""
+    loss, aux, new_coll = amp_loss(params, collections, batch, rng)
+    loss = loss.astype(jnp.float32)
+    new_coll = jax.tree.map(lambda n, o: n.astype(o.dtype), new_coll, collections0)
+    return loss_scale.scale(loss * weight), (loss, aux, new_coll)
 
-        key = _step_key(state) if use_rng else None
-        if mesh is not None:  # the batch split over the data axis, whatever it arrived as
-            batch = jax.tree.map(lambda x: lax.with_sharding_constraint(
-                x, NamedSharding(mesh, PartitionSpec(data_axis))), batch)
-        loss, aux, new_coll, scaled_grads = local(state.params, state.collections, batch,
-                                                  state.loss_scale, key)
 
-        # The update: jaxamp.amp's recipe (unscale, f32, clip, skip, adjust), the one copy;
-        # params, optimizer state and collections take their new values by a per-leaf select.
-        ls = state.loss_scale
-        loss_finite = jnp.isfinite(loss)
-        inner_tx = _stored_tx(state.tx, pol, "step")  # opt_state=: stored in bfloat16
-        updates, out, grads_finite = amp_update(
-            optax.with_extra_args_support(inner_tx).update, clip_norm, scaled_grads,
-            AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
-                     jnp.ones((), bool)), state.params, {}, loss_finite,
-            group_vectors=mesh is None)
-        applied = out.grads_finite
-        applied_by_shape = PerShape(applied)
+def _gradients(opts: _StepOptions, grad_fn, state: TrainState, batch, key, shardings):
+    """Mean loss, aux, new collections and float32 *scaled* grads of the loss: at once, or
+    accumulated over micro-batches (collections threaded through them in order)."""
+    params, loss_scale = state.params, state.loss_scale
+    if opts.micro_batches == 1:
+        k = None if key is None else jax.random.fold_in(key, 0)
+        grads, (loss, aux, coll) = grad_fn(params, state.collections, batch, loss_scale, 1.0,
+                                           k)
+        return loss, aux, coll, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    micro = jax.tree.map(functools.partial(_split_micro, opts), batch)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if shardings is not None:  # the f32 accumulator sharded like the params
+        zeros = jax.tree.map(lax.with_sharding_constraint, zeros, shardings.params)
+    body = functools.partial(_micro_step, grad_fn, params, loss_scale, key,
+                             1.0 / opts.micro_batches)
+    carry0 = (zeros, jnp.zeros((), jnp.float32), state.collections)
+    (grads, loss, coll), auxs = lax.scan(body, carry0,
+                                         (micro, jnp.arange(opts.micro_batches)))
+    aux = None if auxs is None else _reduce_aux(
+        auxs, _micro_size(opts, batch), strided=opts.mesh is not None)
+    return loss / opts.micro_batches, aux, coll, grads
 
-        def select(new, old):
-            return _select_leaf(applied_by_shape, new, old)
 
-        new_state = state.replace(
-            step=state.step + 1,
-            params=jax.tree.map(select, optax.apply_updates(state.params, updates),
-                                state.params),
-            opt_state=out.inner_state, loss_scale=out.loss_scale,
-            skipped_steps=out.skipped_steps,
-            collections=jax.tree.map(select, new_coll, state.collections))
-        metrics = {
-            "loss": loss, "grad_norm": out.grad_norm, "loss_scale": ls.loss_scale,
-            "grads_finite": grads_finite, "loss_finite": loss_finite, "skipped": ~applied,
-            "skip_reason": ((~grads_finite).astype(jnp.int32) * SKIP_NONFINITE_GRADS
-                            + (~loss_finite).astype(jnp.int32) * SKIP_NONFINITE_LOSS),
-            "skipped_steps": out.skipped_steps, "loss_scale_at_min": out.loss_scale.at_min,
-        }
-        if has_aux:
-            metrics["aux"] = aux
-        return new_state, metrics
+def _micro_step(grad_fn, params, loss_scale, key, weight, carry, xs):
+    """One micro-batch: its float32 grads added to the accumulator (the scan's body)."""
+    acc, loss_acc, coll = carry
+    mb, i = xs
+    k = None if key is None else jax.random.fold_in(key, i)
+    grads, (loss, aux, coll) = grad_fn(params, coll, mb, loss_scale, weight, k)
+    acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+    return (acc, loss_acc + loss, coll), aux
 
-    def program(state, batch, context):
-        """The step's loss for the diagnostics (:class:`StepProgram`): built as the step
-        builds it, with micro-batch 0's dropout key."""
-        pol, use_rng, loss_of = build(state)
-        key = jax.random.fold_in(_step_key(state), 0) if use_rng else None
-        collections = state.collections
 
-        def loss(params):
-            return loss_of(params, collections, batch, key)[0]
+def _split_micro(opts: _StepOptions, x: jax.Array) -> jax.Array:
+    """``[B, ...]`` -> ``[M, B / M, ...]``."""
+    m = opts.micro_batches
+    if opts.mesh is None:  # contiguous micro-batches
+        return x.reshape(m, x.shape[0] // m, *x.shape[1:])
+    # Strided: micro-batch m takes rows m, m + M, ...: every device holds an equal share of
+    # every micro-batch, so all devices work on each one (no resharding).
+    x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+    return lax.with_sharding_constraint(
+        x, NamedSharding(opts.mesh, PartitionSpec(None, opts.data_axis)))
 
-        return StepProgram(loss, state.params, state.opt_state, state.loss_scale,
-                           pol.with_output_dtype(jnp.float32), overrides, op_rules,
-                           f32_weight_grads, context)
 
-    def micro_size(batch):
-        size = _batch_size(batch, "step")
-        if size % (micro_batches * n_shards):
-            raise ValueError(
-                f"step: the batch size {size} must be divisible by micro_batches "
-                f"({micro_batches}) x data-parallel devices ({n_shards}).")
-        return size // micro_batches
+def _update(opts: _StepOptions, state: TrainState, policy: jmp.Policy, loss, new_coll,
+            scaled_grads) -> tuple[TrainState, dict]:
+    """The update: :func:`jaxamp.amp`'s recipe (unscale, f32, clip, skip, adjust), the one
+    copy; the collections skip with the same :func:`jaxamp.transform.skip`."""
+    ls = state.loss_scale
+    loss_finite = jnp.isfinite(loss)
+    inner_tx = _stored_tx(state.tx, policy, "step")  # opt_state=: stored in bfloat16
+    updates, out, grads_finite = amp_update(
+        optax.with_extra_args_support(inner_tx).update, opts.clip_norm, scaled_grads,
+        AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
+                 jnp.ones((), bool)), state.params, {}, loss_finite,
+        group_vectors=opts.mesh is None)
+    applied = out.grads_finite
+    new_state = state.replace(
+        step=state.step + 1, params=optax.apply_updates(state.params, updates),
+        opt_state=out.inner_state, loss_scale=out.loss_scale, skipped_steps=out.skipped_steps,
+        collections=skip(PerShape(applied), new_coll, state.collections))
+    metrics = {
+        "loss": loss, "grad_norm": out.grad_norm, "loss_scale": ls.loss_scale,
+        "grads_finite": grads_finite, "loss_finite": loss_finite, "skipped": ~applied,
+        "skip_reason": ((~grads_finite).astype(jnp.int32) * SKIP_NONFINITE_GRADS
+                        + (~loss_finite).astype(jnp.int32) * SKIP_NONFINITE_LOSS),
+        "skipped_steps": out.skipped_steps, "loss_scale_at_min": out.loss_scale.at_min,
+    }
+    return new_state, metrics
 
-    def check(state, batch, pol):
-        if tx is not None and state.tx is not tx:
-            raise ValueError("step: the state was created with a different optimizer than the "
-                             "one given to make_train_step; pass the same tx to both (or omit "
-                             "it: the step uses the state's).")
-        check_loss_scale(state.loss_scale, "step")
-        check_opt_state(_stored_tx(state.tx, pol, "step"), state.opt_state, state.params,
-                        "step")
-        _check_not_amp(state.opt_state, "step")
-        _check_float_params(state.params, "step")
-        micro_size(batch)
 
-    return TrainStep(step, donate, mesh, axis_rules, program)
+def _step_program(opts: _StepOptions, state: TrainState, batch: Any, context) -> StepProgram:
+    """The step's loss for the diagnostics (:class:`StepProgram`): built as the step builds
+    it, with micro-batch 0's dropout key."""
+    policy, loss_of = _state_loss(opts, state)
+    key = jax.random.fold_in(_step_key(state), 0) if loss_of.use_rng else None
+    loss = functools.partial(_loss_only, loss_of, state.collections, batch, key)
+    return StepProgram(loss, state.params, state.opt_state, state.loss_scale,
+                       policy.with_output_dtype(jnp.float32), opts.overrides, opts.op_rules,
+                       opts.f32_weight_grads, context)
+
+
+def _loss_only(loss_of: _StepLoss, collections, batch, key, params):
+    return loss_of(params, collections, batch, key)[0]
+
+
+def _micro_size(opts: _StepOptions, batch: Any) -> int:
+    size = _batch_size(batch, "step")
+    if size % (opts.micro_batches * opts.n_shards):
+        raise ValueError(
+            f"step: the batch size {size} must be divisible by micro_batches "
+            f"({opts.micro_batches}) x data-parallel devices ({opts.n_shards}).")
+    return size // opts.micro_batches
+
+
+def _check_step(opts: _StepOptions, state: TrainState, batch: Any, policy: jmp.Policy):
+    if opts.tx is not None and state.tx is not opts.tx:
+        raise ValueError("step: the state was created with a different optimizer than the "
+                         "one given to make_train_step; pass the same tx to both (or omit "
+                         "it: the step uses the state's).")
+    check_loss_scale(state.loss_scale, "step")
+    check_opt_state(_stored_tx(state.tx, policy, "step"), state.opt_state, state.params,
+                    "step")
+    _check_not_amp(state.opt_state, "step")
+    _check_float_params(state.params, "step")
+    _micro_size(opts, batch)
 
 
 def _fp8_per_shard(op_rules: OpRules, n_shards: int) -> OpRules:

@@ -12,12 +12,13 @@ The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
 3. ONE float32 scalar, ``1 / loss_scale * min(1, clip_norm / norm)``, unscales and clips: each
    leaf is multiplied by it once (clipping the *unscaled* gradients, as
    ``optax.clip_by_global_norm`` would);
-4. the inner optimizer always runs; a per-leaf select keeps the old optimizer state (its
-   counters included, so schedules do not advance) on a non-finite norm, and the returned
-   updates are ``-0.0`` there (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0``
-   included), so ``optax.apply_updates`` leaves the params bit-identical. No ``lax.cond``: the
-   selects fuse into the optimizer's own loops (``optax.apply_if_finite`` instead applies a NaN
-   update after ``max_consecutive_errors``);
+4. the inner optimizer always runs; on a non-finite norm the skip (:func:`skip`, the one
+   implementation, which the train step uses too) keeps the old optimizer state by a per-leaf
+   select (its counters included, so schedules do not advance), and the returned updates are
+   ``-0.0`` there (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0`` included), so
+   ``optax.apply_updates`` leaves the params bit-identical. No ``lax.cond``: the selects fuse
+   into the optimizer's own loops (``optax.apply_if_finite`` instead applies a NaN update
+   after ``max_consecutive_errors``);
 5. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
 
 With ``state_dtype=jnp.bfloat16`` the inner optimizer's floating state is stored in bfloat16
@@ -207,10 +208,7 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
         _check_state(tx, state, params)
         new_updates, state, _ = amp_update(inner_update, clip_norm, updates, state, params,
                                            extra_args, group_vectors=group_vectors)
-        # -0.0 is the identity of IEEE addition: p + -0.0 == p bit for bit, even p = -0.0.
-        applied = PerShape(state.grads_finite)
-        return jax.tree.map(lambda u: select(applied, u, jnp.full(u.shape, -0.0, u.dtype)),
-                            new_updates), state
+        return new_updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -254,7 +252,7 @@ def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
     concatenation copies the vector gradients (54 kB in that step, 0.5 MB in GPT-2 small) and
     the one reduction waits for the last of them: small next to the matrices, whose reductions
     still run beside the backward as each gradient is ready (grouping those put the whole
-    norm on the step's critical path: BENCHMARKS.md)."""
+    norm on the step's critical path: the CPU figures in BENCHMARKS.md's History)."""
     is_vector = [g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE for g in leaves]
     if sum(is_vector) < 2:
         return leaves
@@ -308,12 +306,12 @@ def _is_float(x: Any) -> bool:
 def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_args: dict,
                loss_finite: jax.Array | bool = True, group_vectors: bool = True
                ) -> tuple[Any, AmpState, jax.Array]:
-    """The update of :func:`amp` without its checks and without masking the updates.
+    """The update of :func:`amp` without its checks (the train step calls it too).
 
     Returns ``(updates, state, grads_finite)``: the inner optimizer's updates of this step,
-    computed whether or not it is applied (the caller masks them, or selects new vs old
-    params, on ``state.grads_finite``), the new :class:`AmpState`, whose ``inner_state`` is
-    already the old one on a skipped step, and whether the gradients were finite. A step is
+    ``-0.0`` on a skipped step (:func:`skip_updates`), the new :class:`AmpState`, whose
+    ``inner_state`` is the old one bit for bit on a skipped step (:func:`skip`), and whether
+    the gradients were finite. A step is
     applied (``state.grads_finite``) when the gradients are finite and ``loss_finite``; the
     loss scale follows the gradients alone (a non-finite loss with finite gradients is not an
     overflow that a smaller scale would avoid). ``group_vectors``: see :func:`_scaled_sums`.
@@ -339,9 +337,10 @@ def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_ar
     # Whether the step applies, as the finiteness of one square root (computed once, where an
     # ``isfinite(root) & isfinite(loss)`` was recomputed in each of the update's fusions).
     applied = jnp.isfinite(jnp.sqrt(jnp.where(loss_finite, root, jnp.float32(np.nan))))
-    new_updates, inner = _inner_update_selected(inner_update, PerShape(applied), grads,
+    applied_by_shape = PerShape(applied)
+    new_updates, inner = _inner_update_selected(inner_update, applied_by_shape, grads,
                                                 state.inner_state, params, extra_args)
-    return new_updates, AmpState(
+    return skip_updates(applied_by_shape, new_updates), AmpState(
         loss_scale=ls.adjust(grads_finite), inner_state=inner,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
         grad_norm=grad_norm.astype(jnp.float32), grads_finite=applied), grads_finite
@@ -380,15 +379,33 @@ def _inner_update_selected(inner_update, applied, grads, inner_state, params,
         closed, jax.tree.leaves((grads, inner_state, params)), [None] * n_upd + fns)
     updates, new_state = jax.tree.unflatten(out_tree, outs)
     if not same_tree:  # the select raises on the mismatch, as it did before
-        return updates, jax.tree.map(lambda n, o: _select(applied, n, o), new_state,
-                                     inner_state)
+        return updates, skip(applied, new_state, inner_state)
     # float32 grads would promote e.g. a bfloat16 Adam moment to float32: keep its dtype.
-    leaves = [new if done and new.dtype == old.dtype else _select(applied, new, old)
+    leaves = [new if done and new.dtype == old.dtype else _skip_leaf(applied, new, old)
               for new, old, done in zip(outs[n_upd:], old_leaves, rerouted[n_upd:])]
     return updates, jax.tree.unflatten(old_tree, leaves)
 
 
-def _select(applied, new, old):
+# The skip, the one implementation (jaxamp.amp's update and the train step both use it): state
+# keeps its old leaves bit for bit (a per-leaf select, no lax.cond: the selects fuse into the
+# loops that compute the new values), and updates become -0.0, the identity of IEEE addition
+# (p + -0.0 == p bit for bit, even p = -0.0), so optax.apply_updates leaves the params as they
+# were.
+
+
+def skip(applied: PerShape, new: Any, old: Any) -> Any:
+    """``new`` where the step is ``applied``, else ``old``, leaf by leaf and bit for bit (each
+    new leaf cast to its old dtype): an optimizer state or the model's collections."""
+    return jax.tree.map(lambda n, o: _skip_leaf(applied, n, o), new, old)
+
+
+def skip_updates(applied: PerShape, updates: Any) -> Any:
+    """``updates`` where the step is ``applied``, else ``-0.0`` (see :func:`skip`)."""
+    return skip(applied, updates,
+                jax.tree.map(lambda u: jnp.full(u.shape, -0.0, u.dtype), updates))
+
+
+def _skip_leaf(applied: PerShape, new: Any, old: Any) -> Any:
     return select(applied, new.astype(old.dtype), old) if hasattr(old, "dtype") else new
 
 

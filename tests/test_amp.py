@@ -14,6 +14,7 @@ import pytest
 from models import MLP, ce_loss
 
 import jaxamp
+from jaxamp.transform import AmpState
 
 F16 = "params=float32,compute=float16,output=float32"
 
@@ -267,7 +268,7 @@ def test_readme_hand_written_step_runs():
     exec(compile(_readme_block("## Usage"), "README.md", "exec"), scope)
     exec(compile(_readme_block("## Your own train step"), "README.md", "exec"), scope)
     amp = scope["amp"]
-    assert isinstance(amp, jaxamp.AmpState) and amp.grad_norm.dtype == jnp.float32
+    assert isinstance(amp, AmpState) and amp.grad_norm.dtype == jnp.float32
     assert int(amp.skipped_steps) == 1 - int(amp.grads_finite)
     assert scope["loss"].dtype == jnp.float32 and bool(jnp.isfinite(scope["loss"]))
 

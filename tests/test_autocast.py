@@ -20,6 +20,7 @@ from jaxamp._jaxpr import (
     readers,
     transposed_equations,
 )
+from jaxamp.diagnostics import format_precision_table
 from jaxamp.engine import REGION_MARKER
 
 F16 = "params=float32,compute=float16,output=float32"
@@ -414,7 +415,7 @@ def test_precision_table_reports_dtypes_per_module():
     assert by[("embed", "gather")]["forward"] == "float32"  # rows gathered, then cast
     assert rows[-1] == {"module": "(output)", "op": "output", "forward": "float32",
                         "backward": "-"}
-    assert "| head | matmul | float16 | float16 |" in jaxamp.format_precision_table(rows)
+    assert "| head | matmul | float16 | float16 |" in format_precision_table(rows)
 
 
 def test_fused_attention_runs_in_compute_dtype_with_f32_softmax():

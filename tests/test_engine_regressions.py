@@ -7,6 +7,7 @@ region exits that cast a float32 value down for a float32 consumer, primitives n
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -449,3 +450,55 @@ def test_no_value_is_cast_twice_across_recompute_segments(model, policy, recompu
     segments = [e for e in iter_eqns(closed) if e.primitive.name in ("checkpoint", "remat2")]
     assert bool(segments) == (recompute == "on")
     assert duplicate_casts(closed, nested=False) == []
+
+
+class TokensAndPositions(nn.Module):
+    """GPT's input: token rows plus learned positions, then a matmul (issue #40)."""
+
+    vocab: int
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(self.vocab, 16, name="embed")(ids)
+        x = x + self.param("pos", nn.initializers.normal(1.0), (ids.shape[-1], 16))
+        return nn.Dense(16, name="fc")(x)
+
+
+def _gathers_and_scatters(closed):
+    eqns = list(iter_eqns(closed))
+    gathers = [(str(e.invars[0].aval.dtype), e.invars[0].aval.shape) for e in eqns
+               if e.primitive.name == "gather"]
+    scatters = [(str(e.outvars[0].aval.dtype), e.outvars[0].aval.shape) for e in eqns
+                if e.primitive.name == "scatter-add"]
+    return gathers, scatters
+
+
+@pytest.mark.parametrize("policy", [F16, BF16])
+@pytest.mark.parametrize("vocab", [8, 64])
+def test_a_small_table_is_gathered_low_and_its_gradient_summed_in_float32(policy, vocab):
+    """A table with no more elements than the rows read from it (8 x 16 against 4 x 8 rows)
+    is cast whole and its rows gathered in the compute dtype, so XLA can make them again where
+    they are read (issue #40: the bench GPT copied and kept its embedding sum instead); a
+    larger one (64 x 16) is not cast whole. Either way the rows are the same numbers and the
+    table's gradient is a float32 scatter-add."""
+    low = "float16" if policy == F16 else "bfloat16"
+    model = TokensAndPositions(vocab)
+    ids = jax.random.randint(jax.random.key(0), (4, 8), 0, vocab)
+    params = model.init(jax.random.key(1), ids)
+
+    def loss(p, apply):
+        return jnp.mean(apply(p, ids).astype(jnp.float32) ** 2)
+
+    amp = jax.value_and_grad(functools.partial(loss, apply=jaxamp.autocast(model.apply, policy)))
+    gathers, scatters = _gathers_and_scatters(jax.make_jaxpr(amp)(params))
+    if vocab == 8:  # 128 table elements, 512 gathered
+        assert (low, (vocab, 16)) in gathers
+    else:  # 1024 table elements
+        assert ("float32", (vocab, 16)) in gathers and (low, (vocab, 16)) not in gathers
+    assert scatters == [("float32", (vocab, 16))]
+    value, grads = jax.jit(amp)(params)
+    ref_value, ref_grads = jax.value_and_grad(functools.partial(loss, apply=model.apply))(params)
+    np.testing.assert_allclose(value, ref_value, rtol=2e-2)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, rtol=5e-2, atol=5e-3)

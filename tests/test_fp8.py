@@ -19,6 +19,7 @@ import pytest
 from models import init_testnet
 
 import jaxamp
+from jaxamp.fp8 import fp8_dot_general
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -139,7 +140,7 @@ def test_one_fp8_matmul_equals_the_reference_forward_and_backward():
     w = jax.random.normal(k[1], (32, 64)) * 0.05
     g = jax.random.normal(k[2], (48, 64)) * 1e-3
     dims = (((1,), (0,)), ((), ()))
-    y, vjp = jax.vjp(lambda a, b: jaxamp.fp8_dot_general(a, b, dims, compute_dtype=jnp.float32),
+    y, vjp = jax.vjp(lambda a, b: fp8_dot_general(a, b, dims, compute_dtype=jnp.float32),
                      x, w)
     dx, dw = vjp(g)
     xq, sx = _ref_quantize(x, ml_dtypes.float8_e4m3fn)
@@ -181,7 +182,7 @@ def test_per_shard_scales_equal_the_reference_with_the_activation_on_either_side
     want_dw = ((xq * sx).T @ (gq * sg))  # each row's product dequantised by its block's scales
     # the activation as lhs (a Dense layer) ...
     dims = (((1,), (0,)), ((), ()))
-    y, vjp = jax.vjp(lambda a, b: jaxamp.fp8_dot_general(
+    y, vjp = jax.vjp(lambda a, b: fp8_dot_general(
         a, b, dims, compute_dtype=jnp.float32, shards=4), x, w)
     dx, dw = vjp(g)
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=0)
@@ -191,20 +192,20 @@ def test_per_shard_scales_equal_the_reference_with_the_activation_on_either_side
     np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=tol)
     # ... and as rhs (an einsum with the weight first): the output is w's dims, then x's
     dims_t = (((0,), (1,)), ((), ()))
-    yt, vjp_t = jax.vjp(lambda b, a: jaxamp.fp8_dot_general(
+    yt, vjp_t = jax.vjp(lambda b, a: fp8_dot_general(
         b, a, dims_t, compute_dtype=jnp.float32, shards=4, activation=1), w, x)
     dwt, dxt = vjp_t(g.T)
     np.testing.assert_allclose(yt, want_y.T, rtol=1e-5, atol=0)
     np.testing.assert_allclose(dxt, want_dx, rtol=1e-5, atol=0)
     np.testing.assert_allclose(dwt, want_dw, rtol=1e-5, atol=tol)
     # per tensor (shards=1) the 1e-3 block would lose precision: the per-shard result differs
-    y1 = jaxamp.fp8_dot_general(x, w, dims, compute_dtype=jnp.float32)
+    y1 = fp8_dot_general(x, w, dims, compute_dtype=jnp.float32)
     assert not np.allclose(y1[12:24], want_y[12:24], rtol=1e-3)
     # rows that 4 does not divide, or a contracted leading dimension: one scale per tensor
     # (the per-tensor program, tested against the reference above)
     for a, b, d in ((x[:46], w, dims), (x, jnp.ones((48, 16)), (((0,), (0,)), ((), ())))):
-        got = jaxamp.fp8_dot_general(a, b, d, compute_dtype=jnp.float32, shards=4)
-        one = jaxamp.fp8_dot_general(a, b, d, compute_dtype=jnp.float32)
+        got = fp8_dot_general(a, b, d, compute_dtype=jnp.float32, shards=4)
+        one = fp8_dot_general(a, b, d, compute_dtype=jnp.float32)
         assert np.asarray(got).tobytes() == np.asarray(one).tobytes()
 
 
@@ -232,7 +233,7 @@ def test_zero_and_non_finite_tensors_quantise_as_documented():
 
 def test_the_saved_residuals_of_an_fp8_matmul_are_fp8_bytes():
     x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 64))
-    _, vjp = jax.vjp(lambda a, b: jaxamp.fp8_dot_general(a, b, (((1,), (0,)), ((), ())),
+    _, vjp = jax.vjp(lambda a, b: fp8_dot_general(a, b, (((1,), (0,)), ((), ())),
                                                          compute_dtype=jnp.bfloat16), x, w)
     saved = [(np.shape(r), np.dtype(r.dtype).name) for r in jax.tree.leaves(vjp)]
     big = sorted(s for s in saved if np.size(np.empty(s[0])) > 1)
@@ -260,10 +261,10 @@ def test_bad_options_are_refused_before_tracing():
     with pytest.raises(ValueError, match="shards must be an int >= 1 .*got 0"):
         jaxamp.FP8Matmuls(shards=0)
     with pytest.raises(ValueError, match="activation must be 0 \\(lhs\\) or 1 \\(rhs\\), got 2"):
-        jaxamp.fp8_dot_general(jnp.ones((16, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
+        fp8_dot_general(jnp.ones((16, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
                                compute_dtype=jnp.bfloat16, activation=2)
     with pytest.raises(ValueError, match="margin must be an int >= 0"):
-        jaxamp.fp8_dot_general(jnp.ones((16, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
+        fp8_dot_general(jnp.ones((16, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
                                compute_dtype=jnp.bfloat16, margin=1.5)
 
 

@@ -57,7 +57,7 @@ def tree_shapes(tree):
 
 # ---- the example's GPT (linen, nn.scan) ------------------------------------------------------
 
-LM_CONFIG = dict(n_layer=2, n_head=2, d_model=64, block_size=32)
+LM_CONFIG = dict(n_layer=2, n_head=2, d_model=64, block_size=32, attention="manual")
 
 
 def _lm(tied: bool):
@@ -90,6 +90,14 @@ def test_lm_twin_is_the_example_model(tied):
     for dtype in (jnp.bfloat16, jnp.float16):  # the same model in low precision
         low = float(jax.jit(_lm_loss(lm_handcast.HandCastGPT(config, dtype)))(params, batch))
         np.testing.assert_allclose(low, expected, rtol=1e-2)
+
+
+def test_lm_twin_refuses_fused_attention():
+    """The twin writes attention out: a fused-attention config is refused, naming the fix."""
+    config = lm_model.GPTConfig(**{**LM_CONFIG, "attention": "fused"})
+    ids = jnp.zeros((1, config.block_size), jnp.int32)
+    with pytest.raises(ValueError, match=r"attention='fused'.*attention='manual'"):
+        lm_handcast.HandCastGPT(config).init(jax.random.key(0), ids)
 
 
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])

@@ -5,7 +5,10 @@ policy parser and the module path format, no repeated code blocks."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
+import os
+import re
 import subprocess
 import sys
 import warnings
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
-from jaxamp import policy_spec
+from jaxamp import diagnostics, policy_spec
 from jaxamp.diagnostics import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +67,41 @@ def test_the_core_and_diagnostics_layout():
     assert set(jaxamp.__all__) <= set(dir(jaxamp)) and "make_train_step" in jaxamp.__all__
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         jaxamp.nope  # noqa: B018
+
+
+def test_the_public_names_are_listed_once_in_the_stub():
+    """``__all__`` is the stub's ``from M import X as X`` lines (what type checkers read), each
+    resolving to its module's object; the names moved out of the top level still resolve, with
+    a DeprecationWarning that names the module to import them from."""
+    stub = (PKG / "__init__.pyi").read_text()
+    names = re.findall(r"^from (jaxamp[\w.]*) import (\w+) as \2$", stub, re.M)
+    assert sorted(n for _, n in names) == sorted(jaxamp.__all__) and len(jaxamp.__all__) <= 30
+    assert "__all__" not in stub and "TYPE_CHECKING" not in (PKG / "__init__.py").read_text()
+    for module, name in names:
+        assert getattr(jaxamp, name) is getattr(importlib.import_module(module), name), name
+    with pytest.warns(DeprecationWarning, match=r"jaxamp\.AuditReport is deprecated.*"
+                      r"from jaxamp\.diagnostics import AuditReport"):
+        assert jaxamp.AuditReport is diagnostics.AuditReport
+    with pytest.warns(DeprecationWarning, match="from jaxamp.transform import AmpState"):
+        assert jaxamp.AmpState is importlib.import_module("jaxamp.transform").AmpState
+    assert "AuditReport" not in jaxamp.__all__ and "AuditReport" not in dir(jaxamp)
+
+
+def test_no_public_name_is_also_a_submodule():
+    """Importing ``pkg.name`` sets the attribute ``name`` of ``pkg`` to that module, and a lazy
+    ``__getattr__`` never runs for it again: with ``diagnostics/collectives.py`` beside the
+    function ``collectives``, ``from jaxamp.diagnostics import format_collectives`` made
+    ``jaxamp.collectives(...)`` raise "'module' object is not callable"."""
+    for pkg in (jaxamp, diagnostics):
+        here = Path(pkg.__file__).parent
+        submodules = {p.stem for p in here.glob("*.py")} | {p.parent.name
+                                                           for p in here.glob("*/__init__.py")}
+        assert set(pkg.__all__) & submodules == set(), pkg.__name__
+    code = ("import jaxamp; from jaxamp.diagnostics import format_collectives; "
+            "print(callable(jaxamp.collectives), callable(jaxamp.diagnostics.collectives))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
 
 
 def test_the_log_reader_imports_no_jax(tmp_path):
@@ -142,7 +180,7 @@ def test_deprecated_names_still_work_and_warn():
     # a Dense model has no Transformer parts: only the rows it has (GitHub issue #26)
     assert old == report.reference_table()
     assert [r["row"] for r in old] == ["CrossEntropy loss", "Parameter update"]
-    finding = jaxamp.Finding("k", "m", "d", "LayerNorm")
+    finding = diagnostics.Finding("k", "m", "d", "LayerNorm")
     with pytest.warns(DeprecationWarning, match="reference_row"):
         assert finding.seed_row == "LayerNorm"
     with warnings.catch_warnings():

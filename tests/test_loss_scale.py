@@ -544,3 +544,16 @@ def test_float32_extremes_that_fit_are_kept_exactly():
     up = jax.jit(lambda s: s.adjust(True))(top)
     assert float(up.loss_scale) == F32_MAX  # ceiling holds: not inf
     assert float(StaticLossScale(F32_MAX).loss_scale) == F32_MAX
+
+
+def test_pytree_leaves_are_the_dataclass_fields():
+    """Every dataclass field is a leaf, in declaration order, keyed by its name (checkpoints
+    name them), and comes back under jit with its non-default value."""
+    assert [f.name for f in dataclasses.fields(DynamicLossScale)] == list(DYN_FIELDS)
+    assert [f.name for f in dataclasses.fields(StaticLossScale)] == ["loss_scale"]
+    assert dataclasses.fields(NoOpLossScale) == ()
+    paths = jax.tree_util.tree_leaves_with_path(nondefault_state())
+    assert [jax.tree_util.keystr(p) for p, _ in paths] == [f".{n}" for n in DYN_FIELDS]
+    leaves, treedef = jax.tree_util.tree_flatten(nondefault_state())
+    assert_fields(jax.jit(lambda xs: jax.tree_util.tree_unflatten(treedef, xs))(leaves),
+                  NONDEFAULT)

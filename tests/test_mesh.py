@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp.diagnostics import format_collectives
 
 F32 = "float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -411,7 +412,7 @@ ENTRY %main {
 
 
 def test_hlo_collectives_reads_kinds_dtypes_bytes_and_mesh_axes():
-    from jaxamp.diagnostics.collectives import hlo_collectives
+    from jaxamp.diagnostics._collectives import hlo_collectives
 
     # what is read of a (data=2, model=4) mesh: its shape and names (no 8 devices needed)
     mesh = types.SimpleNamespace(devices=np.zeros((2, 4)), axis_names=("data", "model"),
@@ -425,6 +426,6 @@ def test_hlo_collectives_reads_kinds_dtypes_bytes_and_mesh_axes():
     assert rows[0]["bytes"] == 32 * 32 * 2 and rows[0]["wire_bytes"] == 2048  # 2(n-1)/n, n=2
     assert rows[1]["bytes"] == 8 * 128 * 4 and rows[1]["wire_bytes"] == 3 * 8 * 32 * 4
     assert rows[0]["op_name"].endswith("mlp/fc/dot_general")
-    table = jaxamp.format_collectives(rows)
+    table = format_collectives(rows)
     assert "| all-reduce | bfloat16 | 32x32 | data | 2048 | 2048 |" in table
     assert "bfloat16 2048, float32 3076, total 5124" in table

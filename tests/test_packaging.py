@@ -51,6 +51,6 @@ def test_the_wheel_ships_py_typed_and_the_license(tmp_path):
         names = zf.namelist()
         metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
         meta = zf.read(metadata).decode()
-    assert "jaxamp/py.typed" in names
+    assert "jaxamp/py.typed" in names and "jaxamp/__init__.pyi" in names  # the public names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert "License-Expression: Apache-2.0" in meta

@@ -1,14 +1,16 @@
 """Activation memory (GitHub issue #24): the residuals autocast's programs keep for the backward
-pass, by dtype (``bench/memory_engine.py``'s count), with recompute segments on and off. Most
+pass, by dtype (:func:`saved_residuals`), with recompute segments on and off. Most
 tests ask for segments everywhere (``ON``: ``recompute=True``); the default makes them in
 ``lax.scan`` bodies only (issue #40), which the last tests check."""
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,11 +20,39 @@ import jaxamp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from gpt import GPT, GPTConfig, init, lm_loss, make_batch  # noqa: E402
-from memory_engine import OFF, saved_residuals, summary  # noqa: E402
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 F16 = "params=float32,compute=float16,output=float32"
 ON = jaxamp.DEFAULT_OP_RULES.extend(recompute=True)  # segments everywhere
+OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
+
+
+def saved_residuals(loss, params, *args) -> dict[str, int]:
+    """Bytes of the residuals ``jax.vjp(lambda p: loss(p, *args), params)`` keeps, by dtype
+    name: the leaves of the pullback, read from the traced program (so a GPU keeps the same),
+    inputs (params, the batch) excluded, each array counted once."""
+    def residuals(p, *a):
+        _, pullback = jax.vjp(lambda q: loss(q, *a), p)
+        return jax.tree.leaves(pullback)
+
+    jaxpr = jax.make_jaxpr(residuals)(params, *args).jaxpr
+    inputs, seen = set(jaxpr.invars), set()
+    out: collections.Counter = collections.Counter()
+    for v in jaxpr.outvars:
+        if not isinstance(v, jcore.Var) or v in inputs or v in seen:
+            continue  # an input, a literal, or counted already
+        seen.add(v)
+        aval = v.aval
+        if not hasattr(aval, "dtype") or jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+            continue
+        out[np.dtype(aval.dtype).name] += int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    return dict(out)
+
+
+def summary(by_dtype: dict[str, int]) -> tuple[int, float]:
+    """(total bytes, float32 share)."""
+    total = sum(by_dtype.values())
+    return total, (by_dtype.get("float32", 0) / total if total else 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +228,8 @@ def test_the_default_recomputes_in_scan_bodies_only(small_gpt):
     """Issue #40: straight-line code keeps what JAX keeps (the program of recompute=False,
     equation for equation), a ``lax.scan`` body (a scanned layer stack) gets the segments
     (the residuals of recompute=True, which there lower both the GPU program's kernel bytes
-    and its temp memory: BENCHMARKS "What each piece of recompute does to the GPU
-    program")."""
+    and its temp memory: ``git show a1e47fe:BENCHMARKS.md``, "What each piece of recompute
+    does to the GPU program")."""
     loss, params, batch = small_gpt
     for policy in (BF16, F16):
         def program(rules, f=loss, policy=policy):
@@ -338,7 +368,7 @@ def test_a_tanh_whose_output_the_matmul_casts_keeps_its_smaller_input():
 @pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "llama", "moe", "vit", "clip",
                                   "resnet", "unet", "scan_remat_vmap"])
 def test_every_corpus_model_keeps_at_most_040_of_float32s_residuals(name):
-    # BENCHMARKS.md's table (bench/memory_engine.py); scan_remat_vmap, whose vmapped heads
+    # git show a1e47fe:BENCHMARKS.md (bench/memory_engine.py); scan_remat_vmap, whose vmapped heads
     # are Dense(tanh(Dense)), read 0.449 before a trailing tanh kept its output (0.371)
     sys.path.insert(0, str(ROOT / "tests"))
     from corpus_models import CORPUS
@@ -369,7 +399,7 @@ def test_no_float32_attention_weights_cross_a_barrier(name, policy):
     its checkpoint, so the cotangent entering the backward's ``prevent_cse`` barrier is the
     matmul's low-precision one. Cast outside, the cotangent was cast up to float32 before the
     barrier and XLA wrote it out in full: a float32 [B, H, T, T] array per layer, 0.87x the
-    step's speed on an H200 (bench/recompute_gpu.py). Barrier arrays read from StableHLO."""
+    step's speed on an H200 (a1e47fe:bench/recompute_gpu.py). Barrier arrays read from StableHLO."""
     sys.path.insert(0, str(ROOT / "tests"))
     from corpus_models import CORPUS
 

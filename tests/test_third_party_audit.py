@@ -16,6 +16,7 @@ import third_party as tp
 from corpus import POLICIES
 
 import jaxamp
+from jaxamp import diagnostics
 
 CASES = list(tp.THIRD_PARTY)
 NOT_PATHS = {"(top level)", "(output)", "(params)", "(train step)"}
@@ -25,12 +26,12 @@ def _printed_paths(*reports) -> set[str]:
     """Every module path the reports print (rows, findings, reference rows, matmuls)."""
     paths = set()
     for rep in reports:
-        if isinstance(rep, jaxamp.AuditReport):
+        if isinstance(rep, diagnostics.AuditReport):
             paths |= {r["module"] for r in rep.rows}
             paths |= {f.module for f in rep.findings}
             paths |= {m for r in rep.reference_table() for m in r["modules"]}
             paths |= {m["module"] for m in rep.matmuls}
-        elif isinstance(rep, jaxamp.OverflowReport):
+        elif isinstance(rep, diagnostics.OverflowReport):
             paths |= {r["module"] for r in rep.rows}
         else:  # a PrecisionTable
             paths |= {r["module"] for r in rep}

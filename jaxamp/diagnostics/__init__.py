@@ -29,8 +29,8 @@ _EXPORTS = {
     "audit_step": "jaxamp.diagnostics._audit",
     "format_precision_table": "jaxamp.diagnostics._audit",
     "precision_table": "jaxamp.diagnostics._audit",
-    "collectives": "jaxamp.diagnostics.collectives",
-    "format_collectives": "jaxamp.diagnostics.collectives",
+    "collectives": "jaxamp.diagnostics._collectives",
+    "format_collectives": "jaxamp.diagnostics._collectives",
     "fp8_gemms": "jaxamp.diagnostics.fp8_hlo",
     "GpuProgram": "jaxamp.diagnostics.gpu",
     "gpu_program": "jaxamp.diagnostics.gpu",
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
         format_precision_table,
         precision_table,
     )
-    from .collectives import collectives, format_collectives
+    from ._collectives import collectives, format_collectives
     from .fp8_hlo import fp8_gemms
     from .gpu import GpuProgram, gpu_program
     from .overflow import OverflowReport, locate_overflow
