@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxamp._lazy import lazy_exports
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "AuditReport": "jaxamp.diagnostics._audit",
@@ -45,7 +45,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS, key=str.lower)
 
 if TYPE_CHECKING:
-    from jaxamp.diagnostics._audit import (
+    from ._audit import (
         AuditReport,
         Finding,
         PrecisionTable,
@@ -54,11 +54,11 @@ if TYPE_CHECKING:
         format_precision_table,
         precision_table,
     )
-    from jaxamp.diagnostics._collectives import collectives, format_collectives
-    from jaxamp.diagnostics.fp8_hlo import fp8_gemms
-    from jaxamp.diagnostics.gpu import GpuProgram, gpu_program
-    from jaxamp.diagnostics.overflow import OverflowReport, locate_overflow
-    from jaxamp.diagnostics.review import RunFinding, RunReview, review_metrics, review_run
+    from ._collectives import collectives, format_collectives
+    from .fp8_hlo import fp8_gemms
+    from .gpu import GpuProgram, gpu_program
+    from .overflow import OverflowReport, locate_overflow
+    from .review import RunFinding, RunReview, review_metrics, review_run
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -79,10 +79,13 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._compat import new_dtype
-from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
-from jaxamp.diagnostics._reference import is_norm, norm_row
-from jaxamp.diagnostics._report import (
+from .._compat import new_dtype
+from .._jaxpr import duplicate_casts, lossy_round_trips
+from ..engine import float64_cause, float64_inputs
+from ..policy import policy_to_str
+from ..rules import OpRules
+from ._reference import is_norm, norm_row
+from ._report import (
     AuditReport,
     Finding,
     PrecisionTable,
@@ -91,8 +94,8 @@ from jaxamp.diagnostics._report import (
     storage_findings,
     without_rounded_state,
 )
-from jaxamp.diagnostics._step import audit_step
-from jaxamp.diagnostics._trace import (
+from ._step import audit_step
+from ._trace import (
     ACCUM,
     EXPLOG,
     LOW,
@@ -107,9 +110,6 @@ from jaxamp.diagnostics._trace import (
     table_rows,
     trace_model,
 )
-from jaxamp.engine import float64_cause, float64_inputs
-from jaxamp.policy import policy_to_str
-from jaxamp.rules import OpRules
 
 __all__ = ["AuditReport", "Finding", "PrecisionTable", "audit", "audit_step",
            "format_precision_table", "precision_table"]
@@ -209,86 +209,131 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None,
     seed's advice and hold under any rules. ``float64_names``: the float64 inputs of the
     audited call (:func:`jaxamp.engine.float64_inputs`), named by a float64 matmul finding."""
     rules = t.op_rules if op_rules is None else op_rules
+    raw = _op_findings(t, _low_precision_ops(t, rules), float64_names)
+    if t.out_scalar and is_low(t.out_dtypes):
+        raw.append(("loss_low_precision", "(output)",
+                    f"the function returns a scalar (a loss?) in {join_dtypes(t.out_dtypes)}: use "
+                    "output=float32 in the policy so the loss (and its scaling) is float32.",
+                    "CrossEntropy loss"))
+    raw += _cast_findings(t)
+    raw += storage_findings(params, opt_state)
+    found = group_findings(raw)
+    found.sort(key=lambda f: (_ORDER.index(f.kind) if f.kind in _ORDER else len(_ORDER),
+                              f.module))
+    return found
+
+
+_ORDER = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
+          "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
+          "matmul_f32_in_low_precision_region", "matmul_f64_in_low_precision_region",
+          "lossy_round_trip", "duplicate_cast"]
+
+
+def _low_precision_ops(t: Trace, rules: OpRules) -> dict[tuple[str, str], list[Eqn]]:
+    """The records of ``t`` that ran in the wrong precision, by (finding kind, module)."""
     mods = t.modules
     low_default = dtype_name(t.policy.compute_dtype) in LOW
-    raw: list[tuple[str, str, str, str | None]] = []
     by_kind: dict[tuple[str, str], list[Eqn]] = {}
     loss = loss_records(t.records, rules.matmul)
     for r in t.records:
         if not r.dtypes:
             continue
-        prim = r.prim
-        if prim in rules.matmul:
-            compute = mods[r.key].compute if r.key in mods else dtype_name(t.policy.compute_dtype)
-            low = compute in LOW or (not r.key and low_default)
-            if low and "float32" in r.in_dtypes:
-                by_kind.setdefault(("matmul_f32_in_low_precision_region", r.module),
-                                   []).append(r)
-            elif low and "float64" in r.in_dtypes:
-                by_kind.setdefault(("matmul_f64_in_low_precision_region", r.module),
-                                   []).append(r)
-            continue
-        if not is_low(r.dtypes) or not r.rounds or r.bounded:
-            continue
-        sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
-        if is_norm(r.key, mods):
-            by_kind.setdefault(("normalisation_low_precision", r.module), []).append(r)
-        elif r.backward and prim in ACCUM and not r.param_grad:
-            # an activation's cotangent summed in the dtype the forward value had (JAX's
-            # transpose of a broadcast: jnp.repeat, a bias-like add), not an accumulation
-            continue
-        elif id(r) in loss:
-            if sensitive:
-                by_kind.setdefault(("loss_low_precision", r.module), []).append(r)
-        elif prim in EXPLOG:
-            by_kind.setdefault(("softmax_low_precision", r.module), []).append(r)
-        elif sensitive:
-            by_kind.setdefault(("reduction_low_precision", r.module), []).append(r)
-        elif prim in rules.fp32:
-            by_kind.setdefault(("fp32_op_low_precision", r.module), []).append(r)
+        kind = _matmul_kind(t, r, low_default) if r.prim in rules.matmul else \
+            _op_kind(r, rules, mods, id(r) in loss)
+        if kind is not None:
+            by_kind.setdefault((kind, r.module), []).append(r)
     # sums inside a module whose exp/log ran in low precision belong to the softmax finding
     soft = {m for (k, m) in by_kind if k == "softmax_low_precision"}
     for (k, m) in list(by_kind):
         if k == "reduction_low_precision" and m in soft:
             by_kind[("softmax_low_precision", m)] += by_kind.pop((k, m))
-    explain = {
-        "matmul_f32_in_low_precision_region": (
-            "matmul(s) ran in float32 although this module's policy computes in {low}: {ops}. "
-            "Usually a jax.custom_vjp function in op_rules.custom_vjp_as_traced (run exactly "
-            "as traced, in float32) or another operation autocast does not rewrite (an unknown "
-            "higher-order primitive): drop it from custom_vjp_as_traced, cast its inputs to "
-            "the compute dtype inside it, or give the module a float32 rule in overrides= if "
-            "float32 is intended.", None),
-        "matmul_f64_in_low_precision_region": (
-            "matmul(s) ran in float64 although this module's policy computes in {low}: {ops}. "
-            "With jax_enable_x64 on, float64 values are left alone, and "
-            + float64_cause(float64_names), None),
-        "softmax_low_precision": (
-            "softmax exp/log and its sums ran in low precision: {ops}. exp overflows float16 "
-            "above ~11 and the normaliser loses small probabilities; keep exp/log/reduce_sum in "
-            "the fp32 op list (jaxamp.DEFAULT_OP_RULES) and the module's compute dtype "
-            "float16/bfloat16 only for its matmuls.", "Softmax"),
-        "normalisation_low_precision": (
-            "normalisation statistics ran in low precision: {ops}. Mean/variance need float32 "
-            "(a global .half() overflows LayerNorm); drop the override that "
-            "sets this norm to a low-precision compute dtype.", "LayerNorm"),
-        "loss_low_precision": (
-            "the loss (outside all modules) ran in low precision: {ops}. log-sum-exp needs "
-            "float32: compute the loss on float32 logits (jaxamp.softmax_cross_entropy) and "
-            "keep exp/log/reduce_sum in the fp32 op list.", "CrossEntropy loss"),
-        "fp32_op_low_precision": (
-            "operation(s) in the op rules' fp32 list ran in low precision: {ops}. autocast runs "
-            "them in float32; this program did not (traced under other op rules, or by code "
-            "autocast does not rewrite): trace it under these rules, or move the op out of "
-            "fp32 with op_rules=jaxamp.DEFAULT_OP_RULES.extend(promote={...}) if low "
-            "precision is intended.", None),
-        "reduction_low_precision": (
-            "accumulating reduction(s) ran in low precision: {ops}. Sums of many float16 "
-            "values lose precision and overflow; keep reduce_sum/cumsum in the fp32 op list.",
-            None),
-    }
+    return by_kind
+
+
+def _matmul_kind(t: Trace, r: Eqn, low_default: bool) -> str | None:
+    """A float32 or float64 matmul in a region that computes in low precision."""
+    mods = t.modules
+    compute = mods[r.key].compute if r.key in mods else dtype_name(t.policy.compute_dtype)
+    low = compute in LOW or (not r.key and low_default)
+    if low and "float32" in r.in_dtypes:
+        return "matmul_f32_in_low_precision_region"
+    if low and "float64" in r.in_dtypes:
+        return "matmul_f64_in_low_precision_region"
+    return None
+
+
+def _op_kind(r: Eqn, rules: OpRules, mods, in_loss: bool) -> str | None:
+    """A rounding op that ran in low precision where it needs float32, by what it is."""
+    prim = r.prim
+    if not is_low(r.dtypes) or not r.rounds or r.bounded:
+        return None
+    sensitive = prim in EXPLOG or (prim in ACCUM and not r.count_sum)
+    if is_norm(r.key, mods):
+        return "normalisation_low_precision"
+    if r.backward and prim in ACCUM and not r.param_grad:
+        # an activation's cotangent summed in the dtype the forward value had (JAX's
+        # transpose of a broadcast: jnp.repeat, a bias-like add), not an accumulation
+        return None
+    if in_loss:
+        return "loss_low_precision" if sensitive else None
+    if prim in EXPLOG:
+        return "softmax_low_precision"
+    if sensitive:
+        return "reduction_low_precision"
+    if prim in rules.fp32:
+        return "fp32_op_low_precision"
+    return None
+
+
+#: The explanation (``{low}``: the region's compute dtype, ``{ops}``: the ops) and the
+#: reference-table row of each kind of low-precision op finding.
+_EXPLAIN = {
+    "matmul_f32_in_low_precision_region": (
+        "matmul(s) ran in float32 although this module's policy computes in {low}: {ops}. "
+        "Usually a jax.custom_vjp function in op_rules.custom_vjp_as_traced (run exactly "
+        "as traced, in float32) or another operation autocast does not rewrite (an unknown "
+        "higher-order primitive): drop it from custom_vjp_as_traced, cast its inputs to "
+        "the compute dtype inside it, or give the module a float32 rule in overrides= if "
+        "float32 is intended.", None),
+    "softmax_low_precision": (
+        "softmax exp/log and its sums ran in low precision: {ops}. exp overflows float16 "
+        "above ~11 and the normaliser loses small probabilities; keep exp/log/reduce_sum in "
+        "the fp32 op list (jaxamp.DEFAULT_OP_RULES) and the module's compute dtype "
+        "float16/bfloat16 only for its matmuls.", "Softmax"),
+    "normalisation_low_precision": (
+        "normalisation statistics ran in low precision: {ops}. Mean/variance need float32 "
+        "(a global .half() overflows LayerNorm); drop the override that "
+        "sets this norm to a low-precision compute dtype.", "LayerNorm"),
+    "loss_low_precision": (
+        "the loss (outside all modules) ran in low precision: {ops}. log-sum-exp needs "
+        "float32: compute the loss on float32 logits (jaxamp.softmax_cross_entropy) and "
+        "keep exp/log/reduce_sum in the fp32 op list.", "CrossEntropy loss"),
+    "fp32_op_low_precision": (
+        "operation(s) in the op rules' fp32 list ran in low precision: {ops}. autocast runs "
+        "them in float32; this program did not (traced under other op rules, or by code "
+        "autocast does not rewrite): trace it under these rules, or move the op out of "
+        "fp32 with op_rules=jaxamp.DEFAULT_OP_RULES.extend(promote={...}) if low "
+        "precision is intended.", None),
+    "reduction_low_precision": (
+        "accumulating reduction(s) ran in low precision: {ops}. Sums of many float16 "
+        "values lose precision and overflow; keep reduce_sum/cumsum in the fp32 op list.",
+        None),
+}
+
+
+def _explain(kind: str, float64_names: Sequence[str]) -> tuple[str, str | None]:
+    if kind == "matmul_f64_in_low_precision_region":
+        return ("matmul(s) ran in float64 although this module's policy computes in {low}: "
+                "{ops}. With jax_enable_x64 on, float64 values are left alone, and "
+                + float64_cause(float64_names), None)
+    return _EXPLAIN[kind]
+
+
+def _op_findings(t: Trace, by_kind: dict, float64_names: Sequence[str]) -> list[tuple]:
+    mods = t.modules
+    raw = []
     for (kind, module), recs in by_kind.items():
-        text, row = explain[kind]
+        text, row = _explain(kind, float64_names)
         if kind == "normalisation_low_precision":
             row = norm_row({mods[r.key].cls.__name__ for r in recs if r.key in mods})
         if kind in ("matmul_f32_in_low_precision_region", "matmul_f64_in_low_precision_region"):
@@ -296,11 +341,12 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None,
                 dtype_name(t.policy.compute_dtype)
             text = text.replace("{low}", compute)
         raw.append((kind, module, text.replace("{ops}", _prims(recs)), row))
-    if t.out_scalar and is_low(t.out_dtypes):
-        raw.append(("loss_low_precision", "(output)",
-                    f"the function returns a scalar (a loss?) in {join_dtypes(t.out_dtypes)}: use "
-                    "output=float32 in the policy so the loss (and its scaling) is float32.",
-                    "CrossEntropy loss"))
+    return raw
+
+
+def _cast_findings(t: Trace) -> list[tuple]:
+    """Forward casts that only throw bits away: lossy round trips and duplicate casts."""
+    raw = []
     by_eqn = {id(r.eqn): r for r in t.records}
     for e in lossy_round_trips(t.jaxpr):
         r = by_eqn.get(id(e))
@@ -320,15 +366,7 @@ def _findings(t: Trace, params, opt_state, op_rules: OpRules | None = None,
         raw.append(("duplicate_cast", r.module,
                     f"the same value is cast to {dtype_name(new_dtype(b))} twice "
                     f"({_pass(r)}); the second cast is redundant work.", None))
-    raw += storage_findings(params, opt_state)
-    order = ["params_low_precision", "opt_state_low_precision", "loss_low_precision",
-             "normalisation_low_precision", "softmax_low_precision", "reduction_low_precision",
-             "matmul_f32_in_low_precision_region", "matmul_f64_in_low_precision_region",
-             "lossy_round_trip", "duplicate_cast"]
-    found = group_findings(raw)
-    found.sort(key=lambda f: (order.index(f.kind) if f.kind in order else len(order),
-                              f.module))
-    return found
+    return raw
 
 
 def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,

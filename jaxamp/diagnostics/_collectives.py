@@ -21,29 +21,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._hlo import Instr, array_bytes, arrays, hlo_modules, op_name, operand_name, parse_hlo
+
 __all__ = ["collectives", "format_collectives", "hlo_collectives", "total_bytes"]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
           "collective-broadcast", "ragged-all-to-all")
-_ITEMSIZE = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "u64": 8, "s32": 4, "u32": 4,
-             "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-             "c64": 8, "c128": 16}
 _DTYPE_NAMES = {"f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
                 "s32": "int32", "u32": "uint32", "s64": "int64", "u64": "uint64", "s8": "int8",
                 "u8": "uint8", "pred": "bool", "f8e4m3fn": "float8_e4m3fn",
                 "f8e5m2": "float8_e5m2", "s16": "int16", "u16": "uint16"}
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\((.*)$")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(d, tuple(int(s) for s in dims.split(",") if s))
-            for d, dims in _ARRAY.findall(type_text) if d in _ITEMSIZE]
-
-
-def _nbytes(arrays) -> int:
-    return int(sum(_ITEMSIZE[d] * int(np.prod(shape, dtype=np.int64)) for d, shape in arrays))
+def _nbytes(found) -> int:
+    return sum(array_bytes(d, shape) for d, shape in found)
 
 
 def _groups(line: str, n_devices: int | None) -> list[list[int]] | None:
@@ -104,40 +93,39 @@ def _axes(groups, mesh: Mesh | None) -> tuple[str, ...] | None:
 
 
 def hlo_collectives(text: str, mesh: Mesh | None = None) -> list[dict[str, Any]]:
-    """Every collective in the HLO module ``text`` (see :func:`collectives` for the fields)."""
-    types: dict[str, str] = {}
+    """Every collective in the HLO module(s) ``text`` (see :func:`collectives` for the
+    fields), read with the one HLO reader (:func:`jaxamp.diagnostics._hlo.parse_hlo`)."""
     found = []
-    for line in text.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, type_text, op, rest = m.groups()
-        types[name] = type_text
-        kind = op[:-len("-start")] if op.endswith("-start") else op
-        if kind not in _KINDS:
-            continue
-        operand_names = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-        operands = [a for o in operand_names for a in _arrays(types.get(o, ""))]
-        result = _arrays(type_text)
-        if op.endswith("-start") and operands:  # (operands, results) tuples
-            result = result[len(operands):] or result
-        groups = _groups(line, mesh.size if mesh is not None else None)
-        size = max((len(g) for g in groups), default=1) if groups else None
-        in_bytes, out_bytes = _nbytes(operands or result), _nbytes(result)
-        n = size or 1
-        wire = {"all-reduce": 2 * (n - 1) / n * in_bytes, "all-gather": (n - 1) / n * out_bytes,
-                "reduce-scatter": (n - 1) / n * in_bytes,
-                "all-to-all": (n - 1) / n * in_bytes}.get(kind, in_bytes)
-        op_name = _OP_NAME.search(line)
-        dtype = (result or operands or [("?", ())])[0][0]
-        found.append({
-            "kind": kind, "dtype": _DTYPE_NAMES.get(dtype, dtype),
-            "shape": list((result or operands)[0][1]) if (result or operands) else [],
-            "bytes": max(in_bytes, out_bytes), "wire_bytes": int(round(wire)),
-            "group_size": size, "axes": _axes(groups, mesh),
-            "op_name": op_name.group(1) if op_name else "", "name": name,
-        })
+    for module in hlo_modules(text):
+        for instrs in parse_hlo(module).values():
+            types = {i.name: i.type for i in instrs}
+            found += [_collective(i, types, mesh) for i in instrs
+                      if i.opcode.removesuffix("-start") in _KINDS]
     return found
+
+
+def _collective(ins: Instr, types: dict[str, str], mesh: Mesh | None) -> dict[str, Any]:
+    op, type_text, line = ins.opcode, ins.type, ins.attrs
+    kind = op.removesuffix("-start")
+    operands = [a for o in ins.operands for a in arrays(types.get(operand_name(o) or "", ""))]
+    result = arrays(type_text)
+    if op.endswith("-start") and operands:  # (operands, results) tuples
+        result = result[len(operands):] or result
+    groups = _groups(line, mesh.size if mesh is not None else None)
+    size = max((len(g) for g in groups), default=1) if groups else None
+    in_bytes, out_bytes = _nbytes(operands or result), _nbytes(result)
+    n = size or 1
+    wire = {"all-reduce": 2 * (n - 1) / n * in_bytes, "all-gather": (n - 1) / n * out_bytes,
+            "reduce-scatter": (n - 1) / n * in_bytes,
+            "all-to-all": (n - 1) / n * in_bytes}.get(kind, in_bytes)
+    dtype = (result or operands or [("?", ())])[0][0]
+    return {
+        "kind": kind, "dtype": _DTYPE_NAMES.get(dtype, dtype),
+        "shape": list((result or operands)[0][1]) if (result or operands) else [],
+        "bytes": max(in_bytes, out_bytes), "wire_bytes": int(round(wire)),
+        "group_size": size, "axes": _axes(groups, mesh),
+        "op_name": op_name(line), "name": ins.name,
+    }
 
 
 def _mesh_of(fn, args) -> Mesh | None:

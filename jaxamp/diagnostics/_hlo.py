@@ -208,15 +208,6 @@ def parse_hlo(text: str) -> dict[str, list[Instr]]:
     return out
 
 
-def _operand_info(operand: str, table: dict[str, str]) -> tuple[str | None, int | None]:
-    m = _OPERAND.match(operand.strip())
-    if not m:
-        return None, None
-    if m.group(1):
-        return first_array(m.group(1))
-    return first_array(table.get(m.group(2), ""))
-
-
 def fusion_kind(attrs: str) -> str | None:
     """The ``"kind"`` of a fusion's ``fusion_backend_config`` (None if it has none). Read from
     the config's own braces: XLA writes its fields in name order, so on the H200's XLA (jax
@@ -238,14 +229,13 @@ def fusion_kind(attrs: str) -> str | None:
 
 def find_gemms(text: str) -> list[Gemm]:
     """Every matmul/convolution of a compiled XLA:GPU module, with the library that runs it."""
-    comps = parse_hlo(text)
-    tables = {c: {i.name: i.type for i in instrs} for c, instrs in comps.items()}
+    prog = _Program(text)
+    comps = prog.comps
     gemms: list[Gemm] = []
     inside_gemm_fusion: set[str] = set()
 
     def make(instr: Instr, library: str, target: str, operands_of: Instr) -> Gemm:
-        table = tables[operands_of.computation]
-        infos = [_operand_info(o, table) for o in operands_of.operands[:2]]
+        infos = [first_array(t) for t in prog.operand_types(operands_of)[:2]]
         out_dt, out_n = first_array(instr.type)
         return Gemm(instr.name, instr.computation, library, target,
                     tuple(d for d, _ in infos), out_dt, tuple(n for _, n in infos), out_n)
@@ -339,7 +329,7 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
     ones the float32 rules kept, so the compiled program may hold that many f32 GEMMs."""
     import numpy as np
 
-    from jaxamp._jaxpr import iter_eqns
+    from .._jaxpr import iter_eqns
 
     out: Counter = Counter()
     for eqn in iter_eqns(closed_jaxpr):
@@ -351,6 +341,34 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
         sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
         out_size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
         out[gemm_signature(sizes, out_size)] += 1
+    return out
+
+
+# ---- FP8 dots planned in the lowered (StableHLO) program ----------------------------------
+
+_F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([^>]*)xf8E\w+>, "
+                     r"tensor<[^>]*xf8E\w+>\) -> tensor<([^>]*)x\w+>")
+_CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
+
+
+def planned_fp8_dots(stablehlo: str) -> list[int]:
+    """The FLOPs of each ``dot_general`` with two FP8 operands in StableHLO text
+    (``lower(...).as_text()``): 2 x output elements x contracted size."""
+    out = []
+    for line in stablehlo.splitlines():
+        m = _F8_DOT.search(line)
+        if not m:
+            continue
+        lhs = [int(d) for d in m.group(1).split("x") if d]
+        res = [int(d) for d in m.group(2).split("x") if d]
+        c = _CONTRACTING.search(line)
+        k = 1
+        for d in (int(x) for x in c.group(1).split(",") if x.strip()) if c else ():
+            k *= lhs[d] if d < len(lhs) else 1
+        n = 1
+        for d in res:
+            n *= d
+        out.append(2 * n * k)
     return out
 
 
@@ -379,7 +397,6 @@ _DIMS = {key: re.compile(key + r"=\{([\d,\s]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _BACKEND_CONFIG = re.compile(r"backend_config=")
 _SLICING = {"slice", "dynamic-slice", "gather"}  # a parameter read only through these: rows
-_PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose", "convert"}  # same elements
 FP8_GEMM_TARGETS = ("__cublas$lt$matmul$f8",)
 
 
@@ -391,13 +408,12 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def type_bytes(type_text: str) -> int:
     """Bytes of every array in a (possibly tuple) type."""
-    total = 0
-    for dtype, dims in arrays(type_text):
-        n = 1
-        for d in dims:
-            n *= d
-        total += (n * _BITS[dtype] + 7) // 8
-    return total
+    return sum(array_bytes(dtype, dims) for dtype, dims in arrays(type_text))
+
+
+def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+    """Bytes of one array of HLO element type ``dtype`` (``"bf16"``) and shape ``dims``."""
+    return (_elements(dims) * _BITS[dtype] + 7) // 8
 
 
 def _elements(dims: tuple[int, ...]) -> int:
@@ -454,9 +470,21 @@ class Kernel:
         return self.bytes_read + self.bytes_written
 
 
-def _operand_name(operand: str) -> str | None:
+def operand_name(operand: str) -> str | None:
     m = _OPERAND.match(operand.strip())
     return m.group(2) if m else None
+
+
+def op_name(attrs: str) -> str:
+    """The JAX name stack of an instruction (its ``metadata={op_name=...}``; "" if none)."""
+    m = _OP_NAME.search(attrs)
+    return m.group(1) if m else ""
+
+
+def hlo_modules(text: str) -> list[str]:
+    """``text`` split into its HLO modules (several dump files read as one text)."""
+    parts = re.split(r"^(?=HloModule\b)", text, flags=re.M)
+    return [p for p in parts if p.strip()] or [text]
 
 
 class _Program:
@@ -483,7 +511,7 @@ class _Program:
         out: dict[str, list[Instr]] = {}
         for ins in self.comps.get(comp, []):
             for o in ins.operands:
-                name = _operand_name(o)
+                name = operand_name(o)
                 if name is not None:
                     out.setdefault(name, []).append(ins)
         return out
@@ -507,7 +535,7 @@ def _read_bytes(prog: _Program, comp: str, param: Instr, users: dict) -> int:
             if u.name in seen:
                 continue
             seen.add(u.name)
-            first = _operand_name(u.operands[0]) if u.operands else None
+            first = operand_name(u.operands[0]) if u.operands else None
             if u.opcode in _SLICING and first == name:
                 taken += type_bytes(u.type)
             elif u.opcode in ("dynamic-update-slice", "scatter") and first == name:
@@ -527,7 +555,7 @@ def _written_bytes(prog: _Program, comp: str, result_type: str) -> int:
     if root is None:
         return type_bytes(result_type)
     table = prog.by_name.get(comp, {})
-    outs = [table.get(_operand_name(o) or "") for o in root.operands] \
+    outs = [table.get(operand_name(o) or "") for o in root.operands] \
         if root.opcode == "tuple" else [root]
     total = 0
     for out in outs:
@@ -709,7 +737,7 @@ def _made_from_f8(prog: _Program, comp: str, name: str | None, depth: int = 0) -
     if _is_f8(ins.type):
         return True
     if ins.opcode in ("get-tuple-element", "bitcast", "copy", "reshape", "transpose"):
-        return bool(ins.operands) and _made_from_f8(prog, comp, _operand_name(ins.operands[0]),
+        return bool(ins.operands) and _made_from_f8(prog, comp, operand_name(ins.operands[0]),
                                                     depth + 1)
     if ins.opcode == "fusion":
         called = _CALLS.search(ins.attrs)
@@ -726,7 +754,7 @@ def _reads_f8(prog: _Program, ins: Instr) -> bool:
     called = _CALLS.search(ins.attrs) if ins.opcode == "fusion" else None
     if called and _computes_f8(prog, called.group(1)):
         return True
-    return any(_made_from_f8(prog, ins.computation, _operand_name(o)) for o in ins.operands)
+    return any(_made_from_f8(prog, ins.computation, operand_name(o)) for o in ins.operands)
 
 
 def kernels(text: str) -> list[Kernel]:
@@ -769,12 +797,11 @@ def kernels(text: str) -> list[Kernel]:
                 info = _fusion_kernel(prog, ins)
             else:
                 info = _plain_kernel(prog, ins)
-            name = _OP_NAME.search(ins.attrs)
             f8 = info["kind"] == "gemm" and _reads_f8(prog, ins)
             out.append(Kernel(ins.name, comp, info["kind"], info["library"], info["target"],
                               info["bytes_read"], info["bytes_written"], info["flops"],
                               info["dtypes"], info["precision"], times,
-                              name.group(1) if name else "", f8))
+                              op_name(ins.attrs), f8))
 
     if prog.entry is not None:
         walk(prog.entry, 1, 0)

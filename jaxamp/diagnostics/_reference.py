@@ -20,9 +20,10 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-from jaxamp._compat import new_dtype
-from jaxamp._jaxpr import consumers, containing
-from jaxamp.diagnostics._trace import (
+from .._compat import new_dtype
+from .._jaxpr import consumers, containing
+from ..rules import EMBED_MODULES, FP32_MODULES
+from ._trace import (
     ACCUM,
     EXPLOG,
     PASS_THROUGH,
@@ -34,7 +35,6 @@ from jaxamp.diagnostics._trace import (
     join_dtypes,
     loss_records,
 )
-from jaxamp.rules import EMBED_MODULES, FP32_MODULES
 
 # ---------------------------------------------------------------------------------------------
 # Classifying modules
@@ -225,34 +225,40 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
             continue  # model code outside every module (Equinox, plain JAX): no row of its own
         if _is_attention(key, mods) and sensitive:
             add("Softmax", r)
-    rows = []
-    for name in _ROWS:
-        g = groups[name]
-        if name == "Embedding lookup":
-            if emb_fwd is None:
-                fwd = bwd = "-"
-            else:
-                fwd = f"{emb_fwd[0]} -> {emb_fwd[1]}"
-                bwd = emb_fwd[1] if t.grad else "-"
-            exp_f, exp_b = f"float32 -> {low}", low
-        elif name == "Parameter update":
-            fwd = "-"
-            bwd = join_dtypes(list(param_dtypes) + list(opt_dtypes))
-            exp_f, exp_b = "-", "float32"
+    rows = [_table_row(name, groups[name], t, emb_fwd, norm_classes,
+                       list(param_dtypes) + list(opt_dtypes)) for name in _ROWS]
+    return [r for r in rows if r is not None]
+
+
+def _table_row(name: str, g: dict[str, Any], t: Trace, emb_fwd: tuple | None,
+               norm_classes: set[str], state_dtypes: list[str]) -> dict[str, Any] | None:
+    """Row ``name`` of the table from what was seen of it (``g``), or None when the model
+    has no such part."""
+    low = dtype_name(t.policy.compute_dtype)
+    if name == "Embedding lookup":
+        if emb_fwd is None:
+            fwd = bwd = "-"
         else:
-            fwd, bwd = join_dtypes(g["forward"]), join_dtypes(g["backward"])
-            exp_f = exp_b = join_dtypes(g["expected"]) if name in _COMPUTE_ROWS else "float32"
-        if not t.grad and name != "Parameter update":
-            exp_b = "-"
-        present = fwd != "-" or (name == "Parameter update" and bwd != "-")
-        if not present:
-            continue  # the model has no such part: the table shows the rows it has
-        # graded on what was seen: a pass with nothing in it ("-") is not a mismatch
-        ok = fwd in (exp_f, "-") and (bwd in (exp_b, "-") or not t.grad or exp_b == "-")
-        if name == "LayerNorm":
-            name = norm_row(norm_classes)
-        rows.append({"row": name, "forward": fwd, "backward": bwd,
-                     "expected_forward": exp_f, "expected_backward": exp_b, "ok": ok,
-                     "modules": sorted(g["modules"]), "note": _NOTES[g["name"]]})
-    return rows
+            fwd = f"{emb_fwd[0]} -> {emb_fwd[1]}"
+            bwd = emb_fwd[1] if t.grad else "-"
+        exp_f, exp_b = f"float32 -> {low}", low
+    elif name == "Parameter update":
+        fwd = "-"
+        bwd = join_dtypes(state_dtypes)
+        exp_f, exp_b = "-", "float32"
+    else:
+        fwd, bwd = join_dtypes(g["forward"]), join_dtypes(g["backward"])
+        exp_f = exp_b = join_dtypes(g["expected"]) if name in _COMPUTE_ROWS else "float32"
+    if not t.grad and name != "Parameter update":
+        exp_b = "-"
+    present = fwd != "-" or (name == "Parameter update" and bwd != "-")
+    if not present:
+        return None  # the model has no such part: the table shows the rows it has
+    # graded on what was seen: a pass with nothing in it ("-") is not a mismatch
+    ok = fwd in (exp_f, "-") and (bwd in (exp_b, "-") or not t.grad or exp_b == "-")
+    if name == "LayerNorm":
+        name = norm_row(norm_classes)
+    return {"row": name, "forward": fwd, "backward": bwd,
+            "expected_forward": exp_f, "expected_backward": exp_b, "ok": ok,
+            "modules": sorted(g["modules"]), "note": _NOTES[g["name"]]}
 

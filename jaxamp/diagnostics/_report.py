@@ -11,15 +11,15 @@ JSON, Markdown
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from typing import Any
 
 import jax
 
-from jaxamp.diagnostics._reference import reference_rows
-from jaxamp.diagnostics._trace import Trace, is_low, low_leaves, matmul_rows
-from jaxamp.state_dtype import StoredState
+from ..state_dtype import StoredState
+from ._base import Report, escape, rich_table
+from ._reference import reference_rows
+from ._trace import Trace, is_low, low_leaves, matmul_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ def format_precision_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-class PrecisionTable(list):
+class PrecisionTable(Report, list):
     """What :func:`jaxamp.precision_table` returns: its rows (a list of ``{"module", "op",
     "forward", "backward"}`` dicts, compared and indexed as a list) that print themselves.
 
@@ -124,30 +124,21 @@ class PrecisionTable(list):
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "rows": list(self)}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        """``{"policy", "rows"}`` as a JSON string."""
-        return json.dumps(self.to_dict(), indent=indent)
-
     def to_markdown(self) -> str:
         """The rows as a Markdown table (:func:`format_precision_table`)."""
         return f"## Precision table ({self.policy})\n\n{format_precision_table(self)}"
 
-    def print(self, console=None) -> None:
-        """Prints the rows with rich."""
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
+    def _rich(self) -> list[Any]:
+        return [rich_table(f"precision table ({self.policy})", _TABLE_COLUMNS,
+                           [(escape(r["module"]), r["op"], r["forward"], r["backward"])
+                            for r in self])]
 
-        t = Table(title=f"precision table ({self.policy})", title_justify="left")
-        for col in ("module", "op", "forward", "backward"):
-            t.add_column(col)
-        for r in self:
-            t.add_row(escape(r["module"]), r["op"], r["forward"], r["backward"])
-        (console or Console()).print(t)
+
+_TABLE_COLUMNS = ("module", "op", "forward", "backward")
 
 
 @dataclasses.dataclass
-class AuditReport:
+class AuditReport(Report):
     """What :func:`jaxamp.audit` (or :func:`jaxamp.audit_step`) found.
 
     Attributes:
@@ -246,10 +237,6 @@ class AuditReport:
                 "reference_table": (table := self.reference_table()),
                 "seed_rows": table}  # the key before 0.2, kept for readers of old JSON
 
-    def to_json(self, indent: int | None = 2) -> str:
-        """The report (rows, findings, reference table) as a JSON string."""
-        return json.dumps(self.to_dict(), indent=indent)
-
     def to_markdown(self) -> str:
         """Findings, the reference table and the full precision table as Markdown."""
         out = [f"## Precision audit ({self.policy})", ""]
@@ -274,38 +261,31 @@ class AuditReport:
         out += ["", "### Precision table", "", format_precision_table(self.rows)]
         return "\n".join(out)
 
-    def print(self, console=None) -> None:
-        """Prints the findings and tables with rich."""
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        console = console or Console()
+    def _rich(self) -> list[Any]:
+        """The reference table, the precision table (without casts, elementwise and max/min
+        rows) and the findings."""
+        out: list[Any] = []
         seed = self.reference_table()
         if seed:
-            t = Table(title=f"mixed-precision reference table ({self.policy})",
-                      title_justify="left")
-            for col in ("module / op", "forward", "backward", "expected", "ok"):
-                t.add_column(col)
-            for r in seed:
-                ok = {True: "[green]ok[/green]", False: "[bold red]MISMATCH[/bold red]",
-                      None: "[dim]n/a[/dim]"}[r["ok"]]
-                t.add_row(r["row"], r["forward"], r["backward"],
-                          f"{r['expected_forward']} / {r['expected_backward']}", ok)
-            console.print(t)
-        t = Table(title="precision table (casts and elementwise rows: see to_json())",
-                  title_justify="left")
-        for col in ("module", "op", "forward", "backward"):
-            t.add_column(col)
-        for r in self.rows:
-            if r.get("category") in ("cast", "elementwise", "max/min"):
-                continue
-            style = "red" if is_low(r["forward"].split(",") + r["backward"].split(",")) and \
-                r.get("category") in ("softmax", "normalisation", "loss", "reduction") else None
-            t.add_row(escape(r["module"]), r["op"], r["forward"], r["backward"], style=style)
-        console.print(t)
+            marks = {True: "[green]ok[/green]", False: "[bold red]MISMATCH[/bold red]",
+                     None: "[dim]n/a[/dim]"}
+            out.append(rich_table(
+                f"mixed-precision reference table ({self.policy})",
+                ("module / op", "forward", "backward", "expected", "ok"),
+                [(r["row"], r["forward"], r["backward"],
+                  f"{r['expected_forward']} / {r['expected_backward']}", marks[r["ok"]])
+                 for r in seed]))
+        rows = [r for r in self.rows if r.get("category") not in ("cast", "elementwise",
+                                                                  "max/min")]
+        styles = ["red" if is_low(r["forward"].split(",") + r["backward"].split(",")) and
+                  r.get("category") in ("softmax", "normalisation", "loss", "reduction")
+                  else None for r in rows]
+        out.append(rich_table("precision table (casts and elementwise rows: see to_json())",
+                              _TABLE_COLUMNS,
+                              [(escape(r["module"]), r["op"], r["forward"], r["backward"])
+                               for r in rows], styles))
         if not self.findings:
-            console.print("[green]no findings[/green]")
-        for f in self.findings:
-            console.print(f"[bold red]{f.kind}[/bold red] [cyan]{escape(f.module)}[/cyan]: "
-                          f"{escape(f.detail)}")
+            out.append("[green]no findings[/green]")
+        out += [f"[bold red]{f.kind}[/bold red] [cyan]{escape(f.module)}[/cyan]: "
+                f"{escape(f.detail)}" for f in self.findings]
+        return out

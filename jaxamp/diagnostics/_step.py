@@ -19,13 +19,15 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._compat import scan_counts
-from jaxamp._jaxpr import walk
-from jaxamp.diagnostics._report import AuditReport, Finding, group_findings, storage_findings
-from jaxamp.diagnostics._trace import (
+from .._compat import scan_counts
+from .._jaxpr import walk
+from ..policy_spec import DEFAULT_POLICY
+from ..rules import ModuleRules
+from ..train import TrainStep
+from ._report import AuditReport, Finding, group_findings, storage_findings
+from ._trace import (
     Recorder,
     attribute,
-    clean_path,
     collect_eqns,
     dce,
     float_dtypes,
@@ -33,9 +35,6 @@ from jaxamp.diagnostics._trace import (
     resolve_call,
     table_rows,
 )
-from jaxamp.policy_spec import DEFAULT_POLICY
-from jaxamp.rules import ModuleRules
-from jaxamp.train import TrainStep
 
 
 class _Graph:
@@ -126,7 +125,51 @@ def _scalar_key(v, g: _Graph):
 
 def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
     g = _Graph(jaxpr)
-    # 1. global norms: scalar sqrt of a sum
+    norms = _global_norms(g, jaxpr)
+    if not norms:
+        return []
+    scalar_mul = _scale_candidates(g, norms)
+    unscale = _unscales(g, scalar_mul)
+    if not unscale:
+        return []
+    unscaled_outs = {e.outvars[0] for e, _ in unscale}
+    accounted = _accounted(g, scalar_mul)
+    found = []
+    for n, _, anc in norms:
+        if anc & unscaled_outs or accounted(n):
+            continue  # the norm reads unscaled gradients, or is unscaled itself
+        later = [e for e, x in unscale if n.outvars[0] in g.ancestors([x])]
+        found.append(_clip_before_unscale(len(later)) if later else _NORM_OF_SCALED)
+    return group_findings([(kind, "(train step)", detail, None) for kind, detail in found])
+
+
+def _clip_before_unscale(n_later: int) -> tuple[str, str]:
+    return ("clip_before_unscale",
+            "a global gradient norm is computed from gradients still multiplied by the "
+            "loss scale, and the gradients it clips are divided by the scale only "
+            f"afterwards ({n_later} unscale op(s) depend on that norm). Clipping "
+            "scaled gradients shrinks the clip threshold by the scale and over-suppresses "
+            "every update. Unscale first "
+            "(grads = loss_scale.unscale(grads)), then clip (optax.clip_by_global_norm), "
+            "or use jaxamp.make_train_step(clip_norm=...).")
+
+
+_NORM_OF_SCALED = (
+    "grad_norm_of_scaled_grads",
+    "a global norm (sqrt of a sum) is computed from gradients still multiplied by "
+    "the loss scale and is not followed by their unscaling: a logged grad norm "
+    "(or a clip) on scaled gradients is off by the scale factor. Compute it after "
+    "loss_scale.unscale(grads).")
+
+
+def _global_norms(g: _Graph, jaxpr: jcore.Jaxpr) -> list:
+    """``(eqn, name stack, ancestors)`` of each global norm, a scalar sqrt of a sum, that is
+    read by more than a finite check.
+
+    A norm read only by a finite check (``isfinite(sqrt(total))`` gating the step) does not
+    depend on the scale: scaled or not, it is finite exactly when the gradients are. Readers
+    are followed through g.preds (into sub-jaxprs and out of them); a program output (a logged
+    norm) is a reader that is no finite check."""
     norms = []
     for eqn, stack in g.leaves:
         if eqn.primitive.name == "sqrt" and _shape(eqn.outvars[0]) == () \
@@ -135,10 +178,6 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
             if any(g.producer.get(v) is not None and g.producer[v].primitive.name == "reduce_sum"
                    for v in anc):
                 norms.append((eqn, stack, anc))
-    # A norm read only by a finite check (``isfinite(sqrt(total))`` gating the step) does not
-    # depend on the scale: scaled or not, it is finite exactly when the gradients are.
-    # Readers are followed through g.preds (into sub-jaxprs and out of them); a program output
-    # (a logged norm) is a reader that is no finite check.
     succs: dict = {}
     for dst, srcs in g.preds.items():
         for v in srcs:
@@ -153,24 +192,20 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
             e = g.producer.get(s)
             if e is not None and e.primitive.name == "is_finite":
                 continue
-            if (e is None or e.primitive.name in ("convert_element_type", "copy", "copy_p")) \
+            if (e is None or e.primitive.name in ("convert_element_type", "copy")) \
                     and finite_check_only(s):
                 continue  # a cast, a copy, or the var a sub-jaxpr binds it to
             return False
         return True
 
-    norms = [n for n in norms if not finite_check_only(n[0].outvars[0])]
-    if not norms:
-        return []
-    norm_desc: set = set()  # everything computed from a norm (clip factors)
-    norm_outs = {n.outvars[0] for n, _, _ in norms}
-    for v in list(g.preds):
-        if g.ancestors([v]) & norm_outs:
-            norm_desc.add(v)
-    norm_desc |= norm_outs
+    return [n for n in norms if not finite_check_only(n[0].outvars[0])]
 
-    # 2. loss-scale candidates: scalars multiplied with another scalar (the loss, or the
-    # cotangent seed) that also divide non-scalar values (directly or via a reciprocal)
+
+def _scale_candidates(g: _Graph, norms: list) -> set:
+    """Loss-scale candidates: scalars multiplied with another scalar (the loss, or the
+    cotangent seed), other than what is computed from a norm (clip factors)."""
+    norm_outs = {n.outvars[0] for n, _, _ in norms}
+    norm_desc = {v for v in g.preds if g.ancestors([v]) & norm_outs} | norm_outs
     scalar_mul: set = set()
     for eqn, _ in g.leaves:
         if eqn.primitive.name == "mul" and len(eqn.invars) == 2 and \
@@ -180,47 +215,54 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                 if key is not None and key not in (("lit", 1.0), ("lit", 0.0)) and \
                         not (isinstance(a, jcore.Var) and a in norm_desc):
                     scalar_mul.add(key)
+    return scalar_mul
 
-    def through(v):
-        """Follow a scalar back through casts/copies/broadcasts to its source."""
-        while isinstance(v, jcore.Var) and v in g.producer and \
-                g.producer[v].primitive.name in ("convert_element_type", "copy", "copy_p",
-                                                 "broadcast_in_dim", "reshape"):
-            v = g.producer[v].invars[0]
-        return v
 
-    unscale: list[tuple[Any, Any]] = []  # (eqn, the tensor operand)
+def _through(v, g: _Graph):
+    """Follow a scalar back through casts/copies/broadcasts to its source."""
+    while isinstance(v, jcore.Var) and v in g.producer and \
+            g.producer[v].primitive.name in ("convert_element_type", "copy",
+                                             "broadcast_in_dim", "reshape"):
+        v = g.producer[v].invars[0]
+    return v
+
+
+def _unscales(g: _Graph, scalar_mul: set) -> list[tuple[Any, Any]]:
+    """``(eqn, the tensor operand)`` of each op that divides a non-scalar value by a loss-scale
+    candidate (directly or via a reciprocal)."""
+    unscale: list[tuple[Any, Any]] = []
     for eqn, _ in g.leaves:
         name = eqn.primitive.name
         if name == "div" and len(eqn.invars) == 2:
             x, s = eqn.invars
-            s = through(s)
+            s = _through(s, g)
             if _shape(x) != () and _shape(s) == () and _scalar_key(s, g) in scalar_mul:
                 unscale.append((eqn, x))
         elif name == "mul" and len(eqn.invars) == 2:
             for x, r in (eqn.invars, eqn.invars[::-1]):
-                r = through(r)
+                r = _through(r, g)
                 if _shape(x) == () or _shape(r) != () or not isinstance(r, jcore.Var):
                     continue
                 pe = g.producer.get(r)
                 if pe is not None and pe.primitive.name == "div" and \
                         _shape(pe.invars[1]) == () and \
-                        _scalar_key(through(pe.invars[1]), g) in scalar_mul:
+                        _scalar_key(_through(pe.invars[1], g), g) in scalar_mul:
                     unscale.append((eqn, x))
-    if not unscale:
-        return []
-    unscaled_outs = {e.outvars[0] for e, _ in unscale}
+    return unscale
+
+
+def _accounted(g: _Graph, scalar_mul: set) -> Callable:
+    """Whether a norm meets 1 / scale as a scalar (``root * inv``, ``min(inv, clip / root)``):
+    the unscaled norm computed from scaled gradients, as jaxamp.amp computes it."""
     # 1 / scale: a scalar divided by a loss-scale candidate
     recips = {e.outvars[0] for e, _ in g.leaves
               if e.primitive.name == "div" and _shape(e.outvars[0]) == ()
-              and _scalar_key(through(e.invars[1]), g) in scalar_mul}
+              and _scalar_key(_through(e.invars[1], g), g) in scalar_mul}
     scalar_pairs = [e.invars for e, _ in g.leaves
                     if e.primitive.name in ("mul", "min", "div") and len(e.invars) == 2
                     and all(isinstance(v, jcore.Var) and _shape(v) == () for v in e.invars)]
 
     def accounted(norm) -> bool:
-        """The norm meets 1 / scale as a scalar (``root * inv``, ``min(inv, clip / root)``):
-        the unscaled norm computed from scaled gradients, as jaxamp.amp computes it."""
         out = norm.outvars[0]
         for a, b in scalar_pairs:
             for x, y in ((a, b), (b, a)):
@@ -229,30 +271,7 @@ def _clip_findings(jaxpr: jcore.Jaxpr) -> list[Finding]:
                     return True
         return False
 
-    found = []
-    for n, stack, anc in norms:
-        if anc & unscaled_outs or accounted(n):
-            continue  # the norm reads unscaled gradients, or is unscaled itself
-        module, _ = clean_path(stack)
-        later = [e for e, x in unscale if n.outvars[0] in g.ancestors([x])]
-        if later:
-            found.append(Finding(
-                "clip_before_unscale", "(train step)",
-                "a global gradient norm is computed from gradients still multiplied by the "
-                "loss scale, and the gradients it clips are divided by the scale only "
-                f"afterwards ({len(later)} unscale op(s) depend on that norm). Clipping "
-                "scaled gradients shrinks the clip threshold by the scale and over-suppresses "
-                "every update. Unscale first "
-                "(grads = loss_scale.unscale(grads)), then clip (optax.clip_by_global_norm), "
-                "or use jaxamp.make_train_step(clip_norm=...)."))
-        else:
-            found.append(Finding(
-                "grad_norm_of_scaled_grads", "(train step)",
-                "a global norm (sqrt of a sum) is computed from gradients still multiplied by "
-                "the loss scale and is not followed by their unscaling: a logged grad norm "
-                "(or a clip) on scaled gradients is off by the scale factor. Compute it after "
-                "loss_scale.unscale(grads)."))
-    return group_findings([(f.kind, f.module, f.detail, None) for f in found])
+    return accounted
 
 
 def audit_step(step_fn: Callable, *args: Any, params: Any = None,

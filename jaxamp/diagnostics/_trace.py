@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp import nnx_frontend
-from jaxamp._compat import dce_jaxpr
-from jaxamp._jaxpr import feeders, walk
-from jaxamp.engine import REGION_MARKER, autocast
-from jaxamp.policy import get_policy
-from jaxamp.policy_spec import DEFAULT_POLICY
-from jaxamp.rules import (
+from .._compat import dce_jaxpr
+from .._jaxpr import feeders, walk
+from ..engine import REGION_MARKER, autocast
+from ..nnx_frontend import functional, intercept_calls
+from ..policy import get_policy
+from ..policy_spec import DEFAULT_POLICY
+from ..rules import (
     DEFAULT_OP_RULES,
     SOFTMAX_PRIMITIVES,
     STRUCTURAL_PRIMITIVES,
@@ -48,7 +48,7 @@ from jaxamp.rules import (
     OpRules,
     module_path,
 )
-from jaxamp.train import StepProgram, TrainState, TrainStep
+from ..train import StepProgram, TrainState, TrainStep
 
 _OP_CLASSES = {
     "dot_general": "matmul", "conv_general_dilated": "conv", "gather": "gather",
@@ -569,7 +569,7 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
     recorder = Recorder(rules)
-    fn, args = nnx_frontend.functional(fn, tuple(args))  # NNX models -> their params
+    fn, args = functional(fn, tuple(args))  # NNX models -> their params
 
     def recorded(*a):
         with recording(recorder):
@@ -627,7 +627,7 @@ def recording(recorder: Recorder):
     """The context in which ``recorder`` sees every linen and NNX module call."""
     stack = contextlib.ExitStack()
     stack.enter_context(nn.intercept_methods(recorder.interceptor))
-    stack.enter_context(nnx_frontend.intercept_calls(recorder.interceptor))
+    stack.enter_context(intercept_calls(recorder.interceptor))
     return stack
 
 

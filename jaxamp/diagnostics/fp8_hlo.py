@@ -20,43 +20,19 @@ Example:
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from ._hlo import FP8_GEMM_TARGETS, planned_fp8_dots
+from .gpu import GpuProgram, gpu_program
+
 __all__ = ["FP8_GEMM_TARGET", "count_fp8_gemm_calls", "count_planned_fp8_dots", "fp8_gemms"]
 
 #: The custom-call target of cuBLASLt's FP8 GEMM in compiled XLA:GPU HLO.
-FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
-
-_F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([^>]*)xf8E\w+>, "
-                     r"tensor<[^>]*xf8E\w+>\) -> tensor<([^>]*)x\w+>")
-_CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
-
-
-def planned_fp8_dots(stablehlo: str) -> list[int]:
-    """The FLOPs of each ``dot_general`` with two FP8 operands in StableHLO text
-    (``lower(...).as_text()``): 2 x output elements x contracted size."""
-    out = []
-    for line in stablehlo.splitlines():
-        m = _F8_DOT.search(line)
-        if not m:
-            continue
-        lhs = [int(d) for d in m.group(1).split("x") if d]
-        res = [int(d) for d in m.group(2).split("x") if d]
-        c = _CONTRACTING.search(line)
-        k = 1
-        for d in (int(x) for x in c.group(1).split(",") if x.strip()) if c else ():
-            k *= lhs[d] if d < len(lhs) else 1
-        n = 1
-        for d in res:
-            n *= d
-        out.append(2 * n * k)
-    return out
-
+FP8_GEMM_TARGET = FP8_GEMM_TARGETS[0]
 
 def count_planned_fp8_dots(stablehlo: str) -> int:
     """``dot_general`` s with two FP8 operands in StableHLO text (``lower(...).as_text()``)."""
@@ -93,8 +69,6 @@ def fp8_gemms(fn: Callable, *args: Any, warn: bool = True, target: Any = None) -
     ``warn`` (default), a ``RuntimeWarning`` names the shortfall.
     """
     if target is not None:
-        from jaxamp.diagnostics.gpu import gpu_program
-
         report = gpu_program(fn, *args, target=target)
     else:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
@@ -103,8 +77,6 @@ def fp8_gemms(fn: Callable, *args: Any, warn: bool = True, target: Any = None) -
         if backend != "gpu" or count_planned_fp8_dots(lowered.as_text()) == 0:
             return {"backend": backend, "planned": count_planned_fp8_dots(lowered.as_text()),
                     "fused": None, "checked": False, "fallback": None}
-        from jaxamp.diagnostics.gpu import GpuProgram
-
         report = GpuProgram.read(lowered.compile(), jax.devices()[0], lowered=lowered)
     planned, fused = report.fp8_planned, report.fp8_formed
     short = report.fp8_formed_flops < report.fp8_planned_flops

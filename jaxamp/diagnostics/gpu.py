@@ -46,7 +46,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -58,9 +57,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._compat import compile_only_gpu, device_target_config
-from jaxamp.diagnostics._hlo import Kernel, kernels
-from jaxamp.diagnostics.fp8_hlo import planned_fp8_dots
+from .._compat import compile_only_gpu, device_target_config
+from ._base import Report
+from ._hlo import Kernel, kernels, planned_fp8_dots
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
 
@@ -243,7 +242,7 @@ def _abstract(x: Any, sharding) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuProgram:
+class GpuProgram(Report):
     """What :func:`gpu_program` found in the compiled GPU program.
 
     Attributes:
@@ -389,9 +388,6 @@ class GpuProgram:
                               for k in self.kernels]
         return out
 
-    def to_json(self, indent: int | None = 2, kernels: bool = True) -> str:
-        return json.dumps(self.to_dict(kernels=kernels), indent=indent)
-
     def _lines(self) -> list[tuple[str, str]]:
         s = self.summary()
         mem = self.memory
@@ -469,7 +465,7 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
       RuntimeError: the plugin gave no compile-only GPU (``JAX_PLATFORMS=cpu`` missing).
       ValueError: an unknown target, or a step built with ``mesh=`` (one GPU only).
     """
-    from jaxamp.train import TrainStep
+    from ..train import TrainStep
 
     tgt = gpu_target(target)
     if isinstance(fn, TrainStep) and fn._mesh is not None:

@@ -23,7 +23,6 @@ float16 limits used: largest finite 65504, smallest normal 2**-14 (~6.1e-5), sma
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,10 +34,15 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp import nnx_frontend
-from jaxamp._compat import Tracer, bind_with_params, scan_params
-from jaxamp._jaxpr import evaluate, name_stack, sub_programs
-from jaxamp.diagnostics._trace import (
+from .._compat import Tracer, bind_with_params, scan_params
+from .._jaxpr import evaluate, name_stack, sub_programs
+from ..engine import autocast
+from ..nnx_frontend import functional, is_module
+from ..policy import get_policy, policy_to_str
+from ..rules import ModuleRules, OpRules
+from ..transform import default_loss_scale
+from ._base import Report, escape, rich_table
+from ._trace import (
     LOW,
     SCAFFOLD,
     TOP_LEVEL,
@@ -51,10 +55,6 @@ from jaxamp.diagnostics._trace import (
     recording,
     resolve_call,
 )
-from jaxamp.engine import autocast
-from jaxamp.policy import get_policy, policy_to_str
-from jaxamp.rules import ModuleRules, OpRules
-from jaxamp.transform import default_loss_scale
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -335,7 +335,7 @@ def _bits(a: _Acc) -> float | None:
 
 
 @dataclasses.dataclass
-class OverflowReport:
+class OverflowReport(Report):
     """What :func:`locate_overflow` found.
 
     Attributes:
@@ -400,9 +400,6 @@ class OverflowReport:
                 "underflow": self.underflow,
                 "rows": [{k: clean(v) for k, v in r.items()} for r in self.rows]}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
     def summary(self) -> str:
         """A few sentences: where it overflows, how much underflows."""
         lines = []
@@ -434,29 +431,22 @@ class OverflowReport:
                 f"{_pct(r['underflow_scaled'])} |")
         return "\n".join(out)
 
-    def print(self, console=None) -> None:
-        """Prints the rows as a rich table, then the summary."""
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        console = console or Console()
-        t = Table(title=f"overflow / underflow per module ({self.policy}, loss scale "
-                        f"{self.loss_scale:g})", title_justify="left")
-        for col in ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
-                    "param grad max", "underflow unscaled", "underflow scaled"):
-            t.add_column(col)
+    def _rich(self) -> list[Any]:
+        """The rows as a table, then the summary."""
         colors = {"overflow": "bold red", "nonfinite": "red", "near_overflow": "yellow",
                   "underflow": "magenta"}
-        for r in self.rows:
-            st = r["status"]
-            t.add_row(escape(r["module"]),
-                      f"[{colors[st]}]{st}[/{colors[st]}]" if st in colors else st,
-                      _fmt(r["forward_max_abs"]), r["forward_dtypes"],
-                      _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
-                      _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"]))
-        console.print(t)
-        console.print(escape(self.summary()))
+
+        def status(st: str) -> str:
+            return f"[{colors[st]}]{st}[/{colors[st]}]" if st in colors else st
+
+        table = rich_table(
+            f"overflow / underflow per module ({self.policy}, loss scale {self.loss_scale:g})",
+            ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
+             "param grad max", "underflow unscaled", "underflow scaled"),
+            [(escape(r["module"]), status(r["status"]), _fmt(r["forward_max_abs"]),
+              r["forward_dtypes"], _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
+              _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"])) for r in self.rows])
+        return [table, escape(self.summary())]
 
 
 def _pct(x) -> str:
@@ -574,41 +564,17 @@ def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_sca
             f32_weight_grads) -> OverflowReport:
     if isinstance(fn, nn.Module):
         fn = fn.apply
-    if nnx_frontend.is_module(fn) or nnx_frontend.is_module(variables):
+    if is_module(fn) or is_module(variables):
         # NNX: locate_overflow(model, *args) or (fn, model, *args); differentiate its params
-        fn, (variables, *args) = nnx_frontend.functional(fn, (variables, *args))
+        fn, (variables, *args) = functional(fn, (variables, *args))
     if not callable(fn):
         raise TypeError(f"locate_overflow: fn must be callable, got {type(fn).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError("locate_overflow: loss_fn must be callable (outputs -> scalar).")
     pol = get_policy(policy)
     scale = _scale_value(loss_scale, pol)
-    is_vars = isinstance(variables, Mapping) and "params" in variables
-    params = variables["params"] if is_vars else variables
-
-    def rebuild(p):
-        if not is_vars:
-            return p
-        v = dict(variables)
-        v["params"] = p
-        return v
-
-    def loss_of(p, *a):
-        out = fn(rebuild(p), *a)
-        if loss_fn is not None:
-            loss = loss_fn(out)
-        else:
-            floats = [o for o in jax.tree.leaves(out) if _is_float(o)]
-            if not floats:
-                raise ValueError("locate_overflow: fn returns no float output; pass loss_fn.")
-            loss = sum(jnp.mean(o.astype(jnp.float32)) for o in floats)
-        if np.shape(loss) != ():
-            raise ValueError(f"locate_overflow: the loss must be a scalar, got shape "
-                             f"{np.shape(loss)}; pass loss_fn=... that reduces it.")
-        return loss
-
-    rules = ModuleRules.create(pol, overrides)
-    recorder = Recorder(rules)
+    params, loss_of = _loss_of(fn, variables, loss_fn)
+    recorder = Recorder(ModuleRules.create(pol, overrides))
 
     def recorded(*a):
         with recording(recorder):
@@ -637,10 +603,59 @@ def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_sca
                    op_rules=op_rules.extend(recompute=False), f32_weight_grads=f32_weight_grads)
     ref_closed = jax.make_jaxpr(jax.value_and_grad(f32))(p32, *args)
     ref_outs, ref_acc, _ = _interpret(ref_closed, jax.tree.leaves((p32, *args)),
-                                            recorder.modules, scale)
+                                      recorder.modules, scale)
     _, true_grads = jax.tree.unflatten(jax.tree.structure((0.0, p32)), ref_outs)
 
-    root = next((m for m in recorder.modules if "/" not in m), None)
+    pg, tg = _param_grad_accs(amp_grads, true_grads, recorder.modules, scale)
+    # activation gradients of the reference, per module
+    ag: dict[str, _Acc] = {m: a for (m, bwd), a in ref_acc.items() if bwd}
+    origins = _unique(o["module"] for o in origin_events)
+    names = _unique([m for m, _ in acc] + list(pg) + list(ag))
+    rows = [_module_row(m, acc, pg.get(m), tg.get(m), ag.get(m), origins) for m in names]
+    underflow = {"param_grads": _underflow_total(list(tg.values())),
+                 "activation_grads": _underflow_total(list(ag.values()))}
+    return OverflowReport(rows, first, origins, underflow, scale, float(_to_host(amp_loss)),
+                          policy_to_str(pol))
+
+
+def _unique(items) -> list:
+    """``items`` without repeats, in first-seen order."""
+    return list(dict.fromkeys(items))
+
+
+def _loss_of(fn, variables, loss_fn) -> tuple[Any, Callable]:
+    """The params to differentiate, and ``loss_of(params, *args)``: ``fn``'s scalar loss."""
+    is_vars = isinstance(variables, Mapping) and "params" in variables
+    params = variables["params"] if is_vars else variables
+
+    def rebuild(p):
+        if not is_vars:
+            return p
+        v = dict(variables)
+        v["params"] = p
+        return v
+
+    def loss_of(p, *a):
+        out = fn(rebuild(p), *a)
+        if loss_fn is not None:
+            loss = loss_fn(out)
+        else:
+            floats = [o for o in jax.tree.leaves(out) if _is_float(o)]
+            if not floats:
+                raise ValueError("locate_overflow: fn returns no float output; pass loss_fn.")
+            loss = sum(jnp.mean(o.astype(jnp.float32)) for o in floats)
+        if np.shape(loss) != ():
+            raise ValueError(f"locate_overflow: the loss must be a scalar, got shape "
+                             f"{np.shape(loss)}; pass loss_fn=... that reduces it.")
+        return loss
+
+    return params, loss_of
+
+
+def _param_grad_accs(amp_grads, true_grads, modules, scale: float
+                     ) -> tuple[dict[str, _Acc], dict[str, _Acc]]:
+    """The AMP run's and the float32 reference's parameter gradients, per module."""
+    root = next((m for m in modules if "/" not in m), None)
     pg: dict[str, _Acc] = {}
     tg: dict[str, _Acc] = {}
     pairs = [(path, g, t) for (path, g), (_, t) in zip(
@@ -649,73 +664,58 @@ def _locate(fn, variables, *args, policy, overrides, op_rules, loss_fn, loss_sca
     g_stats = _summaries([g for _, g, _ in pairs], 1.0)
     t_stats = _summaries([t for _, _, t in pairs], scale)
     for (path, g, t), gs, ts in zip(pairs, g_stats, t_stats):
-        mod = display_path(_called(canonical_path(_param_module(path, root),
-                                                  recorder.modules), recorder.modules),
-                           recorder.modules)
+        mod = display_path(_called(canonical_path(_param_module(path, root), modules),
+                                   modules), modules)
         pg.setdefault(mod, _Acc()).add(gs, np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(ts, np.dtype(t.dtype).name)
+    return pg, tg
 
-    # activation gradients of the reference, per module
-    ag: dict[str, _Acc] = {m: a for (m, bwd), a in ref_acc.items() if bwd}
 
-    origins = []
-    for o in origin_events:
-        if o["module"] not in origins:
-            origins.append(o["module"])
-    names: list[str] = []
-    for m, _ in acc:
-        if m not in names:
-            names.append(m)
-    for m in list(pg) + list(ag):
-        if m not in names:
-            names.append(m)
-    rows = []
-    for m in names:
-        f = acc.get((m, False), _Acc())
-        b = acc.get((m, True), _Acc())
-        p, t, a = pg.get(m), tg.get(m), ag.get(m)
-        nz = (t.nonzero if t else 0) + (a.nonzero if a else 0)
-        under = (t.under if t else 0) + (a.under if a else 0)
-        under_s = (t.under_scaled if t else 0) + (a.under_scaled if a else 0)
-        row = {
-            "module": m,
-            "forward_dtypes": ",".join(sorted(f.dtypes)) or "-",
-            "forward_max_abs": f.max_abs if f.count else None,
-            "forward_nonfinite": f.nonfinite,
-            "forward_headroom_bits": _bits(f),
-            "forward_subnormal": _frac(f.subnormal, f.low_nonzero),
-            "forward_saturated": f.saturated,
-            "backward_dtypes": ",".join(sorted(b.dtypes)) or "-",
-            "backward_max_abs": b.max_abs if b.count else None,
-            "backward_nonfinite": b.nonfinite,
-            "backward_headroom_bits": _bits(b),
-            "param_grad_max_abs": p.max_abs if p else None,
-            "param_grad_nonfinite": p.nonfinite if p else 0,
-            "true_grad_max_abs": t.max_abs if t else None,
-            "underflow_unscaled": _frac(under, nz),
-            "underflow_scaled": _frac(under_s, nz),
-        }
-        low_head = min(f.low_headroom_bits, b.low_headroom_bits)
-        if m in origins:
-            status = "overflow"
-        elif f.nonfinite or b.nonfinite or row["param_grad_nonfinite"]:
-            status = "nonfinite"
-        elif low_head < NEAR_OVERFLOW_BITS:
-            status = "near_overflow"
-        elif (row["underflow_scaled"] or 0) > UNDERFLOW_FRACTION:
-            status = "underflow"
-        else:
-            status = "ok"
-        row["status"] = status
-        rows.append(row)
+def _module_row(m: str, acc: dict, p: _Acc | None, t: _Acc | None, a: _Acc | None,
+                origins: list[str]) -> dict[str, Any]:
+    """One row of the report: module ``m``'s forward and backward values (``acc``), its
+    parameter gradients (``p``; ``t`` in the float32 reference) and the reference's activation
+    gradients (``a``)."""
+    f = acc.get((m, False), _Acc())
+    b = acc.get((m, True), _Acc())
+    nz = (t.nonzero if t else 0) + (a.nonzero if a else 0)
+    under = (t.under if t else 0) + (a.under if a else 0)
+    under_s = (t.under_scaled if t else 0) + (a.under_scaled if a else 0)
+    row = {
+        "module": m,
+        "forward_dtypes": ",".join(sorted(f.dtypes)) or "-",
+        "forward_max_abs": f.max_abs if f.count else None,
+        "forward_nonfinite": f.nonfinite,
+        "forward_headroom_bits": _bits(f),
+        "forward_subnormal": _frac(f.subnormal, f.low_nonzero),
+        "forward_saturated": f.saturated,
+        "backward_dtypes": ",".join(sorted(b.dtypes)) or "-",
+        "backward_max_abs": b.max_abs if b.count else None,
+        "backward_nonfinite": b.nonfinite,
+        "backward_headroom_bits": _bits(b),
+        "param_grad_max_abs": p.max_abs if p else None,
+        "param_grad_nonfinite": p.nonfinite if p else 0,
+        "true_grad_max_abs": t.max_abs if t else None,
+        "underflow_unscaled": _frac(under, nz),
+        "underflow_scaled": _frac(under_s, nz),
+    }
+    low_head = min(f.low_headroom_bits, b.low_headroom_bits)
+    if m in origins:
+        status = "overflow"
+    elif f.nonfinite or b.nonfinite or row["param_grad_nonfinite"]:
+        status = "nonfinite"
+    elif low_head < NEAR_OVERFLOW_BITS:
+        status = "near_overflow"
+    elif (row["underflow_scaled"] or 0) > UNDERFLOW_FRACTION:
+        status = "underflow"
+    else:
+        status = "ok"
+    row["status"] = status
+    return row
 
-    def total(accs):
-        nz = sum(x.nonzero for x in accs)
-        return {"unscaled": _frac(sum(x.under for x in accs), nz),
-                "scaled": _frac(sum(x.under_scaled for x in accs), nz), "count": nz}
 
-    underflow = {"param_grads": total(list(tg.values())),
-                 "activation_grads": total(list(ag.values()))}
-    return OverflowReport(rows, first, origins, underflow, scale, float(_to_host(amp_loss)),
-                          policy_to_str(pol))
+def _underflow_total(accs) -> dict[str, Any]:
+    nz = sum(x.nonzero for x in accs)
+    return {"unscaled": _frac(sum(x.under for x in accs), nz),
+            "scaled": _frac(sum(x.under_scaled for x in accs), nz), "count": nz}
 

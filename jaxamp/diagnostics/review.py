@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -49,8 +48,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxamp import policy_spec
-from jaxamp.diagnostics import metrics
+from ..policy_spec import parse as parse_policy
+from ._base import Report, escape
+from .metrics import (
+    METRICS_FILE,
+    STEP_KEYS,
+    SUMMARY_FILE,
+    MetricsError,
+    read_metrics,
+    read_summary,
+)
 
 __all__ = ["ReviewError", "RunFinding", "RunReview", "main", "review_metrics", "review_run"]
 
@@ -95,7 +102,7 @@ class RunFinding:
 
 
 @dataclasses.dataclass
-class RunReview:
+class RunReview(Report):
     """The review of one run: ``findings`` (empty when healthy) and what was read."""
 
     findings: list[RunFinding]
@@ -117,9 +124,6 @@ class RunReview:
         return {"run_dir": self.run_dir, "num_steps": self.num_steps, "ok": self.ok,
                 "findings": [f.to_dict() for f in self.findings], "notes": list(self.notes)}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
     def to_text(self) -> str:
         head = f"{self.run_dir}: " if self.run_dir else ""
         notes = [f"note: {n}" for n in self.notes]
@@ -139,18 +143,13 @@ class RunReview:
         out += [f"| {f.code} | {_steps_text(f.steps)} | {f.explanation} |" for f in self.findings]
         return "\n".join(out)
 
-    def print(self, console=None) -> None:
-        from rich.console import Console
-        from rich.markup import escape
-
-        console = console or Console()
-        if self.ok:
-            console.print(f"[green]no problems found[/green] ({self.num_steps} steps reviewed)")
+    def _rich(self) -> list[Any]:
+        out = [f"[green]no problems found[/green] ({self.num_steps} steps reviewed)"] \
+            if self.ok else []
         for f in self.findings:
             steps = f" (steps {_steps_text(f.steps)})" if f.steps else ""
-            console.print(f"[bold red]{f.code}[/bold red]{steps}: {escape(f.explanation)}")
-        for n in self.notes:
-            console.print(f"[dim]note:[/dim] {escape(n)}")
+            out.append(f"[bold red]{f.code}[/bold red]{steps}: {escape(f.explanation)}")
+        return out + [f"[dim]note:[/dim] {escape(n)}" for n in self.notes]
 
 
 def _steps_text(steps: Sequence[int], limit: int = 12) -> str:
@@ -196,17 +195,17 @@ def read_run(run_dir: str | Path, notes: list[str] | None = None) -> tuple[list[
         raise ReviewError(f"{d}: no such run directory")
     if not d.is_dir():
         raise ReviewError(f"{d}: not a directory (pass the run directory that holds "
-                          f"{metrics.METRICS_FILE})")
-    if not (d / metrics.METRICS_FILE).is_file():
-        raise ReviewError(f"{d}: no {metrics.METRICS_FILE} in the run directory")
+                          f"{METRICS_FILE})")
+    if not (d / METRICS_FILE).is_file():
+        raise ReviewError(f"{d}: no {METRICS_FILE} in the run directory")
     try:
-        rows = metrics.read_metrics(d / metrics.METRICS_FILE, keys=metrics.STEP_KEYS,
-                                    on_dropped=None if notes is None else notes.append)
-        summary = metrics.read_summary(d / metrics.SUMMARY_FILE)
-    except metrics.MetricsError as e:
+        rows = read_metrics(d / METRICS_FILE, keys=STEP_KEYS,
+                            on_dropped=None if notes is None else notes.append)
+        summary = read_summary(d / SUMMARY_FILE)
+    except MetricsError as e:
         raise ReviewError(str(e)) from None
     if not rows:
-        raise ReviewError(f"{d / metrics.METRICS_FILE}: no steps logged")
+        raise ReviewError(f"{d / METRICS_FILE}: no steps logged")
     return rows, summary
 
 
@@ -316,7 +315,7 @@ def _policy_compute(summary: Mapping) -> str | None:
     """The canonical compute dtype name of the logged policy (None: absent or unreadable)."""
     pol = summary.get("policy")
     try:
-        return policy_spec.parse(pol)["compute"] if isinstance(pol, str) else None
+        return parse_policy(pol)["compute"] if isinstance(pol, str) else None
     except ValueError:
         return None
 
@@ -408,179 +407,213 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
             raise TypeError(f"review_metrics: unknown threshold {k!r}; known: {sorted(cfg)}")
         cfg[k] = v
     summary = dict(summary or {})
-    rows = sorted(rows, key=lambda r: r.get("step", 0))
-    steps = [int(r.get("step", i)) for i, r in enumerate(rows)]
-    loss = [_num(r.get("loss")) for r in rows]
-    scale = [_num(r.get("loss_scale")) for r in rows]
-    gnorm = [_num(r.get("grad_norm")) for r in rows]
-    skipped = [_skipped(r) for r in rows]
-    findings: list[RunFinding] = []
-    has_scale = any(math.isfinite(s) for s in scale)
-
-    # (a) loss spikes that coincide with loss-scale changes
-    changes = [(steps[i], scale[i - 1], scale[i]) for i in range(1, len(rows))
-               if math.isfinite(scale[i]) and math.isfinite(scale[i - 1])
-               and scale[i] != scale[i - 1]]
-    if changes:
-        spikes = _spikes(steps, loss, skipped, cfg)
-        near = int(cfg["coincide_steps"])
-        hits = [s for s in spikes if any(abs(s - c) <= near for c, _, _ in changes)]
-        if len(hits) >= int(cfg["min_coincident"]):
-            involved = sorted({c for s in hits for c, _, _ in changes if abs(s - c) <= near})
-            desc = "; ".join(f"step {c}: {a:g} -> {b:g}" for c, a, b in changes
-                             if c in involved[:6])
-            findings.append(RunFinding(
-                "loss_spike_at_scale_change", tuple(hits),
-                f"the loss spiked at {len(hits)} step(s) ({_steps_text(hits)}), each within "
-                f"{near} steps of a loss-scale change ({desc}). With correct AMP a scale change "
-                "never moves the loss: gradients are unscaled with the scale of their own step "
-                "and overflowing steps are skipped. Spikes that track the scale mean the scale "
-                "is adjusted too aggressively or overflowed/partly-inf gradients are "
-                "being applied. Fix: make sure non-finite steps are skipped and unscaled with "
-                "the scale that produced them (jaxamp.make_train_step does both), lengthen the "
-                "growth interval (DynamicLossScale(growth_interval=2000)) or lower the growth "
-                "factor, or train in bfloat16 (no loss scaling)."))
-
-    # divergence: a non-finite loss that never recovered, or a non-finite validation loss
-    diverged = _diverged(steps, rows, summary)
-    if diverged is not None:
-        findings.append(diverged)
-
-    # (b) scale stuck at its floor; many consecutive skips
-    mode = str(summary.get("loss_scale_mode", "")).lower()
-    finite_scales = [s for s in scale if math.isfinite(s)]
-    varies = len(set(finite_scales)) > 1
-    if has_scale and varies and mode not in ("none", "static"):
-        floor = summary.get("min_loss_scale")
-        floor = _num(floor) if isinstance(floor, (int, float)) else 1.0
-        at_min = [bool(r.get("loss_scale_at_min")) if "loss_scale_at_min" in r
-                  else (math.isfinite(s) and s <= floor * (1 + 1e-6))
-                  for r, s in zip(rows, scale)]
-        runs = [r for r in _runs(at_min, steps) if len(r) >= int(cfg["floor_steps"])]
-        if runs:
-            stuck = [s for r in runs for s in r]
-            n_skip = sum(1 for s, k in zip(steps, skipped) if k and s in set(stuck))
-            findings.append(RunFinding(
-                "scale_at_floor", tuple(stuck),
-                f"the loss scale sat at its floor ({floor:g}) for {len(stuck)} steps "
-                f"({_steps_text(stuck)}), {n_skip} of them skipped. Backing off cannot cure "
-                "this overflow: something is inf/nan whatever the scale -- a forward overflow "
-                "(activations beyond float16's 65504, e.g. LayerNorm/softmax/loss running in "
-                "float16 or an un-normalised residual stream), a NaN in the data, or a "
-                "diverged learning rate. Fix: run jaxamp.locate_overflow on a failing batch to "
-                "find the module, check jaxamp.audit keeps softmax/LayerNorm/loss in float32, "
-                "lower the learning rate, or train in bfloat16."))
-    skip_runs = [r for r in _runs(skipped, steps) if len(r) >= int(cfg["max_consecutive_skips"])]
-    if skip_runs:
-        longest = max(skip_runs, key=len)
-        all_skips = [s for r in skip_runs for s in r]
-        sc = [scale[steps.index(s)] for s in longest]
-        trend = (f"; the loss scale went {sc[0]:g} -> {sc[-1]:g}" if sc and
-                 all(math.isfinite(x) for x in (sc[0], sc[-1])) else "")
-        findings.append(RunFinding(
-            "consecutive_skips", tuple(all_skips),
-            f"{len(longest)} consecutive steps were skipped ({_steps_text(longest)}){trend}: "
-            "their gradients were non-finite, so no update happened. A few skips while a "
-            "dynamic scale backs off from 2**16 at the start are normal; a long run means "
-            "every step overflows. Fix: if the scale is still high, back off faster "
-            "(backoff_factor) or start lower (DynamicLossScale(2.0**12)); if it reached its "
-            "floor, find the overflowing module with jaxamp.locate_overflow and keep the "
-            "sensitive ops in float32 (jaxamp.audit)."))
-
-    # (c) grad norm implausibly small, or pinned to the clip threshold
-    clip = _clip_norm(summary, clip_norm)
-    applied = [(s, g, sc) for s, g, sc, k in zip(steps, gnorm, scale, skipped)
-               if not k and math.isfinite(g)]
-    if len(applied) >= 5:
-        norms = [g for _, g, _ in applied]
-        med = statistics.median(norms)
-        zeros = [s for s, g, _ in applied if g == 0.0]
-        at_clip_scaled = []
-        if clip is not None:
-            at_clip_scaled = [s for s, g, sc in applied if math.isfinite(sc) and sc > 1
-                              and abs(g - clip / sc) <= 0.01 * clip / sc]
-        frac = cfg["clip_fraction"]
-        if len(at_clip_scaled) >= frac * len(applied):
-            findings.append(RunFinding(
-                "grad_norm_tiny", tuple(at_clip_scaled),
-                f"the gradient norm equals clip_norm / loss_scale ({clip:g} / scale) at "
-                f"{len(at_clip_scaled)} of {len(applied)} applied steps (median "
-                f"{med:.3g}): the gradients were clipped while still multiplied by the loss "
-                "scale and then unscaled, so every update is shrunk by the scale (clip "
-                "before unscale). Fix: unscale first, then clip "
-                "(jaxamp.make_train_step(clip_norm=...) does it in that order)."))
-        elif med < cfg["tiny_grad_norm"] or len(zeros) > 0.1 * len(applied):
-            which = zeros if len(zeros) > 0.1 * len(applied) else [s for s, _, _ in applied]
-            findings.append(RunFinding(
-                "grad_norm_tiny", tuple(which),
-                f"the gradient norm is implausibly small (median {med:.3g} over "
-                f"{len(applied)} applied steps; exactly 0 at {len(zeros)}). Typical causes: the "
-                "gradients are divided by the loss scale twice or unscaled in the wrong order "
-                "they were clipped while scaled, or they underflowed to zero in "
-                "float16 (loss scale too small or missing). Fix: scale the loss once, unscale "
-                "the gradients once with the same scale before clipping and the update; check "
-                "with jaxamp.audit_step and jaxamp.locate_overflow (underflow fractions)."))
-        if clip is not None:
-            pinned = [s for s, g, _ in applied if abs(g - clip) <= cfg["clip_rel_tol"] * clip]
-            what = f"the clip threshold {clip:g}"
-        else:
-            pinned = [s for s, g, _ in applied if med > 0 and abs(g - med) <= 1e-4 * med]
-            what = f"a constant {med:.6g} (probably the clip threshold)"
-        if len(applied) >= 10 and len(pinned) >= frac * len(applied):
-            findings.append(RunFinding(
-                "grad_norm_at_clip", tuple(pinned),
-                f"the logged gradient norm equals {what} at {len(pinned)} of {len(applied)} "
-                "applied steps: every update is clipped. That is the signature of clipping "
-                "(or measuring) *scaled* gradients: their norm is loss_scale times too large, "
-                "so the clip always triggers and the effective threshold shrinks by the scale "
-                "Fix: unscale the gradients before computing the norm and "
-                "clipping; log the norm of the unscaled gradients before clipping."))
-
-    # (d) memory that did not drop vs float32
-    pair = _memory_pair(summary)
-    compute = _policy_compute(summary)
-    notes = []
-    backend = summary.get("backend")
-    if pair is not None and compute != "float32" and backend == "cpu":
-        va, vf = _mem_value(pair[0]), _mem_value(pair[1])
-        ratio = f" (here x{va[1] / vf[1]:.2f} of float32)" if va and vf and va[0] == vf[0] \
-            and vf[1] > 0 else ""
-        notes.append(
-            f"memory not judged: the step was compiled for XLA:CPU (summary.json backend: "
-            f"cpu), which upcasts {compute or 'low-precision'} matmuls and convolutions to "
-            f"float32, so mixed precision cannot reduce memory there{ratio}. Compare "
-            "memory_bytes with memory_bytes_f32 from a run on a GPU.")
-    elif pair is not None and compute != "float32":
-        amp, f32 = pair
-        va, vf = _mem_value(amp), _mem_value(f32)
-        if va and vf and va[0] == vf[0] and vf[1] > 0 and va[1] >= cfg["memory_ratio"] * vf[1]:
-            kind = va[0]
-            ratio = va[1] / vf[1]
-            extra = ""
-            args_a, args_f = amp.get("argument"), f32.get("argument")
-            if isinstance(args_a, (int, float)) and isinstance(args_f, (int, float)):
-                extra = (f" (arguments: {_fmt_bytes(args_a)} vs {_fmt_bytes(args_f)}; params and "
-                         "optimizer state stay float32 under AMP, unless the policy's "
-                         "opt_state=bfloat16 halves the moments)")
-            bufs = _largest_buffers(summary)
-            named = (" Largest float32 buffers: " + "; ".join(bufs) + ".") if bufs else ""
-            findings.append(RunFinding(
-                "memory_not_reduced", (),
-                f"the compiled step's {kind} memory is {_fmt_bytes(va[1])} under mixed "
-                f"precision vs {_fmt_bytes(vf[1])} for the same step in float32 (x{ratio:.2f})"
-                f"{extra}: memory did not drop, so many float32 tensors stay resident."
-                f"{named} Likely causes: activations saved for the backward are float32 "
-                "(modules computing in float32 via overrides, manual .astype(jnp.float32), "
-                "custom_vjp functions in OpRules.custom_vjp_as_traced), float32 copies of the "
-                "weights kept per use, or a step dominated by parameters/optimizer state, "
-                "which the compute policy does not shrink. Fix: check jaxamp.audit for "
-                "float32 matmuls in low-precision regions, remove manual casts, use nn.remat "
-                "for activation memory, and opt_state=bfloat16 in the policy for the "
-                "optimizer's moments."))
+    run = _Series(sorted(rows, key=lambda r: r.get("step", 0)))
+    findings = [f for f in (_spike_finding(run, cfg), _diverged(run.steps, run.rows, summary),
+                            _floor_finding(run, summary, cfg), _skips_finding(run, cfg))
+                if f is not None]
+    findings += _grad_norm_findings(run, _clip_norm(summary, clip_norm), cfg)
+    memory, notes = _memory_review(summary, cfg)
+    findings += memory
     opt_note = _opt_state_note(summary)
     if opt_note:
         notes.append(opt_note)
-    return RunReview(findings, len(rows), notes=notes)
+    return RunReview(findings, len(run.rows), notes=notes)
+
+
+class _Series:
+    """A run's logged rows, in step order, as columns (a missing or ``None`` value is nan)."""
+
+    def __init__(self, rows: Sequence[Mapping]):
+        self.rows = rows
+        self.steps = [int(r.get("step", i)) for i, r in enumerate(rows)]
+        self.loss = [_num(r.get("loss")) for r in rows]
+        self.scale = [_num(r.get("loss_scale")) for r in rows]
+        self.gnorm = [_num(r.get("grad_norm")) for r in rows]
+        self.skipped = [_skipped(r) for r in rows]
+
+
+def _spike_finding(run: _Series, cfg: Mapping) -> RunFinding | None:
+    """(a) loss spikes that coincide with loss-scale changes."""
+    steps, scale = run.steps, run.scale
+    changes = [(steps[i], scale[i - 1], scale[i]) for i in range(1, len(run.rows))
+               if math.isfinite(scale[i]) and math.isfinite(scale[i - 1])
+               and scale[i] != scale[i - 1]]
+    if not changes:
+        return None
+    spikes = _spikes(steps, run.loss, run.skipped, cfg)
+    near = int(cfg["coincide_steps"])
+    hits = [s for s in spikes if any(abs(s - c) <= near for c, _, _ in changes)]
+    if len(hits) < int(cfg["min_coincident"]):
+        return None
+    involved = sorted({c for s in hits for c, _, _ in changes if abs(s - c) <= near})
+    desc = "; ".join(f"step {c}: {a:g} -> {b:g}" for c, a, b in changes if c in involved[:6])
+    return RunFinding(
+        "loss_spike_at_scale_change", tuple(hits),
+        f"the loss spiked at {len(hits)} step(s) ({_steps_text(hits)}), each within "
+        f"{near} steps of a loss-scale change ({desc}). With correct AMP a scale change "
+        "never moves the loss: gradients are unscaled with the scale of their own step "
+        "and overflowing steps are skipped. Spikes that track the scale mean the scale "
+        "is adjusted too aggressively or overflowed/partly-inf gradients are "
+        "being applied. Fix: make sure non-finite steps are skipped and unscaled with "
+        "the scale that produced them (jaxamp.make_train_step does both), lengthen the "
+        "growth interval (DynamicLossScale(growth_interval=2000)) or lower the growth "
+        "factor, or train in bfloat16 (no loss scaling).")
+
+
+def _floor_finding(run: _Series, summary: Mapping, cfg: Mapping) -> RunFinding | None:
+    """(b) the dynamic loss scale stuck at its floor."""
+    steps, scale = run.steps, run.scale
+    mode = str(summary.get("loss_scale_mode", "")).lower()
+    finite_scales = [s for s in scale if math.isfinite(s)]
+    if not finite_scales or len(set(finite_scales)) <= 1 or mode in ("none", "static"):
+        return None
+    floor = summary.get("min_loss_scale")
+    floor = _num(floor) if isinstance(floor, (int, float)) else 1.0
+    at_min = [bool(r.get("loss_scale_at_min")) if "loss_scale_at_min" in r
+              else (math.isfinite(s) and s <= floor * (1 + 1e-6))
+              for r, s in zip(run.rows, scale)]
+    runs = [r for r in _runs(at_min, steps) if len(r) >= int(cfg["floor_steps"])]
+    if not runs:
+        return None
+    stuck = [s for r in runs for s in r]
+    n_skip = sum(1 for s, k in zip(steps, run.skipped) if k and s in set(stuck))
+    return RunFinding(
+        "scale_at_floor", tuple(stuck),
+        f"the loss scale sat at its floor ({floor:g}) for {len(stuck)} steps "
+        f"({_steps_text(stuck)}), {n_skip} of them skipped. Backing off cannot cure "
+        "this overflow: something is inf/nan whatever the scale -- a forward overflow "
+        "(activations beyond float16's 65504, e.g. LayerNorm/softmax/loss running in "
+        "float16 or an un-normalised residual stream), a NaN in the data, or a "
+        "diverged learning rate. Fix: run jaxamp.locate_overflow on a failing batch to "
+        "find the module, check jaxamp.audit keeps softmax/LayerNorm/loss in float32, "
+        "lower the learning rate, or train in bfloat16.")
+
+
+def _skips_finding(run: _Series, cfg: Mapping) -> RunFinding | None:
+    """(b) many consecutive skipped steps."""
+    steps = run.steps
+    skip_runs = [r for r in _runs(run.skipped, steps)
+                 if len(r) >= int(cfg["max_consecutive_skips"])]
+    if not skip_runs:
+        return None
+    longest = max(skip_runs, key=len)
+    all_skips = [s for r in skip_runs for s in r]
+    sc = [run.scale[steps.index(s)] for s in longest]
+    trend = (f"; the loss scale went {sc[0]:g} -> {sc[-1]:g}" if sc and
+             all(math.isfinite(x) for x in (sc[0], sc[-1])) else "")
+    return RunFinding(
+        "consecutive_skips", tuple(all_skips),
+        f"{len(longest)} consecutive steps were skipped ({_steps_text(longest)}){trend}: "
+        "their gradients were non-finite, so no update happened. A few skips while a "
+        "dynamic scale backs off from 2**16 at the start are normal; a long run means "
+        "every step overflows. Fix: if the scale is still high, back off faster "
+        "(backoff_factor) or start lower (DynamicLossScale(2.0**12)); if it reached its "
+        "floor, find the overflowing module with jaxamp.locate_overflow and keep the "
+        "sensitive ops in float32 (jaxamp.audit).")
+
+
+def _grad_norm_findings(run: _Series, clip: float | None, cfg: Mapping) -> list[RunFinding]:
+    """(c) the grad norm implausibly small, or pinned to the clip threshold."""
+    applied = [(s, g, sc) for s, g, sc, k in zip(run.steps, run.gnorm, run.scale, run.skipped)
+               if not k and math.isfinite(g)]
+    if len(applied) < 5:
+        return []
+    med = statistics.median(g for _, g, _ in applied)
+    out = [_tiny_grad_finding(applied, med, clip, cfg)]
+    out.append(_at_clip_finding(applied, med, clip, cfg))
+    return [f for f in out if f is not None]
+
+
+def _tiny_grad_finding(applied, med: float, clip: float | None,
+                       cfg: Mapping) -> RunFinding | None:
+    zeros = [s for s, g, _ in applied if g == 0.0]
+    at_clip_scaled = []
+    if clip is not None:
+        at_clip_scaled = [s for s, g, sc in applied if math.isfinite(sc) and sc > 1
+                          and abs(g - clip / sc) <= 0.01 * clip / sc]
+    if len(at_clip_scaled) >= cfg["clip_fraction"] * len(applied):
+        return RunFinding(
+            "grad_norm_tiny", tuple(at_clip_scaled),
+            f"the gradient norm equals clip_norm / loss_scale ({clip:g} / scale) at "
+            f"{len(at_clip_scaled)} of {len(applied)} applied steps (median "
+            f"{med:.3g}): the gradients were clipped while still multiplied by the loss "
+            "scale and then unscaled, so every update is shrunk by the scale (clip "
+            "before unscale). Fix: unscale first, then clip "
+            "(jaxamp.make_train_step(clip_norm=...) does it in that order).")
+    if med < cfg["tiny_grad_norm"] or len(zeros) > 0.1 * len(applied):
+        which = zeros if len(zeros) > 0.1 * len(applied) else [s for s, _, _ in applied]
+        return RunFinding(
+            "grad_norm_tiny", tuple(which),
+            f"the gradient norm is implausibly small (median {med:.3g} over "
+            f"{len(applied)} applied steps; exactly 0 at {len(zeros)}). Typical causes: the "
+            "gradients are divided by the loss scale twice or unscaled in the wrong order "
+            "they were clipped while scaled, or they underflowed to zero in "
+            "float16 (loss scale too small or missing). Fix: scale the loss once, unscale "
+            "the gradients once with the same scale before clipping and the update; check "
+            "with jaxamp.audit_step and jaxamp.locate_overflow (underflow fractions).")
+    return None
+
+
+def _at_clip_finding(applied, med: float, clip: float | None,
+                     cfg: Mapping) -> RunFinding | None:
+    if clip is not None:
+        pinned = [s for s, g, _ in applied if abs(g - clip) <= cfg["clip_rel_tol"] * clip]
+        what = f"the clip threshold {clip:g}"
+    else:
+        pinned = [s for s, g, _ in applied if med > 0 and abs(g - med) <= 1e-4 * med]
+        what = f"a constant {med:.6g} (probably the clip threshold)"
+    if len(applied) < 10 or len(pinned) < cfg["clip_fraction"] * len(applied):
+        return None
+    return RunFinding(
+        "grad_norm_at_clip", tuple(pinned),
+        f"the logged gradient norm equals {what} at {len(pinned)} of {len(applied)} "
+        "applied steps: every update is clipped. That is the signature of clipping "
+        "(or measuring) *scaled* gradients: their norm is loss_scale times too large, "
+        "so the clip always triggers and the effective threshold shrinks by the scale "
+        "Fix: unscale the gradients before computing the norm and "
+        "clipping; log the norm of the unscaled gradients before clipping.")
+
+
+def _memory_review(summary: Mapping, cfg: Mapping) -> tuple[list[RunFinding], list[str]]:
+    """(d) memory that did not drop vs float32: a finding, or a note where it cannot be
+    judged (a step compiled for XLA:CPU)."""
+    pair = _memory_pair(summary)
+    compute = _policy_compute(summary)
+    if pair is None or compute == "float32":
+        return [], []
+    va, vf = _mem_value(pair[0]), _mem_value(pair[1])
+    if summary.get("backend") == "cpu":
+        ratio = f" (here x{va[1] / vf[1]:.2f} of float32)" if va and vf and va[0] == vf[0] \
+            and vf[1] > 0 else ""
+        return [], [
+            f"memory not judged: the step was compiled for XLA:CPU (summary.json backend: "
+            f"cpu), which upcasts {compute or 'low-precision'} matmuls and convolutions to "
+            f"float32, so mixed precision cannot reduce memory there{ratio}. Compare "
+            "memory_bytes with memory_bytes_f32 from a run on a GPU."]
+    if not (va and vf and va[0] == vf[0] and vf[1] > 0 and va[1] >= cfg["memory_ratio"] * vf[1]):
+        return [], []
+    amp, f32 = pair
+    extra = ""
+    args_a, args_f = amp.get("argument"), f32.get("argument")
+    if isinstance(args_a, (int, float)) and isinstance(args_f, (int, float)):
+        extra = (f" (arguments: {_fmt_bytes(args_a)} vs {_fmt_bytes(args_f)}; params and "
+                 "optimizer state stay float32 under AMP, unless the policy's "
+                 "opt_state=bfloat16 halves the moments)")
+    bufs = _largest_buffers(summary)
+    named = (" Largest float32 buffers: " + "; ".join(bufs) + ".") if bufs else ""
+    return [RunFinding(
+        "memory_not_reduced", (),
+        f"the compiled step's {va[0]} memory is {_fmt_bytes(va[1])} under mixed "
+        f"precision vs {_fmt_bytes(vf[1])} for the same step in float32 (x{va[1] / vf[1]:.2f})"
+        f"{extra}: memory did not drop, so many float32 tensors stay resident."
+        f"{named} Likely causes: activations saved for the backward are float32 "
+        "(modules computing in float32 via overrides, manual .astype(jnp.float32), "
+        "custom_vjp functions in OpRules.custom_vjp_as_traced), float32 copies of the "
+        "weights kept per use, or a step dominated by parameters/optimizer state, "
+        "which the compute policy does not shrink. Fix: check jaxamp.audit for "
+        "float32 matmuls in low-precision regions, remove manual casts, use nn.remat "
+        "for activation memory, and opt_state=bfloat16 in the policy for the "
+        "optimizer's moments.")], []
 
 
 def _opt_state_note(summary: Mapping) -> str | None:
@@ -598,7 +631,7 @@ def _opt_state_note(summary: Mapping) -> str | None:
     text = f"optimizer state: {_fmt_bytes(sum(sizes.values()))} ({parts})"
     pol = summary.get("policy")
     try:
-        stored = policy_spec.parse(pol).get("opt_state") if isinstance(pol, str) else None
+        stored = parse_policy(pol).get("opt_state") if isinstance(pol, str) else None
     except ValueError:
         stored = None
     low = sizes.get("bfloat16", 0.0)
