@@ -1,13 +1,12 @@
 """The registry of primitive names (jaxamp._primitives) against the installed JAX."""
 
-import ast
 import gc
 import importlib
-import pathlib
 
 import jax
 import jax.extend.core as jcore
 import pytest
+from test_house import STALE
 
 from jaxamp import _primitives, rules
 
@@ -18,10 +17,7 @@ _MODULES = [
     "jax._src.lax.parallel", "jax._src.lax.control_flow", "jax._src.custom_derivatives",
     "jax._src.shard_map", "jax._src.random", "jax._src.ffi",
 ]
-#: Names that were in jaxamp's lists and are primitives of no supported JAX (0.10.2, 0.12).
-_STALE = {"core_call", "custom_vjp_call_jaxpr", "xla_call", "xla_pmap", "copy_p", "pjit",
-          "remat", "checkpoint", "expand_dims", "logistic_cross_entropy", "scatter_add",
-          "scatter_mul", "scatter_min", "scatter_max"}
+_STALE = STALE  # tests/test_house.py: names that are primitives of no supported JAX
 
 
 def _version() -> tuple[int, ...]:
@@ -72,20 +68,3 @@ def test_op_rules_defaults_are_the_registry():
     assert defaults.promote is _primitives.PROMOTE
     assert defaults.as_traced is _primitives.AS_TRACED
     assert _primitives.SOFTMAX <= _primitives.FP32 and _primitives.SUM <= _primitives.FP32
-
-
-_ENGINE = ["_attention", "_compat", "_context", "_control", "_evaluator", "_jaxpr", "_op_rules",
-           "_primitives", "_recompute", "_sharing", "_values", "_wgrad", "engine", "rules"]
-
-
-def test_no_engine_module_names_a_stale_primitive():
-    """Read from the code's AST: no string constant in an engine module is a stale name."""
-    package = pathlib.Path(_primitives.__file__).parent
-    found = {}
-    for name in _ENGINE:
-        tree = ast.parse((package / f"{name}.py").read_text())
-        names = {n.value for n in ast.walk(tree)
-                 if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-        if names & _STALE:
-            found[name] = sorted(names & _STALE)
-    assert found == {}

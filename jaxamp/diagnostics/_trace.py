@@ -80,8 +80,8 @@ ACCUM = SUM_PRIMITIVES
 _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
     "concatenate", "pad", "dynamic_update_slice", "select_n", "max", "min", "neg", "abs",
     "sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "stop_gradient", "clamp", "floor",
-    "ceil", "round", "copy", "copy_p", "iota", "scatter", "sort", "reduce_and", "reduce_or",
-    "not", "and", "or", "xor", "squeeze", "expand_dims", "device_put", "zeros_like",
+    "ceil", "round", "copy", "iota", "scatter", "sort", "reduce_and", "reduce_or",
+    "not", "and", "or", "xor", "squeeze", "device_put", "zeros_like",
     "broadcast_in_dim", "reduce_precision", "random_bits", "random_wrap", "random_unwrap",
     "random_seed", "threefry2x32", "convert_element_type",
 })
@@ -259,8 +259,8 @@ class Eqn:
 
 
 PASS_THROUGH = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose",
-                           "squeeze", "expand_dims", "slice", "dynamic_slice", "gather", "copy",
-                           "copy_p", "split", "concatenate", "rev"})
+                           "squeeze", "slice", "dynamic_slice", "gather", "copy", "split",
+                           "concatenate", "rev"})
 
 
 def _negative_square(v, producer: dict) -> bool:

@@ -1,0 +1,163 @@
+"""The shape of the house (GitHub issue #41), read from the code's own AST: the import graph
+(no cycle among jaxamp's modules, ``TYPE_CHECKING`` and function-level imports included; the
+engine never imports the package, the diagnostics or the interpreter it is run by; the
+diagnostics import modules, never the package), short functions, no stale primitive name, and
+one report base class."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "jaxamp"
+ENGINE = {f"jaxamp.{name}" for name in (
+    "_attention", "_compat", "_context", "_control", "_evaluator", "_jaxpr", "_op_rules",
+    "_primitives", "_recompute", "_sharing", "_values", "_wgrad", "engine", "rules")}
+#: Names that were in jaxamp's lists and are primitives of no supported JAX (0.10.2, 0.12).
+STALE = {"core_call", "custom_vjp_call_jaxpr", "xla_call", "xla_pmap", "copy_p", "pjit",
+         "remat", "checkpoint", "expand_dims", "logistic_cross_entropy", "scatter_add",
+         "scatter_mul", "scatter_min", "scatter_max"}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _trees():
+    return {m: ast.parse(p.read_text(), str(p)) for m, p in MODULES.items()}
+
+
+def imported(module: str, tree: ast.Module) -> set[str]:
+    """The jaxamp modules ``module`` imports anywhere in its code, relative imports resolved;
+    ``from pkg import name`` counts the module ``pkg.name`` where there is one, else ``pkg``."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != module:
+                out.add(t)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checks_see_what_they_look_for():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert ENGINE <= set(MODULES)
+    tree = ast.parse("from .. import policy\nfrom ._trace import x\n"
+                     "if TYPE_CHECKING:\n    from jaxamp.engine import autocast")
+    assert imported("jaxamp.diagnostics._audit", tree) == {
+        "jaxamp.policy", "jaxamp.diagnostics._trace", "jaxamp.engine"}
+
+
+def test_no_import_cycle_among_jaxamp_modules():
+    trees = _trees()
+    assert cycles({m: imported(m, t) for m, t in trees.items()}) == []
+
+
+def test_the_engine_imports_neither_the_package_nor_the_diagnostics_nor_its_interpreter():
+    trees = _trees()
+    graph = {m: imported(m, trees[m]) for m in ENGINE}
+    up = {m: sorted(t for t in deps if t == "jaxamp" or t.startswith("jaxamp.diagnostics"))
+          for m, deps in graph.items()}
+    assert {m: t for m, t in up.items() if t} == {}
+    for module in ("_op_rules", "_control", "_recompute", "_sharing", "_context"):
+        assert "jaxamp._evaluator" not in graph[f"jaxamp.{module}"], module
+
+
+def test_the_diagnostics_import_modules_by_relative_path_not_the_package():
+    """``from ..policy import x``, not ``from jaxamp import policy`` nor ``import jaxamp``,
+    which run the package's ``__init__`` first."""
+    bad = []
+    for module, tree in _trees().items():
+        if not module.startswith("jaxamp.diagnostics"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(
+                    a.name.split(".")[0] == "jaxamp" for a in node.names):
+                bad.append(f"{module}:{node.lineno}")
+            elif isinstance(node, ast.ImportFrom) and (
+                    node.module is None or node.module.split(".")[0] == "jaxamp"):
+                bad.append(f"{module}:{node.lineno}")
+    assert bad == []
+
+
+def test_no_function_over_100_lines_and_a_short_make_train_step():
+    long = {}
+    for module, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                limit = 80 if node.name == "make_train_step" else 100
+                if (n := node.end_lineno - node.lineno + 1) > limit:
+                    long[f"{module}:{node.lineno} {node.name}"] = n
+    assert long == {}
+
+
+def test_no_module_names_a_stale_primitive():
+    found = {}
+    for module, tree in _trees().items():
+        names = {n.value for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        if names & STALE:
+            found[module] = sorted(names & STALE)
+    assert found == {}
+
+
+def test_every_report_derives_from_the_one_base():
+    from jaxamp.diagnostics import (
+        AuditReport,
+        GpuProgram,
+        OverflowReport,
+        PrecisionTable,
+        RunReview,
+    )
+    from jaxamp.diagnostics._base import Report
+
+    for cls in (AuditReport, GpuProgram, OverflowReport, PrecisionTable, RunReview):
+        assert issubclass(cls, Report), cls
+        assert "to_json" not in vars(cls), cls  # one JSON writer
