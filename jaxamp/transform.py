@@ -400,9 +400,17 @@ def skip(applied: PerShape, new: Any, old: Any) -> Any:
 
 
 def skip_updates(applied: PerShape, updates: Any) -> Any:
-    """``updates`` where the step is ``applied``, else ``-0.0`` (see :func:`skip`)."""
-    return skip(applied, updates,
-                jax.tree.map(lambda u: jnp.full(u.shape, -0.0, u.dtype), updates))
+    """``updates`` where the step is ``applied``, else ``-0.0`` (see :func:`skip`); one
+    ``-0.0`` array per shape and dtype, as :class:`PerShape` broadcasts ``applied``."""
+    zeros: dict = {}
+
+    def zero(u):
+        key = (u.shape, u.dtype)
+        if key not in zeros:
+            zeros[key] = jnp.full(u.shape, -0.0, u.dtype)
+        return zeros[key]
+
+    return skip(applied, updates, jax.tree.map(zero, updates))
 
 
 def _skip_leaf(applied: PerShape, new: Any, old: Any) -> Any:
