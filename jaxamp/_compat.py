@@ -271,6 +271,21 @@ def source_context(eqn, drop: str | None = None, keep: str | None = None):
         return contextlib.nullcontext()
 
 
+def here() -> Callable[[], Any]:
+    """A function giving a context that restores the source info and name stack current now:
+    a value made lazily (a cast's ``recast``) is bound where it was asked for, and keeps the
+    module path of the equation that defined it."""
+    info = source_info_util.current()
+
+    def scope():
+        try:
+            return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+        except Exception:  # pragma: no cover - internal API moved: paths are lost
+            return contextlib.nullcontext()
+
+    return scope
+
+
 def unnamed_scope():
     """A context with an empty name stack: what is traced inside a ``jax.checkpoint`` body
     records its stack relative to the checkpoint equation (which has the caller's)."""

@@ -24,6 +24,7 @@ from jaxamp._compat import (
     Tracer,
     bind_with_params,
     checkpoint_in_place,
+    here,
     new_dtype,
     sub_jaxprs,
 )
@@ -88,7 +89,13 @@ def structural(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
         vals = [v.val for v in ins]
     outs = bind_eqn(eqn, vals, site, stored=all(v.stored for v in floats), const=all_const)
     if eqn.primitive.name == "gather" and vals[0] is ins[0].val and _small_table(ins[0], outs[0]):
-        outs[0].recast = lambda dtype: gather_low(eqn, cast(ins[0], dtype), vals[0], vals[1:])
+        scope = here()  # the gather's module path, wherever its low copy is first asked for
+
+        def recast(dtype):
+            with scope():
+                return gather_low(eqn, cast(ins[0], dtype), vals[0], vals[1:])
+
+        outs[0].recast = recast
     if all_const and eqn.primitive.name == "broadcast_in_dim" and np.ndim(ins[0].val) == 0 \
             and not isinstance(ins[0].val, Tracer) and ins[0].is_float:
         outs[0].splat = float(ins[0].val)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core as jcore
+import jax.numpy as jnp
 
 from .._compat import new_dtype
 from .._jaxpr import consumers, containing
@@ -211,9 +212,7 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
                 norm_classes.add(mods[key].cls.__name__ if key in mods else "LayerNorm")
             continue
         if prim == "gather" and _is_embed(key, mods) and not r.backward:
-            table = r.in_dtypes[:1]
-            out = _use_dtype(r, t.jaxpr) or (r.out_dtypes[0] if r.out_dtypes else None)
-            emb_fwd = (table[0] if table else "-", out)
+            emb_fwd = _embedding(r, t)
             groups["Embedding lookup"]["modules"].add(r.module)
             continue
         sensitive = (prim in EXPLOG and not r.bounded) or (prim in ACCUM and not r.count_sum)
@@ -228,6 +227,16 @@ def reference_rows(t: Trace | None, param_dtypes: Sequence[str],
     rows = [_table_row(name, groups[name], t, emb_fwd, norm_classes,
                        list(param_dtypes) + list(opt_dtypes)) for name in _ROWS]
     return [r for r in rows if r is not None]
+
+
+def _embedding(r: Eqn, t: Trace) -> tuple:
+    """``(table dtype, output dtype)`` of an embedding lookup. The table is the params' as
+    stored when it is one: a small table's rows are gathered from its low-precision copy
+    (``gather_low``), the same numbers as the stored table's rows cast."""
+    table = r.in_dtypes[0] if r.in_dtypes else "-"
+    if r.param_operand:
+        table = jnp.dtype(t.policy.param_dtype).name
+    return table, _use_dtype(r, t.jaxpr) or (r.out_dtypes[0] if r.out_dtypes else None)
 
 
 def _table_row(name: str, g: dict[str, Any], t: Trace, emb_fwd: tuple | None,

@@ -239,7 +239,7 @@ class Eqn:
     backward: bool
     in_dtypes: list[str]
     out_dtypes: list[str]
-    param_operand: bool  # an operand comes (unchanged but for casts/reshapes) from the params
+    param_operand: bool  # (a matmul or gather) an operand is (casts/reshapes of) a parameter
     count_sum: bool  # a sum of 0/1 indicators converted from booleans (an exact count)
     bounded: bool = False  # exp(-x**2) (JAX's derivative of erf/erfc): in [0, 1], no overflow
     top: int = 0  # id of the top-level equation it is (or is inside of)
@@ -332,7 +332,8 @@ def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
         matmul = name in op_rules.matmul
         op = _OP_CLASSES.get(name, "matmul" if matmul else "elementwise")
         records.append(Eqn(eqn, full, module, "", op, backward, float_dtypes(ins),
-                           float_dtypes(eqn.outvars), matmul and any(pflags), count,
+                           float_dtypes(eqn.outvars), (matmul or name == "gather") and any(pflags),
+                           count,
                            name == "exp" and _negative_square(ins[0], producer),
                            id(outer[0] if outer else eqn)))
 
