@@ -11,21 +11,23 @@ matmuls; the cast of a float32 parameter transposes into a float32 gradient).
 
 The re-evaluation is a table of rules, as JAX's own interpreters are:
 
-* :mod:`jaxamp._op_rules`: one rule per op class of first-order primitives (structural,
+* :mod:`jaxamp._engine.op_rules`: one rule per op class of first-order primitives (structural,
   matmul, float32, promote, as traced, convert), chosen by :class:`jaxamp.rules.OpRules`; a
   user's handler for one primitive (``OpRules.extend(handlers=...)``) runs first and may defer;
-* :mod:`jaxamp._control`: one rule per higher-order primitive (jit, remat, scan, while, cond,
+* :mod:`jaxamp._engine.control`: one rule per higher-order primitive (jit, remat, scan, while, cond,
   custom_jvp, custom_vjp, shard_map, fused attention); each body is evaluated once per (input
   dtypes, region) as a cached sub-program (asking a loop body for its carry dtypes and then
   running it is one evaluation), so the cost is linear in the program's size at any depth;
-* :mod:`jaxamp._evaluator`: regions, crossings and the walk; :mod:`jaxamp._sharing`: module calls
-  with the same structure, inputs and region (a Transformer's layers) are evaluated once and the
-  result re-bound per call under the call's own name stack (``SHARE_REPEATED_CALLS``);
-* :mod:`jaxamp._values`: a value and what is known of it (stored or computed, its casts);
-* :mod:`jaxamp._context`: what a rule or a planner sees (:class:`jaxamp._context.Context`: the
-  call's facts, regions, sub-programs), never the interpreter; autocast builds the rule table
-  (:func:`jaxamp._control.rule_table`) and hands it to the interpreter, as JAX's ``ad.py``;
-* :mod:`jaxamp._primitives`: every fact kept about primitives by name.
+* :mod:`jaxamp._engine.evaluator`: regions, crossings and the walk;
+  :mod:`jaxamp._engine.sharing`: module calls with the same structure, inputs and region (a
+  Transformer's layers) are evaluated once and the result re-bound per call under the call's own
+  name stack (``SHARE_REPEATED_CALLS``);
+* :mod:`jaxamp._engine.values`: a value and what is known of it (stored or computed, its casts);
+* :mod:`jaxamp._engine.context`: what a rule or a planner sees
+  (:class:`jaxamp._engine.context.Context`: the call's facts, regions, sub-programs), never the
+  interpreter; autocast builds the rule table (:func:`jaxamp._engine.control.rule_table`) and
+  hands it to the interpreter, as JAX's ``ad.py``;
+* :mod:`jaxamp._engine.primitives`: every fact kept about primitives by name.
 
 Nothing is patched for good: the NNX ``__call__`` hook and the ``jax.nn.dot_product_attention``
 recorder are wrappers installed for the trace only, each closing over whatever function it
@@ -40,7 +42,7 @@ Value bookkeeping that keeps casts minimal:
   stacked params are cast per layer (a smaller table, positions or a small vocabulary read at
   every position, is cast whole and its rows gathered from that copy: the same numbers, and
   XLA makes them again where they are read instead of keeping them; the gradient is the
-  float32 gather's, scattered in float32: ``jaxamp._op_rules.gather_low``);
+  float32 gather's, scattered in float32: ``jaxamp._engine.op_rules.gather_low``);
 * every value is cast at most once per dtype (a cache on the value);
 * constants cast down saturate (an f32 ``finfo.min`` mask becomes -65504 in f16, not -inf);
 * float -> float casts written in the traced function are hints: upcasts are honoured by the
@@ -60,7 +62,7 @@ Where a batch contraction may be a sum across devices (traced under ``jax.set_me
 ``jax.jit`` of ``NamedSharding``-placed inputs), a matmul or convolution with a param operand
 computes that param's gradient with a float32 output (same low-precision operands), so XLA's
 SPMD partitioner sums it across devices in float32, not in the compute dtype (see
-:mod:`jaxamp._wgrad`); ``autocast(..., f32_weight_grads=True/False)`` decides it explicitly.
+:mod:`jaxamp._engine.wgrad`); ``autocast(..., f32_weight_grads=True/False)`` decides it explicitly.
 The matmul is a ``jax.custom_jvp`` function (forward mode works); the convolution a
 ``jax.custom_vjp`` one (reverse mode only: ``jax.jvp`` through it fails, unless
 ``f32_weight_grads=False``). One device keeps JAX's own transposes.
@@ -76,9 +78,9 @@ region's policy; ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown h
 primitives run exactly as traced (float32): correct, not accelerated.
 
 Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
-that primitive (:mod:`jaxamp._values`), as ``jnp``'s own operators are, so that under
+that primitive (:mod:`jaxamp._engine.values`), as ``jnp``'s own operators are, so that under
 ``jax.grad`` JAX linearizes each (primitive, params, input types) once instead of once per
-equation; the walk itself is :func:`jaxamp._jaxpr.evaluate`, shared with the diagnostics.
+equation; the walk itself is :func:`jaxamp._engine.jaxpr.evaluate`, shared with the diagnostics.
 ``bench/trace_cost.py`` measures it against plain float32 (BENCHMARKS.md).
 """
 
@@ -101,13 +103,14 @@ import jax
 import jmp
 import numpy as np
 
-from jaxamp import _attention, nnx_frontend
-from jaxamp._compat import Tracer, mesh_is_set
-from jaxamp._control import rule_table
-from jaxamp._evaluator import COUNTERS, REGION_MARKER, Evaluator
-from jaxamp._jaxpr import param_matmuls
-from jaxamp._primitives import PARAM_READS
-from jaxamp._values import F64, Value, cast, dtype_of
+from jaxamp import nnx_frontend
+from jaxamp._engine import attention
+from jaxamp._engine.compat import Tracer, mesh_is_set
+from jaxamp._engine.control import rule_table
+from jaxamp._engine.evaluator import COUNTERS, REGION_MARKER, Evaluator
+from jaxamp._engine.jaxpr import param_matmuls
+from jaxamp._engine.primitives import PARAM_READS
+from jaxamp._engine.values import F64, Value, cast, dtype_of
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
@@ -116,7 +119,7 @@ __all__ = ["REGION_MARKER", "autocast", "check_options", "counting_evaluations",
 
 _CALLS = itertools.count(1)
 #: Evaluate module calls whose structure repeats (a Transformer's layers) once and replay them
-#: (:mod:`jaxamp._sharing`): the same program, traced faster. False evaluates every equation
+#: (:mod:`jaxamp._engine.sharing`): the same program, traced faster. False evaluates every equation
 #: in place.
 SHARE_REPEATED_CALLS = True
 
@@ -150,7 +153,7 @@ class _Regions:
         self.stack: list[tuple[Any, jmp.Policy]] = []  # (module, effective policy)
         self.matches: dict = {}  # (class, path, inherited) -> rules.match(...)
         self.call = next(_CALLS)  # this call's number in its region markers
-        self.attention = _attention.Recorder(self.call)  # its fused-attention calls
+        self.attention = attention.Recorder(self.call)  # its fused-attention calls
 
     def interceptor(self, next_fun, args, kwargs, context):
         """A linen method interceptor, and an NNX one (:func:`jaxamp.nnx_frontend.intercept_calls`,
@@ -292,7 +295,7 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
             a, k = jax.tree_util.tree_unflatten(treedef, full)
             with nn.intercept_methods(regions.interceptor), \
                     nnx_frontend.intercept_calls(regions.interceptor), \
-                    _attention.recording(regions.attention):
+                    attention.recording(regions.attention):
                 if modules is None:
                     return fn(*a, **k)
                 copies, a, k = modules.merge(a, k)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import dot_dimension_numbers
+from jaxamp._engine.compat import dot_dimension_numbers
 
 __all__ = ["E4M3", "E5M2", "FP8Matmuls", "FP8_MATMULS", "fp8_dot_general", "fp8_eligible",
            "quantize"]

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._compat import Tracer
+from jaxamp._engine.compat import Tracer
 
 __all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale"]
 

@@ -38,7 +38,7 @@ A primitive can also get a **handler** of its own (``DEFAULT_OP_RULES.extend(han
 "dot_general": my_rule})``): a function of a :class:`jaxamp.RuleCall` (the equation, its
 operands after region crossings, the region's policy, the built-in rule as ``call.default()``)
 that returns the outputs, or None to use the built-in rule. The engine's own rules are a table
-of the same shape (:mod:`jaxamp._op_rules`, :mod:`jaxamp._control`).
+of the same shape (:mod:`jaxamp._engine.op_rules`, :mod:`jaxamp._engine.control`).
 
 Softmax, log-softmax and logsumexp need no entry of their own: they are built from ``exp``,
 ``log`` and ``reduce_sum``, and a value whose every consumer wants float32 is computed in
@@ -87,7 +87,8 @@ import jax.numpy as jnp
 import jmp
 from flax import nnx
 
-from jaxamp import _primitives, policy_spec
+from jaxamp import policy_spec
+from jaxamp._engine import primitives
 from jaxamp.fp8 import FP8_MATMULS
 from jaxamp.policy import get_policy, opt_state_dtype, with_matmul
 
@@ -101,19 +102,19 @@ __all__ = [
     "module_path",
 ]
 
-#: The default op lists (one registry of primitive facts: :mod:`jaxamp._primitives`).
-MATMUL_PRIMITIVES = _primitives.MATMUL
-FP32_PRIMITIVES = _primitives.FP32
+#: The default op lists (one registry of primitive facts: :mod:`jaxamp._engine.primitives`).
+MATMUL_PRIMITIVES = primitives.MATMUL
+FP32_PRIMITIVES = primitives.FP32
 #: The ``fp32`` primitives behind softmax, log-softmax and logsumexp, and the accumulating ones
 #: (sums): the groups the audit names in its advice. Both are subsets of FP32_PRIMITIVES.
-SOFTMAX_PRIMITIVES = _primitives.SOFTMAX
-SUM_PRIMITIVES = _primitives.SUM
-STRUCTURAL_PRIMITIVES = _primitives.STRUCTURAL
-PROMOTE_PRIMITIVES = _primitives.PROMOTE
+SOFTMAX_PRIMITIVES = primitives.SOFTMAX
+SUM_PRIMITIVES = primitives.SUM
+STRUCTURAL_PRIMITIVES = primitives.STRUCTURAL
+PROMOTE_PRIMITIVES = primitives.PROMOTE
 #: Primitives known to run exactly as traced: integer and bit operations, random numbers,
 #: typed sub-computations (scatter, sort, generic reduce), effects and references, and the
 #: higher-order primitives that autocast re-evaluates itself (jit, scan, cond, ...).
-AS_TRACED_PRIMITIVES = _primitives.AS_TRACED
+AS_TRACED_PRIMITIVES = primitives.AS_TRACED
 
 
 #: The values of :attr:`OpRules.recompute`.
@@ -141,7 +142,7 @@ class OpRules:
       recompute: where the cheap code between two matmuls (normalisations, softmax,
         activation functions, bias adds, dropout masks) is recomputed in the backward pass
         from its inputs instead of keeping its (often float32) intermediates as residuals
-        (:mod:`jaxamp._recompute`); the forward's values are the same either way.
+        (:mod:`jaxamp._engine.recompute`); the forward's values are the same either way.
         ``"scan"`` (the default): inside the bodies of ``lax.scan`` (``nn.scan``,
         ``nnx.scan``, a scanned layer stack) only, where every kept residual is written into
         a per-iteration stack and read back; there recomputing lowers both the kernel bytes

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxamp._jaxpr import evaluate_rerouted
+from jaxamp._engine.jaxpr import evaluate_rerouted
 from jaxamp.policy import check_state_dtype
 
 __all__ = ["INITIAL_SEED", "RNG_IMPL", "StoredState", "is_stored", "rounding_bits",

@@ -81,7 +81,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxamp import nnx_frontend, policy_spec
-from jaxamp._compat import Tracer, jit_cache_size, mesh_context
+from jaxamp._engine.compat import Tracer, jit_cache_size, mesh_context
 from jaxamp.engine import autocast, check_options
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.loss_scale import NoOpLossScale

@@ -47,8 +47,8 @@ import optax
 from jax import lax
 
 from jaxamp import policy_spec
-from jaxamp._compat import Tracer
-from jaxamp._jaxpr import evaluate_rerouted
+from jaxamp._engine.compat import Tracer
+from jaxamp._engine.jaxpr import evaluate_rerouted
 from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import check_state_dtype, get_policy
 from jaxamp.state_dtype import with_state_dtype

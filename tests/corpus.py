@@ -15,7 +15,8 @@ Per model and policy, everything read from the traced program or from real runs:
   ``reduce_sum`` (softmax and normalisation statistics, the loss) in the forward whose float
   operands are all float32, out of all of them;
 - ``round_trips``: forward casts float32 -> low -> float32 (this and the duplicate casts read
-  across in-line calls: a recompute segment's checkpoint, a shared call; ``_jaxpr.flat_scopes``);
+  across in-line calls: a recompute segment's checkpoint, a shared call;
+  ``jaxamp._engine.jaxpr.flat_scopes``);
 - ``train``: 20 ``jaxamp.make_train_step`` steps (Adam) on the batch: first and last loss, and
   the steps skipped after the first five (float16's dynamic scale starts high and backs off).
 """
@@ -41,7 +42,7 @@ from corpus_models import CORPUS  # noqa: E402
 from third_party import THIRD_PARTY, installed  # noqa: E402
 
 import jaxamp  # noqa: E402
-from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips  # noqa: E402
+from jaxamp._engine.jaxpr import duplicate_casts, iter_eqns, lossy_round_trips  # noqa: E402
 
 POLICIES = {
     "float16": "params=float32,compute=float16,output=float32",

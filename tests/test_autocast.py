@@ -13,7 +13,7 @@ import pytest
 from models import HandAttention, init_testnet
 
 import jaxamp
-from jaxamp._jaxpr import (
+from jaxamp._engine.jaxpr import (
     duplicate_casts,
     iter_eqns,
     lossy_round_trips,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._jaxpr import iter_eqns
+from jaxamp._engine.jaxpr import iter_eqns
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp._jaxpr import iter_eqns
+from jaxamp._engine.jaxpr import iter_eqns
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 _PSUMS = ("psum", "psum_invariant")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp._engine.jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -369,7 +369,7 @@ def test_tile_keeps_the_activation_dtype_without_a_warning():
 # ---- cast elimination across recompute segments (issue #40) ---------------------------------
 # A recompute segment (and a repeated module call) evaluates on fresh values: a copy made of a
 # value outside was made again inside, and one made inside again after it. The cast checks
-# read the forward through the segments' checkpoints (_jaxpr.flat_scopes).
+# read the forward through the segments' checkpoints (jaxamp._engine.jaxpr.flat_scopes).
 RECOMPUTE = {"on": jaxamp.DEFAULT_OP_RULES.extend(recompute=True),
              "off": jaxamp.DEFAULT_OP_RULES.extend(recompute=False)}
 LOW_DTYPES = ("float16", "bfloat16")

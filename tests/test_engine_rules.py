@@ -23,9 +23,10 @@ from flax import nnx
 from jax import lax
 
 import jaxamp
-from jaxamp import _attention, _evaluator, engine
+from jaxamp import engine
 from jaxamp import nnx_frontend as _nnx
-from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp._engine import attention, evaluator
+from jaxamp._engine.jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import trace_cost  # noqa: E402
@@ -363,15 +364,15 @@ def _nested(depth):
 def evaluations(monkeypatch):
     counts: collections.Counter = collections.Counter()
     alive = []  # each counted jaxpr, kept alive: a freed one's id can be a new one's (flaky)
-    real = _evaluator.Evaluator.eval
+    real = evaluator.Evaluator.eval
 
     def counting(self, closed, *args, **kwargs):
-        jaxpr = _evaluator.open_jaxpr(closed)[0]
+        jaxpr = evaluator.open_jaxpr(closed)[0]
         alive.append(jaxpr)
         counts[id(jaxpr)] += 1
         return real(self, closed, *args, **kwargs)
 
-    monkeypatch.setattr(_evaluator.Evaluator, "eval", counting)
+    monkeypatch.setattr(evaluator.Evaluator, "eval", counting)
     return counts
 
 
@@ -524,7 +525,7 @@ def test_threads_and_other_wrappers_coexist():
     finally:
         nnx.Linear.__call__ = original_call
         jax.nn.dot_product_attention = original_attention
-    assert jax.nn.dot_product_attention is _attention.ORIGINAL
+    assert jax.nn.dot_product_attention is attention.ORIGINAL
 
 
 # ---- a BatchNorm written for pmap -----------------------------------------------------------

@@ -38,7 +38,7 @@ BF16 = "params=float32,compute=bfloat16,output=float32"
 #
 # With recompute on (jaxamp's default, issue #24) jaxamp's program does not hit it: each
 # recompute segment reads its low-precision inputs through an `optimization_barrier`
-# (jaxamp._recompute._rounded), and XLA does not form the YNN fusion across those, so the
+# (jaxamp._engine.recompute._rounded), and XLA does not form the YNN fusion across those, so the
 # convolutions stay out of the reduce. That is XLA's fusion choice, not a fix: the same
 # program with recompute=False still gives NaN (strict xfail below), and if XLA ever fuses
 # across the barriers the recompute-on tests fail and show it.

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _attention
-from jaxamp._jaxpr import iter_eqns
+from jaxamp._engine import attention
+from jaxamp._engine.jaxpr import iter_eqns
 
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -87,7 +87,7 @@ def test_cudnn_calls_are_bound_again_on_low_precision_inputs(monkeypatch, implem
         return jnp.mean(model.apply({"params": p}, x, bias) ** 2)
 
     calls = []
-    real = _attention.ORIGINAL
+    real = attention.ORIGINAL
 
     def spy(query, key, value, bias=None, mask=None, **kw):
         calls.append((kw.get("implementation"), str(query.dtype), str(key.dtype),
@@ -125,7 +125,7 @@ def test_an_explicit_cudnn_call_cuDNN_refuses_says_why():
 
 
 def test_outside_autocast_the_function_is_untouched():
-    assert jax.nn.dot_product_attention is _attention.ORIGINAL
+    assert jax.nn.dot_product_attention is attention.ORIGINAL
     seen = []
 
     def other_thread():  # traced while another thread is inside an autocast trace
@@ -140,4 +140,4 @@ def test_outside_autocast_the_function_is_untouched():
 
     jaxamp.autocast(fn, F16)(jnp.ones((1, 4, 1, 8)))
     assert seen and "jaxamp_attention" not in seen[0]
-    assert jax.nn.dot_product_attention is _attention.ORIGINAL
+    assert jax.nn.dot_product_attention is attention.ORIGINAL

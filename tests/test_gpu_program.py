@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._jaxpr import iter_eqns
+from jaxamp._engine.jaxpr import iter_eqns
 from jaxamp.diagnostics import gpu as gpu_mod
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -277,7 +277,7 @@ def test_hand_cast_fused_twin_is_cudnn_attention_in_its_dtype_on_a_gpu(monkeypat
     with jax.default_device(device):
         assert handcast.attention_implementation() == "cudnn"
         closed = jax.make_jaxpr(jax.grad(loss))(params, batch)
-    from jaxamp._jaxpr import iter_eqns
+    from jaxamp._engine.jaxpr import iter_eqns
 
     calls = [e for e in iter_eqns(closed) if e.primitive.name.startswith("dot_product_attention")]
     assert sorted(e.primitive.name for e in calls) == ["dot_product_attention_bwd_wrapper",

@@ -241,15 +241,16 @@ def test_no_block_of_six_lines_is_repeated_inside_the_package():
 
 
 INTERNALS = ("eqn.params[", "jax.core.", "jax._src", "._cache_size")
+COMPAT = PKG / "_engine" / "compat.py"
 
 
 def test_jax_internals_are_read_only_in_compat():
-    """Equation params, jax.core, jax._src and jit's cache are read through jaxamp/_compat.py's
-    typed accessors: one file to change when JAX moves them."""
+    """Equation params, jax.core, jax._src and jit's cache are read through
+    jaxamp/_engine/compat.py's typed accessors: one file to change when JAX moves them."""
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
-             for p in sorted(PKG.rglob("*.py")) if p.name != "_compat.py"
+             for p in sorted(PKG.rglob("*.py")) if p != COMPAT
              for n, line in enumerate(p.read_text().splitlines(), 1)
              if any(s in line for s in INTERNALS)]
     assert found == []
-    compat = (PKG / "_compat.py").read_text()
+    compat = COMPAT.read_text()
     assert all(s in compat for s in ("eqn.params[", "_cache_size"))  # the check can see them

@@ -18,7 +18,7 @@ from nnx_models import twin_of
 
 import jaxamp
 from jaxamp import nnx_frontend as _nnx
-from jaxamp._jaxpr import (
+from jaxamp._engine.jaxpr import (
     duplicate_casts,
     iter_eqns,
     lossy_round_trips,

@@ -1,4 +1,4 @@
-"""The registry of primitive names (jaxamp._primitives) against the installed JAX."""
+"""The registry of primitive names (jaxamp._engine.primitives) against the installed JAX."""
 
 import gc
 import importlib
@@ -8,7 +8,8 @@ import jax.extend.core as jcore
 import pytest
 from test_house import STALE
 
-from jaxamp import _primitives, rules
+from jaxamp import rules
+from jaxamp._engine import primitives
 
 # Modules that define primitives jaxamp names; importing them registers every one.
 _MODULES = [
@@ -35,25 +36,25 @@ def test_every_registered_name_is_a_primitive_of_this_jax(installed):
     assert len(installed) > 200
     version = _version()
     missing = []
-    for name in sorted(_primitives.all_names() - installed):
-        since, until = _primitives.VERSIONED.get(name, (None, None))
-        if name not in _primitives.VERSIONED or (
+    for name in sorted(primitives.all_names() - installed):
+        since, until = primitives.VERSIONED.get(name, (None, None))
+        if name not in primitives.VERSIONED or (
                 (since is None or version >= since) and (until is None or version < until)):
             missing.append(name)
-    assert missing == [], (f"names in jaxamp._primitives that are no primitive of jax "
+    assert missing == [], (f"names in jaxamp._engine.primitives that are no primitive of jax "
                            f"{jax.__version__}: {missing}")
 
 
 def test_versioned_names_are_primitives_where_jax_has_them(installed):
     version = _version()
-    present = {name for name, (since, until) in _primitives.VERSIONED.items()
+    present = {name for name, (since, until) in primitives.VERSIONED.items()
                if (since is None or version >= since) and (until is None or version < until)}
     assert present <= installed
     assert present  # each supported JAX has some of them (0.10: closed_call; 0.12: log2)
 
 
 def test_no_stale_name_in_the_registry():
-    assert _STALE & _primitives.all_names() == set()
+    assert _STALE & primitives.all_names() == set()
 
 
 def test_stale_names_are_primitives_of_no_installed_jax(installed):
@@ -62,9 +63,9 @@ def test_stale_names_are_primitives_of_no_installed_jax(installed):
 
 def test_op_rules_defaults_are_the_registry():
     defaults = rules.OpRules()
-    assert defaults.matmul is _primitives.MATMUL
-    assert defaults.fp32 is _primitives.FP32
-    assert defaults.structural is _primitives.STRUCTURAL
-    assert defaults.promote is _primitives.PROMOTE
-    assert defaults.as_traced is _primitives.AS_TRACED
-    assert _primitives.SOFTMAX <= _primitives.FP32 and _primitives.SUM <= _primitives.FP32
+    assert defaults.matmul is primitives.MATMUL
+    assert defaults.fp32 is primitives.FP32
+    assert defaults.structural is primitives.STRUCTURAL
+    assert defaults.promote is primitives.PROMOTE
+    assert defaults.as_traced is primitives.AS_TRACED
+    assert primitives.SOFTMAX <= primitives.FP32 and primitives.SUM <= primitives.FP32

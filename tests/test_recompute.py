@@ -174,7 +174,7 @@ def test_recompute_differs_only_by_xlas_excess_precision_as_readme_says():
     bfloat16 step and the loss from 3.88164 to 3.88088. Why: the program is the same, but
     without recompute XLA's excess precision (``xla_allow_excess_precision``, on by default)
     hands a bfloat16 matmul output to the op it fuses it into unrounded, while a recompute
-    segment reads its input rounded (``jaxamp._recompute._rounded``). With excess precision
+    segment reads its input rounded (``jaxamp._engine.recompute._rounded``). With excess precision
     off the two are bit-identical, forward and backward, and recompute's forward is the one
     it computes under either setting. README says exactly that."""
     strict = _mlp_blocks("--xla_allow_excess_precision=false")
@@ -219,7 +219,7 @@ def test_recompute_switch_is_checked():
 
 
 def _checkpoints(jaxpr) -> int:
-    from jaxamp._jaxpr import iter_eqns
+    from jaxamp._engine.jaxpr import iter_eqns
 
     return sum(e.primitive.name in ("remat", "remat2", "checkpoint") for e in iter_eqns(jaxpr))
 

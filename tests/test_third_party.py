@@ -20,7 +20,7 @@ import third_party as tp
 from corpus import POLICIES, measure_third_party, problems
 
 import jaxamp
-from jaxamp._jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp._engine.jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
 
 CASES = list(tp.THIRD_PARTY)
 

@@ -1,4 +1,4 @@
-"""One walker, one taxonomy: only ``jaxamp/_jaxpr.py`` reads jaxpr equations, and the audit's
+"""One walker, one taxonomy: only ``jaxamp/_engine/jaxpr.py`` reads jaxpr equations, and the audit's
 expectations come from the same ``OpRules`` autocast ran by."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._jaxpr import iter_eqns
+from jaxamp._engine.jaxpr import iter_eqns
 from jaxamp.diagnostics._audit import _findings
 from jaxamp.diagnostics._trace import trace_model
 
@@ -27,7 +27,7 @@ def test_only_the_walker_module_reads_jaxpr_equations():
         tree = ast.parse(path.read_text(), str(path))
         if any(isinstance(n, ast.Attribute) and n.attr == "eqns" for n in ast.walk(tree)):
             readers.add(path.relative_to(PACKAGE).as_posix())
-    assert readers == {"_jaxpr.py"}
+    assert readers == {"_engine/jaxpr.py"}
 
 
 class TanhMLP(nn.Module):
@@ -101,7 +101,7 @@ def test_audit_and_rules_share_the_op_lists():
 
 
 def test_walk_maps_sub_program_inputs_to_caller_vars():
-    from jaxamp._jaxpr import sub_programs, walk
+    from jaxamp._engine.jaxpr import sub_programs, walk
 
     @jax.jit
     def inner(a, b):
@@ -126,7 +126,7 @@ def test_cast_checks_see_across_in_line_calls():
     inside it are two casts of one value; a cast down outside and back up inside, through the
     ``optimization_barrier`` a segment reads its low inputs with, is a round trip. One jaxpr
     at a time sees neither; a jitted body called twice makes new values each time."""
-    from jaxamp._jaxpr import duplicate_casts, lossy_round_trips
+    from jaxamp._engine.jaxpr import duplicate_casts, lossy_round_trips
 
     def body(x, low):
         return x.astype(jnp.bfloat16) * 2, jax.lax.optimization_barrier(low).astype(jnp.float32)
@@ -150,8 +150,8 @@ def test_cast_checks_see_across_in_line_calls():
 
 def test_rebinding_leaves_no_call_per_primitive(mlp):
     """autocast evaluates sub-programs and repeated module calls as cached jitted bodies
-    where JAX inlines them (``_jaxpr.jit_inlines``): the program it produces has no call
-    left of them."""
+    where JAX inlines them (``jaxamp._engine.jaxpr.jit_inlines``): the program it produces has
+    no call left of them."""
     model, params, x = mlp
     amp = jaxamp.autocast(lambda p, x: jnp.sum(model.apply(p, x)), F16)
     for closed in (jax.make_jaxpr(amp)(params, x),
@@ -165,6 +165,6 @@ def test_cached_bodies_are_inlined_on_every_supported_jax():
     ``jax.Inline.JAX_EARLY``): without them a body would be evaluated once for its output
     dtypes and again when called, and repeated layers once each (BENCHMARKS.md, "The engine
     as a table of rules")."""
-    from jaxamp._jaxpr import jit_inlines
+    from jaxamp._engine.jaxpr import jit_inlines
 
     assert jit_inlines(), jax.__version__

@@ -11,8 +11,9 @@
   JAX.
 
 This package uses the runtime core (``jaxamp.policy``, ``jaxamp.rules``, ``jaxamp.engine``, ...)
-only through its public names and the documented internal modules ``jaxamp._jaxpr`` and
-``jaxamp._compat``. Names are imported on first use, so the JAX-free log reader stays JAX-free.
+only through its public names and the documented internal modules ``jaxamp._engine.jaxpr`` and
+``jaxamp._engine.compat``. Names are imported on first use, so the JAX-free log reader stays
+JAX-free.
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from .._compat import new_dtype
-from .._jaxpr import duplicate_casts, lossy_round_trips
+from .._engine.compat import new_dtype
+from .._engine.jaxpr import duplicate_casts, lossy_round_trips
 from ..engine import float64_cause, float64_inputs
 from ..policy import policy_to_str
 from ..rules import OpRules

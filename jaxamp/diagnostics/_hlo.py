@@ -329,7 +329,7 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
     ones the float32 rules kept, so the compiled program may hold that many f32 GEMMs."""
     import numpy as np
 
-    from .._jaxpr import iter_eqns
+    from .._engine.jaxpr import iter_eqns
 
     out: Counter = Counter()
     for eqn in iter_eqns(closed_jaxpr):

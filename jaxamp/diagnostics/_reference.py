@@ -21,8 +21,8 @@ from typing import Any
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
-from .._compat import new_dtype
-from .._jaxpr import consumers, containing
+from .._engine.compat import new_dtype
+from .._engine.jaxpr import consumers, containing
 from ..rules import EMBED_MODULES, FP32_MODULES
 from ._trace import (
     ACCUM,

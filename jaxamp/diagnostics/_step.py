@@ -19,8 +19,8 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from .._compat import scan_counts
-from .._jaxpr import walk
+from .._engine.compat import scan_counts
+from .._engine.jaxpr import walk
 from ..policy_spec import DEFAULT_POLICY
 from ..rules import ModuleRules
 from ..train import TrainStep

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from .._compat import dce_jaxpr
-from .._jaxpr import feeders, walk
+from .._engine.compat import dce_jaxpr
+from .._engine.jaxpr import feeders, walk
 from ..engine import REGION_MARKER, autocast
 from ..nnx_frontend import functional, intercept_calls
 from ..policy import get_policy

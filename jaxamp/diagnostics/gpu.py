@@ -57,7 +57,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._compat import compile_only_gpu, device_target_config
+from .._engine.compat import compile_only_gpu, device_target_config
 from ._base import Report
 from ._hlo import Kernel, kernels, planned_fp8_dots
 

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from .._compat import Tracer, bind_with_params, scan_params
-from .._jaxpr import evaluate, name_stack, sub_programs
+from .._engine.compat import Tracer, bind_with_params, scan_params
+from .._engine.jaxpr import evaluate, name_stack, sub_programs
 from ..engine import autocast
 from ..nnx_frontend import functional, is_module
 from ..policy import get_policy, policy_to_str

@@ -8,7 +8,7 @@ jaxpr and gives each call a structural signature (its equations' primitives, par
 dataflow, module-relative name stacks and the policies of the calls inside it, sub-programs by
 their own signatures): calls whose signature occurs more than once are evaluated once per
 (signature, what is known of their inputs, region) as a cached ``jax.jit`` that JAX inlines
-(:class:`jaxamp._context.Body`), and replayed for the others. Under ``jax.grad`` JAX then
+(:class:`jaxamp._engine.context.Body`), and replayed for the others. Under ``jax.grad`` JAX then
 also linearizes one layer instead of N. The program is the same equations, in the same dtypes,
 with each call's own name-stack prefix (module paths are kept).
 
@@ -27,11 +27,11 @@ from typing import Any, NamedTuple
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._attention import CALL_NAME
-from jaxamp._compat import call_name, open_jaxpr
-from jaxamp._context import REGION_MARKER, Context
-from jaxamp._jaxpr import equations, name_stack
-from jaxamp._values import is_float
+from jaxamp._engine.attention import CALL_NAME
+from jaxamp._engine.compat import call_name, open_jaxpr
+from jaxamp._engine.context import REGION_MARKER, Context
+from jaxamp._engine.jaxpr import equations, name_stack
+from jaxamp._engine.values import is_float
 
 __all__ = ["REGION_MARKER", "Node", "Program", "Sharing"]
 

@@ -3,8 +3,8 @@ types of the rules (:class:`Site`, :data:`Rule`) and of sub-programs (:class:`Bo
 
 As in JAX's ``ad.py``, a rule is a plain function ``rule(ctx, eqn, ins, site) -> list[Value]``
 in a table that the interpreter owns (``autocast`` builds it:
-:func:`jaxamp._control.rule_table`); a rule never sees the interpreter
-(:class:`jaxamp._evaluator.Evaluator`). The context gives it:
+:func:`jaxamp._engine.control.rule_table`); a rule never sees the interpreter
+(:class:`jaxamp._engine.evaluator.Evaluator`). The context gives it:
 
 * the facts of the call: the region policies, the op rules, the recorded attention calls, the
   first and last param matmuls (:attr:`Context.matmul_ends`), the float32 weight-gradient
@@ -16,8 +16,8 @@ in a table that the interpreter owns (``autocast`` builds it:
 * scopes the rules open (a user's ``remat``, a ``scan`` body, a recompute segment), and what
   the rules report (:meth:`Context.note_unknown`, :meth:`Context.note_float64_matmul`).
 
-This module imports only leaves (:mod:`jaxamp._compat`, :mod:`jaxamp._jaxpr`,
-:mod:`jaxamp._values`, :mod:`jaxamp.policy`): the rule modules and planners import it, and it
+This module imports only leaves (:mod:`jaxamp._engine.compat`, :mod:`jaxamp._engine.jaxpr`,
+:mod:`jaxamp._engine.values`, :mod:`jaxamp.policy`): the rule modules and planners import it, and it
 imports none of them.
 """
 
@@ -32,9 +32,9 @@ import jax
 import jmp
 import numpy as np
 
-from jaxamp._compat import inline_jit
-from jaxamp._jaxpr import jit_inlines, name_stack
-from jaxamp._values import F32, Value, cast, copies, is_float
+from jaxamp._engine.compat import inline_jit
+from jaxamp._engine.jaxpr import jit_inlines, name_stack
+from jaxamp._engine.values import F32, Value, cast, copies, is_float
 from jaxamp.policy import matmul_dtype
 
 __all__ = ["REGION_MARKER", "Body", "Context", "Rule", "Site"]
@@ -128,7 +128,7 @@ class Context:
       matmul_ends: id(eqn) -> ``"first"``/``"last"``: the first and last matmul reading a
         param (:attr:`jaxamp.RuleCall.position`).
       interpreter: evaluates sub-programs: has ``eval``, ``body``, ``cached_body`` and
-        ``run_eqn`` (:class:`jaxamp._evaluator.Evaluator`); the context forwards to them.
+        ``run_eqn`` (:class:`jaxamp._engine.evaluator.Evaluator`); the context forwards to them.
     """
 
     def __init__(self, policies: Sequence[jmp.Policy | None], op_rules, *, call: int = 0,

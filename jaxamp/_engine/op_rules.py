@@ -5,7 +5,7 @@ region crossings, op rules), ``eqn`` the traced equation, ``ins`` its operands a
 equation's region sees them (cast on leaving/entering module regions), ``site`` its region and
 which outputs are wanted in float32. :data:`BY_CLASS` maps an op class of
 :class:`jaxamp.OpRules` to its rule; :func:`first_order` picks it. The higher-order rules
-(``jit``, ``scan``, ``cond``, ...) are in :mod:`jaxamp._control`; a user's handler for a
+(``jit``, ``scan``, ``cond``, ...) are in :mod:`jaxamp._engine.control`; a user's handler for a
 primitive (``OpRules.extend(handlers=...)``) gets a :class:`RuleCall` and runs before both.
 """
 
@@ -20,7 +20,7 @@ import jmp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import (
+from jaxamp._engine.compat import (
     Tracer,
     bind_with_params,
     checkpoint_in_place,
@@ -28,9 +28,9 @@ from jaxamp._compat import (
     new_dtype,
     sub_jaxprs,
 )
-from jaxamp._context import Context, Rule, Site
-from jaxamp._primitives import NOT_ELEMENTWISE
-from jaxamp._values import (
+from jaxamp._engine.context import Context, Rule, Site
+from jaxamp._engine.primitives import NOT_ELEMENTWISE
+from jaxamp._engine.values import (
     F32,
     F64,
     Value,
@@ -41,8 +41,8 @@ from jaxamp._values import (
     is_float,
     widest,
 )
-from jaxamp._values import convert as convert_dtype
-from jaxamp._wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
+from jaxamp._engine.values import convert as convert_dtype
+from jaxamp._engine.wgrad import conv_f32_kernel_grads, dot_f32_weight_grads
 from jaxamp.policy import matmul_dtype
 
 __all__ = ["BY_CLASS", "NOT_ELEMENTWISE", "RuleCall", "Site", "first_order"]
@@ -135,7 +135,7 @@ def gather_low(eqn, low_table, table, indices: Sequence[Any]):
 
 def matmul(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     """Runs in the region's compute dtype, inputs and output; with ``f32_weight_grads`` a
-    param operand's gradient comes out in float32 (:mod:`jaxamp._wgrad`)."""
+    param operand's gradient comes out in float32 (:mod:`jaxamp._engine.wgrad`)."""
     name = eqn.primitive.name
     dtype = ctx.matmul_dtype(site.region)
     floats = [v for v in ins if v.is_float]
@@ -160,7 +160,7 @@ def matmul(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     if ctx.segments_on() and dtype != F32 and any(given) \
             and any(isinstance(v.val, Tracer) for v in ins):
         # its low-precision copy is made again in the backward pass from the param (kept
-        # anyway), not kept as a residual (jaxamp._recompute)
+        # anyway), not kept as a residual (jaxamp._engine.recompute)
         return recompute_param_casts(eqn, ins, site, params, dtype, given)
     return bind_eqn(eqn, [cast(v, dtype) for v in ins], site, params=params)
 
@@ -295,7 +295,7 @@ class RuleCall:
       policy: the :class:`jmp.Policy` of the region the equation runs in.
       want_f32: per output, whether every consumer computes in float32.
       position: ``"first"`` or ``"last"`` for the first and the last matmul of the program
-        that reads a param (outside loop bodies; see :func:`jaxamp._jaxpr.param_matmuls`),
+        that reads a param (outside loop bodies; see :func:`jaxamp._engine.jaxpr.param_matmuls`),
         found when some policy sets ``matmul=``; else None.
 
     A handler returns the equation's outputs (a list of arrays, activations of the region),

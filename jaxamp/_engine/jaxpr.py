@@ -35,7 +35,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._compat import (
+from jaxamp._engine.compat import (
     bind_with_params,
     cond_params,
     inline_jit,
@@ -45,7 +45,7 @@ from jaxamp._compat import (
     sub_jaxprs,
     while_params,
 )
-from jaxamp._primitives import CONTAINERS, IDENTITY, IN_LINE, LOOPS
+from jaxamp._engine.primitives import CONTAINERS, IDENTITY, IN_LINE, LOOPS
 
 __all__ = [
     "jit_inlines",
@@ -426,7 +426,7 @@ def iter_eqns(j: Any) -> Iterator[jcore.JaxprEqn]:
 
 @functools.cache
 def jit_inlines() -> bool:
-    """Whether :func:`jaxamp._compat.inline_jit` calls are inlined into the jaxpr that calls
+    """Whether :func:`jaxamp._engine.compat.inline_jit` calls are inlined into the jaxpr that calls
     them, under autodiff too (checked once; if not, autocast calls its cached bodies unjitted,
     and a body is evaluated once per use)."""
     try:

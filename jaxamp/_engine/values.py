@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import Tracer
+from jaxamp._engine.compat import Tracer
 
 __all__ = ["F32", "Value", "bind", "cast", "convert", "copies", "dtype_of", "is_float", "spec",
            "widest"]
@@ -104,7 +104,7 @@ def bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
     """``prim.bind(*vals, **params)``.
 
     Bound directly, not through a cached jitted call per (primitive, params): sub-programs and
-    repeated module calls are cached jitted bodies already (:class:`jaxamp._context.Body`),
+    repeated module calls are cached jitted bodies already (:class:`jaxamp._engine.context.Body`),
     and a jitted call per primitive cost more to trace than the linearizations it saved
     (``bench/trace_cost.py``, trace + lower of ``value_and_grad`` against plain:
     transformers' GPT-2 at 12 layers 1.17-1.19x with it, 0.83-1.06x without; the nested
@@ -146,7 +146,7 @@ def copies(values: Sequence[Value]) -> list[tuple[int, np.dtype]]:
     """(index, dtype): the copies made of traced float ``values`` (``cast`` makes each once),
     in a fixed order. A body evaluated on fresh values (a recompute segment, a shared module
     call) is given those of its inputs and returns those it makes of its inputs and outputs
-    (:class:`jaxamp._context.Body`), so that no value is cast twice across its boundary.
+    (:class:`jaxamp._engine.context.Body`), so that no value is cast twice across its boundary.
     Where a body's derivative reads a wider copy (a float32 copy of a float16 input that a
     normalisation reads), the body keeps that copy in place of its input: one array, however
     many bodies read it."""

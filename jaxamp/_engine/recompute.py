@@ -15,7 +15,7 @@ after it keep their own low-precision inputs). A segment runs past a matmul that
 the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
 matmul is evaluated first, outside the checkpoint. A segment's last op whose derivative reads
 only its output (``tanh`` before a matmul) is a segment of its own that keeps that output,
-the array the matmul keeps anyway (:data:`jaxamp._primitives.SELF_DERIVED`). The forward pass
+the array the matmul keeps anyway (:data:`jaxamp._engine.primitives.SELF_DERIVED`). The forward pass
 runs the same operations in the same dtypes; only what is kept changes (a low-precision input
 is read rounded, through an ``optimization_barrier``, as the backward reads it:
 :func:`_rounded`). Compiled, that
@@ -24,13 +24,13 @@ matmul output unrounded where it fuses it into the next op; with
 ``--xla_allow_excess_precision=false`` the results with and without segments are
 bit-identical. (The matmul rule, likewise, casts a param operand inside a ``jax.checkpoint``
 that keeps nothing: the backward casts it again instead of keeping its low copy;
-:func:`jaxamp._op_rules.recompute_param_casts`.) A value is cast once across a segment's
+:func:`jaxamp._engine.op_rules.recompute_param_casts`.) A value is cast once across a segment's
 boundary, as without segments: the segment reads the copies made of its inputs before it and
-returns the copies it makes (:func:`jaxamp._values.copies`), and the backward casts only
+returns the copies it makes (:func:`jaxamp._engine.values.copies`), and the backward casts only
 inside the segment that made a copy.
 
 Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
-module calls that :mod:`jaxamp._sharing` replays (their insides are segmented once, in the
+module calls that :mod:`jaxamp._engine.sharing` replays (their insides are segmented once, in the
 shared evaluation), and everything under ``OpRules(recompute=False)``.
 """
 
@@ -45,18 +45,18 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxamp._compat import Tracer, checkpoint_in_place, sub_jaxprs
-from jaxamp._context import Body, Context
-from jaxamp._jaxpr import Span, consumers, equations, producers, span_io, spans
-from jaxamp._primitives import (
+from jaxamp._engine.compat import Tracer, checkpoint_in_place, sub_jaxprs
+from jaxamp._engine.context import Body, Context
+from jaxamp._engine.jaxpr import Span, consumers, equations, producers, span_io, spans
+from jaxamp._engine.primitives import (
     LEADING_SUMS,
     NEVER_RECOMPUTED,
     SELF_DERIVED,
     STATISTICS,
     TRANSPARENT,
 )
-from jaxamp._sharing import Program
-from jaxamp._values import Value, convert, copies, is_float
+from jaxamp._engine.sharing import Program
+from jaxamp._engine.values import Value, convert, copies, is_float
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.policy import matmul_dtype
 from jaxamp.rules import OpRules
@@ -73,7 +73,7 @@ class Segment(NamedTuple):
     matmuls among them that read nothing the segment makes (the ``up`` projection traced
     between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
     ``run_outs``: the same for the whole range; ``tail``: for a segment of one trailing
-    self-derived op (:data:`jaxamp._primitives.SELF_DERIVED`), the matmuls that read its
+    self-derived op (:data:`jaxamp._engine.primitives.SELF_DERIVED`), the matmuls that read its
     output, else ``()``;
     ``readers``: per output, the matmuls that read it (:func:`_low_casts`)."""
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._compat import target_platform
+from jaxamp._engine.compat import target_platform
 
 _F32 = np.dtype(np.float32)
 

@@ -3,16 +3,17 @@
 :class:`Evaluator` re-evaluates a traced (float32) jaxpr equation by equation. For each
 equation it finds the module region it belongs to (the ``jaxamp<call.region>`` name-scope
 markers the trace left), takes each operand across the module boundaries between where the
-operand was made and where it is used (:meth:`jaxamp._context.Context.operand`), and hands
-the equation to its rule from the table ``autocast`` gave it (:func:`jaxamp._control.rule_table`:
-a user's handler, else the primitive's higher-order rule), else to its op class's rule
-(:func:`jaxamp._op_rules.first_order`). Rules get the :class:`jaxamp._context.Context`, never
-the evaluator. The walk itself is :func:`jaxamp._jaxpr.evaluate`, shared with the diagnostics.
+operand was made and where it is used (:meth:`jaxamp._engine.context.Context.operand`), and
+hands the equation to its rule from the table ``autocast`` gave it
+(:func:`jaxamp._engine.control.rule_table`: a user's handler, else the primitive's higher-order
+rule), else to its op class's rule (:func:`jaxamp._engine.op_rules.first_order`). Rules get the
+:class:`jaxamp._engine.context.Context`, never the evaluator. The walk itself is
+:func:`jaxamp._engine.jaxpr.evaluate`, shared with the diagnostics.
 
 Sub-programs are evaluated through :meth:`Evaluator.body`: once per (program, what is known of
 its inputs, region), then replayed from JAX's jit cache, so the cost of nested control flow
 is linear in its size; and repeated module calls with the same structure (the layers of a
-Transformer) share one evaluation (:mod:`jaxamp._sharing`).
+Transformer) share one evaluation (:mod:`jaxamp._engine.sharing`).
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from typing import Any
 import jax.extend.core as jcore
 import jmp
 
-from jaxamp import _recompute, _sharing
-from jaxamp._compat import Tracer, open_jaxpr, source_context
-from jaxamp._context import REGION_MARKER, Body, Context, Rule, Site
-from jaxamp._control import INLINE, rule_table
-from jaxamp._jaxpr import Run, all_consumers_accept, equations, evaluate
-from jaxamp._op_rules import first_order
-from jaxamp._sharing import Node, Program
-from jaxamp._values import F32, Value, copies, is_float
+from jaxamp._engine import recompute, sharing
+from jaxamp._engine.compat import Tracer, open_jaxpr, source_context
+from jaxamp._engine.context import REGION_MARKER, Body, Context, Rule, Site
+from jaxamp._engine.control import INLINE, rule_table
+from jaxamp._engine.jaxpr import Run, all_consumers_accept, equations, evaluate
+from jaxamp._engine.op_rules import first_order
+from jaxamp._engine.sharing import Node, Program
+from jaxamp._engine.values import F32, Value, copies, is_float
 from jaxamp.rules import OpRules
 
 __all__ = ["REGION_MARKER", "Body", "Evaluator"]
@@ -61,10 +62,10 @@ def wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) 
 class Evaluator:
     """Re-evaluates a traced jaxpr with each equation in its autocast dtype: the interpreter.
 
-    It owns the rule table (``rules``: primitive name -> rule, :func:`jaxamp._control.rule_table`;
-    a primitive not in it gets its op class's rule) and the caches (bodies, sharing and
-    recompute plans); rules and planners see only its :class:`jaxamp._context.Context`
-    (:attr:`ctx`)."""
+    It owns the rule table (``rules``: primitive name -> rule,
+    :func:`jaxamp._engine.control.rule_table`; a primitive not in it gets its op class's rule) and
+    the caches (bodies, sharing and recompute plans); rules and planners see only its
+    :class:`jaxamp._engine.context.Context` (:attr:`ctx`)."""
 
     def __init__(self, policies: Sequence[jmp.Policy | None], op_rules: OpRules, call: int = 0,
                  attention_calls: Sequence = (), f32_weight_grads: bool = False,
@@ -77,8 +78,8 @@ class Evaluator:
         self.rules = rule_table(op_rules) if rules is None else rules
         self.bodies: dict[Any, Body] = {}  # Body cache (see body() and cached_body())
         self.evaluations: collections.Counter = collections.Counter()  # id(jaxpr) -> count
-        self.sharing = _sharing.Sharing(self.ctx)
-        self.share = share  # evaluate repeated module calls once (see jaxamp._sharing)
+        self.sharing = sharing.Sharing(self.ctx)
+        self.share = share  # evaluate repeated module calls once (see jaxamp._engine.sharing)
         self.recompute_memo: dict = {}  # id(sub-program) -> (it, recomputable)
         self.segment_plans: dict = {}  # id(jaxpr) -> (jaxpr, taken starts, segments)
 
@@ -142,7 +143,7 @@ class Evaluator:
             eqns = equations(jaxpr)
             for start, seg in self.segment_plan(jaxpr, runs, nodes).items():
                 runs[start] = Run(seg.end, seg.run_ins, seg.run_outs, functools.partial(
-                    _recompute.run_range, self.ctx, eqns, seg, base, wants, drop))
+                    recompute.run_range, self.ctx, eqns, seg, base, wants, drop))
         return evaluate(jaxpr, consts, args, run_eqn, literal, runs)
 
     def segment_plan(self, jaxpr, taken: dict, nodes: dict) -> dict:
@@ -150,7 +151,7 @@ class Evaluator:
         known = self.segment_plans.get(key)
         if known is None or known[0] is not jaxpr:
             cuts = {n.start for n in nodes.values()} | {n.end for n in nodes.values()}
-            known = self.segment_plans[key] = (jaxpr, _recompute.plan(
+            known = self.segment_plans[key] = (jaxpr, recompute.plan(
                 self.op_rules, jaxpr, taken, cuts, self.recompute_memo))
         return known[1]
 
@@ -180,7 +181,7 @@ class Evaluator:
         """What the evaluation of a call in ``region`` can learn about input ``v``: its flags
         and dtype, and where it comes from relative to ``region`` (the policies of the module
         regions it leaves), which decides its crossing casts, and the copies made of it
-        (:func:`jaxamp._values.copies`)."""
+        (:func:`jaxamp._engine.values.copies`)."""
         cut = 0
         while cut < min(len(v.region), len(region)) and v.region[cut] == region[cut]:
             cut += 1
@@ -202,7 +203,7 @@ class Evaluator:
         with source_context(eqn, drop=drop):
             outs = self.dispatch(eqn, ins, site)
         if self.ctx.segment_depth and not self.ctx.remat_depth:
-            outs = _recompute.tag_statistics(eqn, outs)
+            outs = recompute.tag_statistics(eqn, outs)
         return outs
 
     def dispatch(self, eqn, ins: list[Value], site: Site) -> list[Value]:

@@ -1,16 +1,16 @@
 """The higher-order rules of autocast's evaluator: one function per primitive with sub-programs.
 
-Each rule is ``rule(ctx, eqn, ins, site) -> list[Value]`` (see :mod:`jaxamp._context`), and
+Each rule is ``rule(ctx, eqn, ins, site) -> list[Value]`` (see :mod:`jaxamp._engine.context`), and
 :data:`HIGHER_ORDER` maps a primitive name to its rule; :func:`rule_table` adds the user's
 handlers: the table ``autocast`` hands to the interpreter. A sub-program (a loop body, a branch,
-a rematerialised block) is evaluated through :meth:`jaxamp._context.Context.body`: once per
+a rematerialised block) is evaluated through :meth:`jaxamp._engine.context.Context.body`: once per
 (program, what is known of its inputs, region), as a cached ``jax.jit`` that JAX inlines, so
 asking for a body's output dtypes and then running it evaluates it once, and nested control
 flow costs time linear in its size, not exponential in its depth.
 
 * ``jit``/``closed_call``: inlined (its equations take each operand across module
   boundaries as they use it); a recorded ``jax.nn.dot_product_attention`` call is bound again
-  as cuDNN's fused kernel in the compute dtype where that applies (:mod:`jaxamp._attention`);
+  as cuDNN's fused kernel in the compute dtype where that applies (:mod:`jaxamp._engine.attention`);
 * ``remat2`` (``jax.checkpoint``): re-applied with its policy around the re-evaluated body;
 * ``scan``/``while``: carries keep a fixed dtype, the widest of the initial value and what the
   body returns (so float32 accumulators stay float32);
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp import _attention
-from jaxamp._compat import (
+from jaxamp._engine import attention as fused
+from jaxamp._engine.compat import (
     bind_with_params,
     call_jaxpr,
     call_name,
@@ -43,10 +43,10 @@ from jaxamp._compat import (
     shard_map_jaxpr,
     while_params,
 )
-from jaxamp._context import Context, Rule, Site
-from jaxamp._op_rules import RuleCall, as_traced, first_order
-from jaxamp._primitives import CALLS, REMAT
-from jaxamp._values import Value, cast, dtype_of, is_float, spec, widest
+from jaxamp._engine.context import Context, Rule, Site
+from jaxamp._engine.op_rules import RuleCall, as_traced, first_order
+from jaxamp._engine.primitives import CALLS, REMAT
+from jaxamp._engine.values import Value, cast, dtype_of, is_float, spec, widest
 
 __all__ = ["HIGHER_ORDER", "INLINE", "rule_table"]
 
@@ -55,7 +55,7 @@ INLINE = CALLS
 
 
 def inline(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
-    recorded = _attention.CALL_NAME.fullmatch(call_name(eqn))
+    recorded = fused.CALL_NAME.fullmatch(call_name(eqn))
     if recorded and int(recorded[1]) == ctx.call:
         outs = attention(ctx, ins, site, int(recorded[2]))
         if outs is not None:
@@ -69,11 +69,11 @@ def attention(ctx: Context, ins, site: Site, index: int) -> list[Value] | None:
     call = ctx.attention_calls[index]
     static = call[1]
     dtype = ctx.compute_dtype(site.region)
-    if not _attention.wants_cudnn(static) or dtype == np.float32:
+    if not fused.wants_cudnn(static) or dtype == np.float32:
         return None
     vals = [ctx.operand(v, site.region).val for v in ins]
     try:
-        out = _attention.redispatch(call, vals, dtype)
+        out = fused.redispatch(call, vals, dtype)
     except Exception:
         if static.get("implementation") == "cudnn":
             raise  # asked for explicitly: JAX's own error says what cuDNN refused
@@ -309,7 +309,7 @@ def _handled(handler, fallback: Rule) -> Rule:
 def rule_table(op_rules) -> dict[str, Rule]:
     """Primitive name -> rule for :class:`jaxamp.OpRules` ``op_rules``: the user's handlers
     (falling back to the built-in rule), else the higher-order rules; a primitive not in it
-    gets :func:`jaxamp._op_rules.first_order` (its op class's rule)."""
+    gets :func:`jaxamp._engine.op_rules.first_order` (its op class's rule)."""
     table = dict(HIGHER_ORDER)
     for name in {name for name, _ in op_rules.handlers}:
         table[name] = _handled(op_rules.handler(name), table.get(name, first_order))

@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 
-from jaxamp._compat import target_platform
+from jaxamp._engine.compat import target_platform
 
 ORIGINAL = jax.nn.dot_product_attention
 _SIGNATURE = inspect.signature(ORIGINAL)
