@@ -35,7 +35,7 @@ matmuls included; where that leaves a matmul of a low-precision region in float6
 warns, naming the float64 inputs (the policy changes nothing there).
 
 A primitive can also get a **handler** of its own (``DEFAULT_OP_RULES.extend(handlers={
-"dot_general": my_rule})``): a function of a :class:`jaxamp.RuleCall` (the equation, its
+"dot_general": my_rule})``): a function of a :class:`jaxamp.rules.RuleCall` (the equation, its
 operands after region crossings, the region's policy, the built-in rule as ``call.default()``)
 that returns the outputs, or None to use the built-in rule. The engine's own rules are a table
 of the same shape (:mod:`jaxamp._engine.op_rules`, :mod:`jaxamp._engine.control`).
@@ -89,6 +89,7 @@ from flax import nnx
 
 from jaxamp import policy_spec
 from jaxamp._engine import primitives
+from jaxamp._engine.op_rules import RuleCall
 from jaxamp.fp8 import FP8_MATMULS
 from jaxamp.policy import get_policy, opt_state_dtype, with_matmul
 
@@ -99,6 +100,7 @@ __all__ = [
     "MODULE_BASES",
     "ModuleRules",
     "OpRules",
+    "RuleCall",
     "module_path",
 ]
 
@@ -137,7 +139,7 @@ class OpRules:
         traced, forward and backward (``"*"``: all of them). Every other ``custom_vjp``
         function keeps its rules and runs both of them under the region's policy.
       handlers: ``(primitive name, handler)`` pairs: a handler takes a
-        :class:`jaxamp.RuleCall` and returns the equation's outputs (a list of arrays), or
+        :class:`jaxamp.rules.RuleCall` and returns the equation's outputs (a list of arrays), or
         None to leave the equation to its op class. Give them as a dict to :meth:`extend`.
       recompute: where the cheap code between two matmuls (normalisations, softmax,
         activation functions, bias adds, dropout masks) is recomputed in the backward pass

@@ -23,6 +23,7 @@ from flax import nnx
 from jax import lax
 
 import jaxamp
+import jaxamp.rules
 from jaxamp import engine
 from jaxamp import nnx_frontend as _nnx
 from jaxamp._engine import attention, evaluator
@@ -333,7 +334,8 @@ def test_a_policy_that_float64_inputs_make_do_nothing_says_so_once():
 def test_a_handler_rewrites_one_primitive_and_can_defer():
     seen = []
 
-    def rule(call):
+    def rule(call: jaxamp.rules.RuleCall):  # the handler's argument, public in jaxamp.rules
+        assert isinstance(call, jaxamp.rules.RuleCall)
         seen.append((call.policy.compute_dtype, call.stored))
         if all(call.stored):  # x @ w, both the function's inputs: run it in float32
             return [lax.dot_general(call.cast(0, jnp.float32), call.cast(1, jnp.float32),

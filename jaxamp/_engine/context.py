@@ -126,7 +126,7 @@ class Context:
       attention_calls: the ``jax.nn.dot_product_attention`` calls recorded while tracing.
       f32_weight_grads: param gradients of matmuls come out in float32.
       matmul_ends: id(eqn) -> ``"first"``/``"last"``: the first and last matmul reading a
-        param (:attr:`jaxamp.RuleCall.position`).
+        param (:attr:`jaxamp.rules.RuleCall.position`).
       interpreter: evaluates sub-programs: has ``eval``, ``body``, ``cached_body`` and
         ``run_eqn`` (:class:`jaxamp._engine.evaluator.Evaluator`); the context forwards to them.
     """

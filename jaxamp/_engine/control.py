@@ -295,7 +295,7 @@ HIGHER_ORDER: dict[str, Rule] = {
 
 def _handled(handler, fallback: Rule) -> Rule:
     """A user's handler (``OpRules.extend(handlers=...)``) as a rule: it gets a
-    :class:`jaxamp.RuleCall`; where it returns None, ``fallback`` runs."""
+    :class:`jaxamp.rules.RuleCall`; where it returns None, ``fallback`` runs."""
 
     def rule(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
         out = handler(RuleCall(ctx, eqn, ins, site))
