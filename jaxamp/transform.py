@@ -400,15 +400,12 @@ def skip(applied: PerShape, new: Any, old: Any) -> Any:
 
 
 def skip_updates(applied: PerShape, updates: Any) -> Any:
-    """``updates`` where the step is ``applied``, else ``-0.0`` (see :func:`skip`); one
-    ``-0.0`` array per shape and dtype, as :class:`PerShape` broadcasts ``applied``."""
+    """``updates`` where the step is ``applied``, else ``-0.0`` (see :func:`skip`): one
+    ``-0.0`` broadcast per shape and dtype (:class:`PerShape`)."""
     zeros: dict = {}
 
     def zero(u):
-        key = (u.shape, u.dtype)
-        if key not in zeros:
-            zeros[key] = jnp.full(u.shape, -0.0, u.dtype)
-        return zeros[key]
+        return zeros.setdefault(u.dtype, PerShape(jnp.asarray(-0.0, u.dtype)))(u.shape)
 
     return skip(applied, updates, jax.tree.map(zero, updates))
 

@@ -299,14 +299,10 @@ def checkpoint_in_place(fn, policy):
     """``jax.checkpoint(fn, policy=policy)`` bound with an empty name stack, ``fn`` traced
     under the caller's: JAX's partial evaluation of a checkpoint bound under a name stack
     repeats that stack in the backward equations it makes (``a/b/a/b``)."""
-    info = source_info_util.current()
+    scope = here()
 
     def inner(*xs):
-        try:
-            scope = source_info_util.user_context(info.traceback, name_stack=info.name_stack)
-        except Exception:  # pragma: no cover - internal API moved: paths are lost
-            scope = contextlib.nullcontext()
-        with scope:
+        with scope():
             return fn(*xs)
 
     def call(*xs):
