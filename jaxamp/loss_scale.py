@@ -29,8 +29,9 @@ _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
 _MAGNITUDES = f"the allowed magnitudes are [{_F32_TINY:g}, {_F32_MAX:g}]"
 
 
-def _number(cls: str, name: str, value: Any, hint: str) -> float | None:
-    """``value`` as a float, checked to be a real scalar; ``None`` for a tracer (unchecked)."""
+def _number(cls: str, name: str, value: Any, hint: str, integer: bool = False):
+    """``value`` as a float (an int if ``integer``), checked to be a real scalar (an int32);
+    ``None`` for a tracer (unchecked)."""
     if isinstance(value, Tracer):
         return None
     try:
@@ -42,13 +43,9 @@ def _number(cls: str, name: str, value: Any, hint: str) -> float | None:
             f"{cls}: {name} must be a real number, got {type(value).__name__} {value!r}. {hint}")
     if arr.ndim != 0:
         raise ValueError(f"{cls}: {name} must be a scalar, got shape {arr.shape}. {hint}")
-    return float(arr)
-
-
-def _integer(cls: str, name: str, value: Any, hint: str) -> int | None:
-    x = _number(cls, name, value, hint)
-    if x is None:
-        return None
+    x = float(arr)
+    if not integer:
+        return x
     if not (math.isfinite(x) and x == int(x)):
         raise ValueError(f"{cls}: {name} must be an integer, got {x!r}. {hint}")
     if not -(2**31) <= x < 2**31:
@@ -91,6 +88,12 @@ def _scale_rules(name: str, fix: str) -> tuple[_Rule, ...]:
     )
 
 
+def _count_rules(name: str, bound: str, check: Callable, interval: str, fix: str):
+    """A counter: within ``interval`` of ``bound``, and >= 0 (alone, when ``bound`` is traced)."""
+    allowed = f"{{name}} must be in {interval}, got {{x}}"
+    return _Rule((name, bound), check, allowed, fix), _Rule((name,), lambda c: c >= 0, allowed, fix)
+
+
 _STATIC_RULES = _scale_rules("loss_scale", "Use e.g. StaticLossScale(2.0**15).")
 _GROWTH, _BACKOFF = "Use e.g. growth_factor=2.0.", "Use e.g. backoff_factor=0.5."
 _RANGE = "loss_scale must be within [min_loss_scale, max_loss_scale], got loss_scale={loss_scale!r}"
@@ -122,14 +125,10 @@ _DYNAMIC_RULES = (
           _RANGE + " > max_loss_scale={max_loss_scale!r}", ""),
     _Rule(("hysteresis",), lambda x: x >= 1, "{name} must be >= 1, got {x}",
           "Use e.g. hysteresis=1."),
-    _Rule(("counter", "growth_interval"), lambda c, gi: 0 <= c < gi,
-          "{name} must be in [0, growth_interval), got {x}", "Use counter=0 for a fresh state."),
-    _Rule(("counter",), lambda c: c >= 0,
-          "{name} must be in [0, growth_interval), got {x}", "Use counter=0 for a fresh state."),
-    _Rule(("hysteresis_counter", "hysteresis"), lambda hc, hy: 0 <= hc <= hy,
-          "{name} must be in [0, hysteresis], got {x}", "Omit it to start at hysteresis."),
-    _Rule(("hysteresis_counter",), lambda hc: hc >= 0,
-          "{name} must be in [0, hysteresis], got {x}", "Omit it to start at hysteresis."),
+    *_count_rules("counter", "growth_interval", lambda c, gi: 0 <= c < gi,
+                  "[0, growth_interval)", "Use counter=0 for a fresh state."),
+    *_count_rules("hysteresis_counter", "hysteresis", lambda hc, hy: 0 <= hc <= hy,
+                  "[0, hysteresis]", "Omit it to start at hysteresis."),
 )
 
 
@@ -143,9 +142,8 @@ def _validate(obj: Any, rules: tuple[_Rule, ...], given: dict[str, Any]) -> None
     for rule in rules:
         for f in rule.fields:
             if f not in values:
-                parse = _integer if dtypes[f] == _I32 else _number
-                values[f] = parse(cls, f, given[f], next(r.fix for r in rules
-                                                         if r.fields[0] == f))
+                fix = next(r.fix for r in rules if r.fields[0] == f)
+                values[f] = _number(cls, f, given[f], fix, integer=dtypes[f] == _I32)
         args = [values[f] for f in rule.fields]
         if any(a is None for a in args) or rule.check(*args):
             continue
@@ -262,15 +260,8 @@ class NoOpLossScale(_LossScaleBase):
 
 @_pytree_dataclass
 class StaticLossScale(_LossScaleBase):
-    """A fixed loss scale.
-
-    Args:
-        loss_scale: The scale; finite and > 0 (stored as a float32 scalar array).
-
-    Raises:
-        ValueError: If ``loss_scale`` is not finite and positive in float32.
-        TypeError: If ``loss_scale`` is not a real number.
-    """
+    """A fixed loss scale ``loss_scale``: finite and > 0 in float32, the dtype of the scalar
+    array it is stored as (else ``ValueError``; ``TypeError`` if it is not a real number)."""
 
     loss_scale: jax.Array = _leaf(_F32)
 
@@ -290,14 +281,12 @@ class StaticLossScale(_LossScaleBase):
 class DynamicLossScale(_LossScaleBase):
     """A dynamic loss scale (Megatron-LM semantics, torch defaults).
 
-    ``adjust(grads_finite)`` returns the next state. A finite step counts (``counter += 1``);
-    at ``growth_interval`` the scale becomes ``min(loss_scale * growth_factor,
-    max_loss_scale)``, ``counter`` 0 and ``hysteresis_counter`` ``hysteresis``. An overflow
-    sets ``counter = 0`` and ``hysteresis_counter -= 1`` (not below 0); at 0 the scale becomes
-    ``max(loss_scale * backoff_factor, min_loss_scale)``. All with ``jnp.where``: no host
-    synchronisation under ``jit``/``scan``/``vmap``; the scale stays in
-    ``[min_loss_scale, max_loss_scale]``. Every argument is a field (float32 scales and
-    factors, int32 counts).
+    ``adjust(grads_finite)`` returns the next state (with ``jnp.where``: no host sync). A
+    finite step counts (``counter += 1``); at ``growth_interval`` the scale becomes
+    ``min(loss_scale * growth_factor, max_loss_scale)``, ``counter`` 0 and
+    ``hysteresis_counter`` ``hysteresis``. An overflow sets ``counter = 0`` and
+    ``hysteresis_counter -= 1`` (not below 0); at 0 the scale becomes ``max(loss_scale *
+    backoff_factor, min_loss_scale)``. Every argument is a field (float32 or int32 leaf).
 
     Args:
         loss_scale: Initial scale, within ``[min_loss_scale, max_loss_scale]``.
@@ -313,8 +302,7 @@ class DynamicLossScale(_LossScaleBase):
             ``hysteresis``.
 
     Raises:
-        ValueError: If a value is out of range (the message names the field).
-        TypeError: If a value is not a real number.
+        ValueError: If a value is out of range (naming the field); TypeError if not a number.
     """
 
     loss_scale: jax.Array = _leaf(_F32)

@@ -1,18 +1,10 @@
 """The Flax NNX front end: which NNX module runs, and its path, while autocast traces.
 
-NNX has no method interceptor (linen's ``nn.intercept_methods``) and no name scopes. While
-:func:`intercept_calls` is active in a thread, every ``nnx.Module`` subclass's ``__call__`` is
-wrapped (one :class:`~jaxamp._engine.patching.Patch`; other threads call through): the
-interceptors get a :class:`Call`, and the call runs under ``jax.named_scope`` of its path (the
-root under its class name, as linen), so the audit and the overflow locator read NNX paths as
-they read linen's. Only ``__call__`` is seen (``Embed.attend`` runs in its caller's region).
-
-Paths are NNX's (``blocks/3/attn``): a module passed to autocast (or merged by :class:`Apply`)
-is registered with its graph; one first met in a call is a root (path ``()``). NNX transforms
-(``nnx.scan``, ``nnx.remat``, ``nnx.vmap``) rebuild modules inside their traces, so registration
-also writes each Variable's full path into its metadata (:data:`PATH_KEY`), which they carry;
-a rebuilt module takes its path from its first Variable. The key is removed again from the
-Variables of modules that exist outside the trace.
+NNX has no method interceptor (linen's) and no name scopes: while :func:`intercept_calls` is
+active in a thread, every NNX class's ``__call__`` is wrapped (a ``_engine.patching.Patch``),
+calls the interceptors with a :class:`Call` and runs under ``jax.named_scope`` of its NNX path
+(``blocks/3/attn``), so the audit reads NNX paths as it reads linen's. How paths survive NNX
+transforms (:data:`PATH_KEY`): ``jaxamp/_engine/README.md``.
 """
 
 from __future__ import annotations
