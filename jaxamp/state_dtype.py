@@ -1,12 +1,7 @@
-"""The optimizer state stored in bfloat16, computed in float32, written back with stochastic
-rounding (:func:`with_state_dtype`; README "Optimizer state in bfloat16").
-
-Rounding to nearest would stall a moment whose updates are below half a bfloat16 ulp;
-:func:`stochastic_round` rounds up with probability equal to the distance from the lower
-neighbour, so the stored value is right in expectation. Its random bits come from a PRNG key
-carried in the state (:class:`StoredState`): runs repeat and a resumed run continues bit for
-bit. :func:`jaxamp.amp` (``state_dtype=``) and the train step (``opt_state=``) use it; a
-skipped step keeps the whole stored state, key included.
+"""The optimizer state stored in bfloat16, computed in float32 and written back with
+stochastic rounding, its random bits from a key carried in the state (README "Optimizer state
+in bfloat16"; ``docs/api/state_dtype.rst``). :func:`jaxamp.amp` (``state_dtype=``) and the
+train step (``opt_state=``) use it; a skipped step keeps the whole stored state, key included.
 
 Example:
     >>> import optax

@@ -1,13 +1,6 @@
-"""One patch manager for what jaxamp intercepts while tracing (NNX ``__call__``, fused attention).
-
-A :class:`Patch` replaces attributes (``jax.nn.dot_product_attention``, each NNX class's
-``__call__``) with wrappers while at least one thread has it :meth:`~Patch.active`; the
-wrappers call the handler only in those threads (innermost state first), elsewhere they call
-what they replaced. Activations nest and count across threads. When the last one ends, each
-attribute gets back what it had, unless someone replaced our wrapper meanwhile: their function
-stays (it may call ours, which then passes calls through), so no one's patch is clobbered.
-Model: qwix ``_src/interception.py``.
-"""
+"""One thread-local, nestable patch manager for what jaxamp intercepts while tracing (NNX
+``__call__``, ``jax.nn.dot_product_attention``) that restores only what it installed (model:
+qwix ``_src/interception.py``; the rules: ``_engine/README.md``)."""
 
 from __future__ import annotations
 
@@ -69,8 +62,7 @@ class Patch:
 
     def installed(self) -> bool:
         """Whether one of our wrappers is in place now (for tests)."""
-        return any(vars(owner).get(name) is ours
-                   for (owner, name), (_, ours) in self._wrappers.items())
+        return any(vars(o).get(name) is ours for (o, name), (_, ours) in self._wrappers.items())
 
     def _wrap(self, original: Callable) -> Callable:
         @functools.wraps(original)
