@@ -239,9 +239,6 @@ class NoOpLossScale(_LossScaleBase):
     """A loss scale of 1 that never adjusts (for bfloat16 or float32 runs); no pytree leaves.
     ``unscale`` still casts to float32, so all three classes return gradients alike."""
 
-    def __init__(self) -> None:
-        """Creates the no-op loss scale."""
-
     @property
     def loss_scale(self) -> jax.Array:  # type: ignore[override]
         """The scale, always ``1.0`` (float32 scalar)."""
