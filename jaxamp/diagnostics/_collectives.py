@@ -1,13 +1,5 @@
-"""What crosses the wire: every collective of a partitioned program, with its dtype and bytes.
-
-:func:`collectives` compiles a jitted function (or a :func:`jaxamp.make_train_step` step) for
-its arguments and reads the HLO module right after XLA's SPMD partitioner, the program every
-device runs, before backend passes rewrite it (XLA:CPU turns bfloat16 collectives into float32
-ones later; a GPU runs them as partitioned). Each collective is reported with its kind, dtype,
-shape, the bytes of the buffer it moves per device, a ring-algorithm estimate of the bytes each
-device sends, the mesh axes its device groups span, and the operation it came from (the JAX
-name stack, e.g. ``transpose(jvp(Block))/mlp/fc/dot_general`` for a weight gradient).
-"""
+"""What crosses the wire: every collective of a partitioned program (read after XLA's SPMD
+partitioner), with its kind, dtype, bytes, mesh axes and origin (docs/api/diagnostics.rst)."""
 
 from __future__ import annotations
 

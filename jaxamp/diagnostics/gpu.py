@@ -1,33 +1,7 @@
 """The GPU program, seen from any machine: :func:`gpu_program` compiles a train step (or any
-function) for an NVIDIA GPU, with no GPU present, and reports what the GPU will run.
-
-XLA's GPU compiler runs on a CPU: given JAX's CUDA plugin and a description of the card (a
-``GpuTargetConfigProto``: SM count, clock, memory bandwidth, compute capability, CUDA and cuDNN
-versions), ``jax.jit(f).lower(...)`` on compile-only devices and ``.compile()`` give the optimized
-GPU program, exactly as a GPU would compile it except for autotuning (no GPU to time candidate
-kernels on). The report reads that program (:mod:`jaxamp.diagnostics._hlo`):
-
-* every kernel it launches, with its kind and library (cuBLAS, cuBLASLt, cuBLASLt FP8, Triton,
-  cuDNN, XLA's own fusions), the bytes it reads and writes and the matmul FLOPs it does;
-* the GEMMs by library and operand dtypes, the cuDNN fused-attention calls, and the FP8 dots
-  jaxamp planned (the lowered program) against the FP8 GEMMs XLA formed, naming every GEMM fed
-  FP8 data that is not one (XLA's silent ``TurnF8DotIntoF16Dot`` fallback);
-* XLA's temp, argument and output bytes (``memory_analysis()``, what the GPU allocates);
-* a roofline estimate: each kernel takes max(bytes / HBM bandwidth, FLOPs / peak), its peak
-  the card's dense Tensor Core rate for its operand dtypes (float32 GEMMs at DEFAULT precision
-  as TF32, at HIGHEST on the CUDA cores), summed over kernels and loop trips.
-
-What the estimate ignores: kernel launch latency and the gaps between kernels, L2 cache hits
-(every kernel is charged its operand and result bytes from HBM), the efficiency a kernel
-reaches below the peaks (small or skinny GEMMs, tile quantization, an untuned Triton tile),
-elementwise FLOPs (a fusion is charged its bytes only), overlap of kernels, and collectives.
-It ranks programs by the bytes and FLOPs they move; how far its ratios agreed with step times
-measured on an H200 is in BENCHMARKS.md's History.
-
-Without a GPU, JAX needs the CUDA plugin (``pip install "jaxamp-flax[gpu-compile]"``, about
-3 GB) and, on a machine with no GPU, ``JAX_PLATFORMS=cpu`` set before it starts (the plugin
-registers its compiler only then). On a GPU, ``target=jax.devices()[0]`` compiles on the card
-itself, with autotuning.
+function) for an NVIDIA GPU, with no GPU present, and reports its kernels, GEMM libraries,
+fused attention, FP8 GEMMs, memory and a roofline estimate (how, and what the estimate ignores:
+docs/api/diagnostics.rst, "The GPU program").
 
 Example:
     >>> import jax, jax.numpy as jnp

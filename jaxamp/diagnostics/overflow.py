@@ -1,23 +1,6 @@
-"""Overflow and underflow locator: run one forward and backward under a policy and say where the
-low-precision values leave their dtype's range.
-
-:func:`locate_overflow` traces ``jax.value_and_grad`` of the (scaled) loss under
-:func:`jaxamp.autocast` and then *re-evaluates that program equation by equation* (inside one
-``jax.jit``: a single compilation; ``scan`` bodies unrolled) keeping every float value it
-computes, so it sees what the policy really computes -- inside ``nn.scan`` bodies and in the
-backward pass too, in the dtype each value has there (float16 matmul outputs, float16
-activation gradients). Flax's ``capture_intermediates`` cannot: it drops the intermediates of
-scanned modules and only shows module outputs. Each equation's values are attributed to the
-module whose name scope it runs in (its own ops, not its children's), like
-:func:`jaxamp.audit`'s rows; their statistics are computed on the host.
-
-It then runs the same loss once more in float32, unscaled, for the *true* gradients, and
-reports the fraction of them that float16 would flush to zero (``0 < |g| < 2**-24``) without
-the loss scale and with it (``|g * scale| < 2**-24``): the gradient histogram of Micikevicius
-et al. ("Mixed Precision Training", 2018), in numbers.
-
-float16 limits used: largest finite 65504, smallest normal 2**-14 (~6.1e-5), smallest subnormal
-2**-24 (~6e-8).
+"""Overflow and underflow locator: one forward and backward under a policy, every float value
+recorded, and where low-precision values leave their dtype's range (float16: largest finite
+65504, smallest normal 2**-14, smallest subnormal 2**-24). How: docs/api/diagnostics.rst.
 """
 
 from __future__ import annotations
@@ -29,7 +12,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -41,7 +23,7 @@ from ..nnx_frontend import functional, is_module
 from ..policy import get_policy, policy_to_str
 from ..rules import ModuleRules, OpRules
 from ..transform import default_loss_scale
-from ._base import Report, escape, rich_table
+from ._base import Report, escape, markdown_table, rich_table
 from ._trace import (
     LOW,
     SCAFFOLD,
@@ -71,19 +53,12 @@ UNDERFLOW_FRACTION = 0.01
 
 
 
-# ---------------------------------------------------------------------------------------------
-# Statistics of one value
-# ---------------------------------------------------------------------------------------------
-
-
 def _device_summary(x, scale: float):
-    """[max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24), #(0<|x*scale|<2^-24),
-    #(0<|x|<tiny(dtype)), #values, #saturated] of each ``x[i]`` (a ``[k, 8]`` result for a
-    ``[k, ...]`` stack of same-shaped arrays), computed on the devices that hold ``x``: a
-    global array is reduced where it lives, then only these numbers leave them.
-
-    Values exactly at the dtype's largest finite magnitude (``finfo.min`` masks, autocast's
-    saturated constants) are *saturated*: counted apart and left out of the max."""
+    """The ``[k, 8]`` statistics of a ``[k, ...]`` stack of same-shaped arrays, reduced on the
+    devices that hold it: [max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24),
+    #(0<|x*scale|<2^-24), #(0<|x|<tiny(dtype)), #values, #saturated]. Values exactly at the
+    dtype's largest magnitude (``finfo.min`` masks, autocast's saturated constants) are
+    *saturated*: counted apart and left out of the max."""
     info = jnp.finfo(x.dtype)
     a = jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], math.prod(x.shape[1:]))
     fin = jnp.isfinite(a)
@@ -101,11 +76,8 @@ def _device_summary(x, scale: float):
 
 
 def _device_summaries(xs, scale: float):
-    """:func:`_device_summary` of every array in ``xs`` (in a jit), as one ``[n, 8]`` array in
-    the order of ``xs``. Arrays of one shape and dtype are stacked and reduced together: one
-    reduction per kind of value instead of one per value keeps the program small (its
-    compile time grows with the number of reductions), at the price of keeping those values
-    alive until the end of the program."""
+    """:func:`_device_summary` of every array in ``xs``, one ``[n, 8]`` array in their order;
+    arrays of one shape and dtype are stacked and reduced together (a smaller program)."""
     if not xs:
         return jnp.zeros((0, 8), jnp.float32)
     groups: dict[tuple, list[int]] = {}
@@ -171,98 +143,87 @@ class _Acc:
                                              math.log2(float(jnp.finfo(dtype).max) / mx))
 
 
-# ---------------------------------------------------------------------------------------------
-# An evaluator of a jaxpr that records every value's statistics (run under one jax.jit)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Evaluator:
-    """Re-evaluates a jaxpr equation by equation (sub-programs inlined, ``scan`` unrolled) and
-    keeps every float value it computes, with the equation that made it.
-
-    It runs inside a single ``jax.jit`` trace (one compilation; eager evaluation would compile
-    every primitive separately) whose extra outputs are all those values; their statistics are
-    computed on the host. ``while`` loops and ``cond`` s run as one operation (not stepped
-    into; their inner values are not inspected)."""
+class _Values:
+    """Every float value one evaluation of a jaxpr makes (traced, inside one ``jax.jit``),
+    with its ``(module, backward)`` and dtype, and per equation that makes one: where it ran,
+    its inputs (value indices, or whether a constant is finite) and its outputs' indices."""
 
     def __init__(self, modules):
         self.modules = modules
-        self.values: list = []  # every float value produced (traced)
-        self.keys: list[tuple[str, bool]] = []  # (module, backward) of each value
-        self.dtypes: list[str] = []  # the dtype of each value
+        self.values: list = []
+        self.keys: list[tuple[str, bool]] = []
+        self.dtypes: list[str] = []
         self.ids: dict[int, int] = {}  # id(traced value) -> index in values
-        self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
+        self.events: list[tuple[dict[str, Any], list, list[int]]] = []
 
-    def _record(self, eqn, full: str, vals, outs) -> None:
-        _, backward = clean_path(full)
-        module = module_of(full, self.modules)[1]
-        out_idx = []
-        for o in outs:
-            if _is_float(o):
-                self.ids[id(o)] = len(self.values)
-                out_idx.append(len(self.values))
-                self.values.append(o)
-                self.keys.append((module, backward))
-                self.dtypes.append(np.dtype(o.dtype).name)
-        if not out_idx:
-            return
-        ins = []
-        for v in vals:
-            if id(v) in self.ids:
-                ins.append(self.ids[id(v)])
-            elif not isinstance(v, Tracer) and _is_float(np.asarray(v)):
-                ins.append(bool(np.all(np.isfinite(np.asarray(v, np.float32)))))
-        where = {"module": module, "pass": "backward" if backward else "forward",
-                 "primitive": eqn.primitive.name,
-                 "dtype": ",".join(sorted({np.dtype(o.dtype).name for o in outs
-                                           if _is_float(o)}))}
-        self.events.append((where, ins, out_idx))
-
-    def run(self, jaxpr: jcore.Jaxpr, consts, args, prefix: str = ""):
+    def run(self, jaxpr, consts, args, prefix: str = ""):
+        """Evaluates ``jaxpr``: calls inlined, ``scan`` unrolled, ``while``/``cond`` run as one
+        operation (their inner values are not seen)."""
         return evaluate(jaxpr, consts, args,
-                        lambda eqn, vals: self.eqn(eqn, vals, name_stack(eqn, prefix)))
+                        lambda eqn, vals: self._eqn(eqn, vals, name_stack(eqn, prefix)))
 
-    def eqn(self, eqn, vals, full):
+    def _eqn(self, eqn, vals, full):
         name = eqn.primitive.name
         if SCAFFOLD in full:
-            return self.bind(eqn, vals)
+            return _bind(eqn, vals)
         if name == "scan":
-            return self.scan(eqn, vals, full)
+            return self._scan(eqn, vals, full)
         if name not in ("while", "cond", "custom_lin"):
-            # a call (jit, remat, custom_jvp/vjp: its primal body): inlined, so its values
-            # are recorded; while/cond run as one operation
             inline = [s for s in sub_programs(eqn) if None not in s.ins]
-            if len(inline) == 1:
+            if len(inline) == 1:  # a call (jit, remat, custom_jvp/vjp: its primal body)
                 return self.run(inline[0].jaxpr, inline[0].consts, vals, full)
-        outs = self.bind(eqn, vals)
-        self._record(eqn, full, vals, outs)
+        outs = _bind(eqn, vals)
+        floats = [o for o in outs if _is_float(o)]
+        if floats:
+            self._record(eqn.primitive.name, full, vals, floats)
         return outs
 
-    def bind(self, eqn, vals):
-        out = bind_with_params(eqn, vals)
-        return list(out) if eqn.primitive.multiple_results else [out]
+    def _record(self, primitive: str, full: str, vals, floats) -> None:
+        key = (module_of(full, self.modules)[1], clean_path(full)[1])
+        ins = [self.ids[id(v)] if id(v) in self.ids
+               else bool(np.all(np.isfinite(np.asarray(v, np.float32)))) for v in vals
+               if id(v) in self.ids or (not isinstance(v, Tracer) and _is_float(np.asarray(v)))]
+        out_idx = list(range(len(self.values), len(self.values) + len(floats)))
+        self.ids.update((id(o), i) for o, i in zip(floats, out_idx))
+        self.values += floats
+        self.keys += [key] * len(floats)
+        dtypes = [np.dtype(o.dtype).name for o in floats]
+        self.dtypes += dtypes
+        self.events.append(({"module": key[0], "pass": "backward" if key[1] else "forward",
+                             "primitive": primitive, "dtype": ",".join(sorted(set(dtypes)))},
+                            ins, out_idx))
 
-    def scan(self, eqn, vals, full):
+    def _scan(self, eqn, vals, full):
         p = scan_params(eqn)
         nc, nk = p.num_consts, p.num_carry
         consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
         ys = []
-        steps = range(p.length - 1, -1, -1) if p.reverse else range(p.length)
-        for i in steps:
+        for i in range(p.length - 1, -1, -1) if p.reverse else range(p.length):
             outs = self.run(p.jaxpr, None, consts + carry + [x[i] for x in xs], full)
             carry = outs[:nk]
             ys.append(outs[nk:])
-        if p.reverse:
-            ys = ys[::-1]
-        n_y = len(eqn.outvars) - nk
-        if ys:
-            stacked = [jnp.stack([y[j] for y in ys]) for j in range(n_y)]
-        else:
-            stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
-        return carry + stacked
+        if not ys:
+            return carry + [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
+        return carry + [jnp.stack(y) for y in zip(*(ys[::-1] if p.reverse else ys))]
+
+
+def _bind(eqn, vals) -> list:
+    out = bind_with_params(eqn, vals)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compile(lowered):
+    """On CPU without LLVM's expensive passes: a program with hundreds of outputs compiles
+    several times faster, and runs once."""
+    if jax.default_backend() == "cpu":
+        try:
+            return lowered.compile(_FAST_COMPILE)
+        except Exception:  # noqa: BLE001 - an XLA without these options
+            pass
+    return lowered.compile()
 
 
 def _interpret(closed, flat_args, modules, scale: float):
@@ -271,43 +232,26 @@ def _interpret(closed, flat_args, modules, scale: float):
     non-finite values out of finite inputs (in execution order)."""
     jaxpr, used = dce(closed.jaxpr)
     args = [x for x, u in zip(flat_args, used) if u]
-    ev = _Evaluator(modules)
+    rec = _Values(modules)
 
     def program(consts, args):
-        ev.values.clear(), ev.keys.clear(), ev.ids.clear(), ev.events.clear()
-        ev.dtypes.clear()
-        outs = ev.run(jaxpr, consts, args)
-        # every value's statistics reduced here, on the devices that hold it: only the
-        # small [n, 8] table leaves them
-        stats = _device_summaries(ev.values, scale)
-        ev.values.clear(), ev.ids.clear()  # the tracers die with the trace
+        nonlocal rec
+        rec = _Values(modules)
+        outs = rec.run(jaxpr, consts, args)
+        stats = _device_summaries(rec.values, scale)  # only the [n, 8] table leaves the devices
+        rec.values, rec.ids = [], {}  # the tracers die with the trace
         return outs, stats
 
-    lowered = jax.jit(program).lower(list(closed.consts), args)
-    compiled = None
-    if jax.default_backend() == "cpu":
-        # a program with hundreds of outputs compiles several times faster without LLVM's
-        # expensive passes, and runs once
-        try:
-            compiled = lowered.compile(_FAST_COMPILE)
-        except Exception:  # noqa: BLE001 - an XLA without these options
-            compiled = None
-    if compiled is None:
-        compiled = lowered.compile()
-    outs, stats = compiled(list(closed.consts), args)
+    outs, stats = _compile(jax.jit(program).lower(list(closed.consts), args))(
+        list(closed.consts), args)
     stats = _to_host(stats)
     acc: dict[tuple[str, bool], _Acc] = {}
-    finite = []
-    for key, s, dtype in zip(ev.keys, stats, ev.dtypes):
-        finite.append(s[1] == 0)
-        if key not in acc:
-            acc[key] = _Acc()
-        acc[key].add(s, dtype)
-    origins = []
-    for where, ins, outs_idx in ev.events:
-        ins_ok = all(finite[i] if not isinstance(i, bool) else i for i in ins)
-        if ins_ok and not all(finite[i] for i in outs_idx):
-            origins.append(where)
+    for key, s, dtype in zip(rec.keys, stats, rec.dtypes):
+        acc.setdefault(key, _Acc()).add(s, dtype)
+    finite = stats[:, 1] == 0
+    origins = [where for where, ins, out_idx in rec.events
+               if all(i if isinstance(i, bool) else finite[i] for i in ins)
+               and not all(finite[i] for i in out_idx)]
     return outs, acc, origins
 
 
@@ -418,18 +362,19 @@ class OverflowReport(Report):
                              f"with loss scale {self.loss_scale:g}")
         return "\n".join(lines)
 
+    def _cells(self) -> list[tuple]:
+        return [(r["module"], r["status"], _fmt(r["forward_max_abs"]),
+                 r["forward_dtypes"], _fmt(r["backward_max_abs"]),
+                 _fmt(r["param_grad_max_abs"]), _pct(r["underflow_unscaled"]),
+                 _pct(r["underflow_scaled"])) for r in self.rows]
+
     def to_markdown(self) -> str:
-        out = [f"## Overflow report ({self.policy}, loss scale {self.loss_scale:g})", "",
-               self.summary().replace("\n", "  \n"), "",
-               "| module | status | fwd max | fwd dtypes | bwd max (scaled) | param grad max "
-               "| underflow unscaled | underflow scaled |", "|---|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            out.append(
-                f"| {r['module']} | {r['status']} | {_fmt(r['forward_max_abs'])} | "
-                f"{r['forward_dtypes']} | {_fmt(r['backward_max_abs'])} | "
-                f"{_fmt(r['param_grad_max_abs'])} | {_pct(r['underflow_unscaled'])} | "
-                f"{_pct(r['underflow_scaled'])} |")
-        return "\n".join(out)
+        return "\n".join([
+            f"## Overflow report ({self.policy}, loss scale {self.loss_scale:g})", "",
+            self.summary().replace("\n", "  \n"), "",
+            *markdown_table(("module", "status", "fwd max", "fwd dtypes", "bwd max (scaled)",
+                             "param grad max", "underflow unscaled", "underflow scaled"),
+                            self._cells())])
 
     def _rich(self) -> list[Any]:
         """The rows as a table, then the summary."""
@@ -443,9 +388,7 @@ class OverflowReport(Report):
             f"overflow / underflow per module ({self.policy}, loss scale {self.loss_scale:g})",
             ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
              "param grad max", "underflow unscaled", "underflow scaled"),
-            [(escape(r["module"]), status(r["status"]), _fmt(r["forward_max_abs"]),
-              r["forward_dtypes"], _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
-              _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"])) for r in self.rows])
+            [(escape(m), status(st), *rest) for m, st, *rest in self._cells()])
         return [table, escape(self.summary())]
 
 
