@@ -298,8 +298,6 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
     return out
 
 
-# ---- FP8 dots planned in the lowered (StableHLO) program ----------------------------------
-
 _F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([^>]*)xf8E\w+>, "
                      r"tensor<[^>]*xf8E\w+>\) -> tensor<([^>]*)x\w+>")
 _CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
@@ -325,8 +323,6 @@ def planned_fp8_dots(stablehlo: str) -> list[int]:
         out.append(2 * n * k)
     return out
 
-
-# ---- kernels: what a GPU launches, and the bytes and FLOPs of each --------------------------
 
 #: Bits per element of each HLO element type (``pred`` is stored in a byte).
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,

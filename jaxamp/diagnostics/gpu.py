@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from .._engine.compat import compile_only_gpu, device_target_config
-from ._base import Report
+from ._base import Report, markdown_table
 from ._hlo import Kernel, kernels, planned_fp8_dots
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
@@ -387,17 +387,16 @@ class GpuProgram(Report):
     def to_markdown(self, top: int = 10) -> str:
         out = [f"## GPU program ({self.target.name})", "", "| | |", "|---|---|"]
         out += [f"| {k} | {v} |" for k, v in self._lines()]
-        out += ["", "| kind | launches | GB | TFLOP | est. ms |", "|---|---|---|---|---|"]
-        for kind, r in sorted(self.by_kind().items(), key=lambda kv: -kv[1]["seconds"]):
-            out.append(f"| {kind} | {r['launches']} | {r['bytes'] / 1e9:.3f} | "
-                       f"{r['flops'] / 1e12:.3f} | {1e3 * r['seconds']:.3f} |")
-        out += ["", f"Top {top} kernels by estimated time:", "",
-                "| kernel | kind | library | dtypes | x | MB | est. ms | op |",
-                "|---|---|---|---|---|---|---|---|"]
-        for k, sec in self.top(top):
-            out.append(f"| {k.name} | {k.kind} | {k.library} | {' x '.join(map(str, k.dtypes))}"
-                       f" | {k.times} | {k.bytes / 1e6:.1f} | {1e3 * sec:.3f} | "
-                       f"{k.op_name[-60:]} |")
+        out += ["", *markdown_table(
+            ("kind", "launches", "GB", "TFLOP", "est. ms"),
+            [(kind, r["launches"], f"{r['bytes'] / 1e9:.3f}", f"{r['flops'] / 1e12:.3f}",
+              f"{1e3 * r['seconds']:.3f}")
+             for kind, r in sorted(self.by_kind().items(), key=lambda kv: -kv[1]["seconds"])])]
+        out += ["", f"Top {top} kernels by estimated time:", "", *markdown_table(
+            ("kernel", "kind", "library", "dtypes", "x", "MB", "est. ms", "op"),
+            [(k.name, k.kind, k.library, " x ".join(map(str, k.dtypes)), k.times,
+              f"{k.bytes / 1e6:.1f}", f"{1e3 * sec:.3f}", k.op_name[-60:])
+             for k, sec in self.top(top)])]
         return "\n".join(out)
 
     def print(self, file=None) -> None:

@@ -52,7 +52,6 @@ NEAR_OVERFLOW_BITS = 2.0
 UNDERFLOW_FRACTION = 0.01
 
 
-
 def _device_summary(x, scale: float):
     """The ``[k, 8]`` statistics of a ``[k, ...]`` stack of same-shaped arrays, reduced on the
     devices that hold it: [max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24),
@@ -255,11 +254,6 @@ def _interpret(closed, flat_args, modules, scale: float):
     return outs, acc, origins
 
 
-# ---------------------------------------------------------------------------------------------
-# The report
-# ---------------------------------------------------------------------------------------------
-
-
 def _fmt(x: float | None) -> str:
     if x is None:
         return "-"
@@ -283,29 +277,10 @@ class OverflowReport(Report):
     """What :func:`locate_overflow` found.
 
     Attributes:
-      rows: one dict per module path (execution order), keys:
-
-        * ``module``; ``status``: ``overflow`` (non-finite values originate here: made from
-          finite inputs), ``nonfinite`` (non-finite values arrived from elsewhere),
-          ``near_overflow`` (float16/bfloat16 values within :data:`NEAR_OVERFLOW_BITS` of the
-          dtype's largest value), ``underflow`` (more than :data:`UNDERFLOW_FRACTION` of the
-          module's true gradients flush to zero in float16 even with the loss scale) or ``ok``;
-        * ``forward_dtypes``, ``forward_max_abs`` (max ``|value|`` the module's own ops produced:
-          its activations and internal values), ``forward_nonfinite`` (count),
-          ``forward_headroom_bits`` (log2 of the dtype's max over the max ``|value|``, minimum
-          over the float16/bfloat16 values; None if the module has none),
-          ``forward_subnormal`` (fraction of nonzero float16/bfloat16 values below the
-          smallest normal: precision lost), ``forward_saturated`` (values exactly at the
-          dtype's max, e.g. ``finfo.min`` masks: left out of the max);
-        * ``backward_dtypes``, ``backward_max_abs``, ``backward_nonfinite``,
-          ``backward_headroom_bits``: the same for the values the module's backward produced
-          (activation gradients, *scaled* by the loss scale);
-        * ``param_grad_max_abs``, ``param_grad_nonfinite``: the module's parameter gradients as
-          the mixed-precision backward returns them (scaled);
-        * ``true_grad_max_abs``: max ``|float32 parameter gradient|`` (unscaled);
-        * ``underflow_unscaled`` / ``underflow_scaled``: the fraction of the module's nonzero
-          float32 gradients -- parameter gradients and activation gradients together -- with
-          ``|g| < 2**-24`` resp. ``|g * scale| < 2**-24`` (None: no gradients).
+      rows: one dict per module path (execution order), ``module``, ``status``
+        (``overflow``, ``nonfinite``, ``near_overflow``, ``underflow`` or ``ok``) and the
+        statistics of its forward, backward and gradients (the keys: docs/api/diagnostics.rst,
+        "Overflow report rows").
       first_nonfinite: the first equation in execution order (forward, then backward) that
         made a non-finite value out of finite inputs: ``{"module", "pass", "primitive",
         "dtype"}``, or None.
@@ -396,11 +371,6 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-# ---------------------------------------------------------------------------------------------
-# The locator
-# ---------------------------------------------------------------------------------------------
-
-
 def _scale_value(loss_scale, policy: jmp.Policy) -> float:
     if loss_scale is None:
         loss_scale = default_loss_scale(policy)  # the train step's default for this policy
@@ -463,16 +433,9 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
       An :class:`OverflowReport`: ``.rows`` per module, ``.first_nonfinite``,
       ``.overflowing``, ``.underflow``, ``.to_json()``, ``.print()``.
 
-    Every float value of the forward and backward pass is kept and copied to the host, and the
-    program is compiled twice (mixed precision, float32 reference): use a small batch. Inner
-    values of ``while`` loops and ``cond`` branches are not inspected (they run as one
-    operation). Values are attributed to the innermost module whose name scope an equation
-    runs in; a cast made where a value *enters* another module (autocast's boundary casts) is
-    labelled with the consuming side, so a float32 -> float16 cast that overflows is reported
-    at the consumer (a float32 weight too large for float16 is reported at its own module,
-    where it is cast for use).
-    Non-finite values that a program creates on purpose from finite inputs (e.g. ``log(0)``)
-    count as origins too; ``-inf`` written as a constant (masks) does not.
+    Every float value is kept and the program compiled twice (mixed precision, float32
+    reference): use a small batch. What it does not see, and where it attributes values:
+    docs/api/diagnostics.rst, "Overflow locator".
 
     Example:
       >>> import flax.linen as nn
