@@ -260,11 +260,9 @@ def host_traffic(text: str) -> list[str]:
         for ins in instrs:
             if ins.opcode in HOST_TRANSFER_OPS:
                 out.append(f"{ins.name}: {ins.opcode}")
-            elif ins.opcode == "custom-call":
-                m = _TARGET.search(ins.attrs)
-                target = m.group(1) if m else ""
-                if any(k in target.lower() for k in HOST_CALLBACK_MARKERS):
-                    out.append(f"{ins.name}: custom-call {target}")
+            elif ins.opcode == "custom-call" and any(
+                    k in _target(ins).lower() for k in HOST_CALLBACK_MARKERS):
+                out.append(f"{ins.name}: custom-call {_target(ins)}")
     return out
 
 
@@ -314,13 +312,8 @@ def planned_fp8_dots(stablehlo: str) -> list[int]:
         lhs = [int(d) for d in m.group(1).split("x") if d]
         res = [int(d) for d in m.group(2).split("x") if d]
         c = _CONTRACTING.search(line)
-        k = 1
-        for d in (int(x) for x in c.group(1).split(",") if x.strip()) if c else ():
-            k *= lhs[d] if d < len(lhs) else 1
-        n = 1
-        for d in res:
-            n *= d
-        out.append(2 * n * k)
+        dims = [int(x) for x in c.group(1).split(",") if x.strip()] if c else []
+        out.append(2 * math.prod(res) * math.prod(lhs[d] if d < len(lhs) else 1 for d in dims))
     return out
 
 
@@ -342,8 +335,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w
                        r"false_computation=%?([\w.\-$]+)")
 _TO_APPLY = re.compile(r"\bto_apply=%?([\w.\-$]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_DIMS = {key: re.compile(key + r"=\{([\d,\s]*)\}")
-         for key in ("lhs_contracting_dims", "lhs_batch_dims")}
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _BACKEND_CONFIG = re.compile(r"backend_config=")
 _SLICING = {"slice", "dynamic-slice", "gather"}  # a parameter read only through these: rows
@@ -502,11 +494,6 @@ def _written_bytes(prog: _Program, comp: str, result_type: str) -> int:
     return total
 
 
-def _dims(attrs: str, key: str) -> tuple[int, ...]:
-    m = _DIMS[key].search(attrs)
-    return tuple(int(d) for d in m.group(1).replace(" ", "").split(",") if d) if m else ()
-
-
 def _flops(lhs_type: str, out_type: str, contracting: tuple[int, ...]) -> int:
     lhs = arrays(lhs_type)
     out = arrays(out_type)
@@ -521,48 +508,45 @@ def _flops(lhs_type: str, out_type: str, contracting: tuple[int, ...]) -> int:
 
 def _dot_flops(prog: _Program, dot: Instr) -> int:
     types = prog.operand_types(dot)
-    return _flops(types[0] if types else "", dot.type, _dims(dot.attrs, "lhs_contracting_dims"))
+    m = _LHS_CONTRACTING.search(dot.attrs)
+    dims = tuple(int(d) for d in m.group(1).replace(" ", "").split(",") if d) if m else ()
+    return _flops(types[0] if types else "", dot.type, dims)
 
 
-def _gemm_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple, str]:
-    """(flops, operand dtypes, precision) of a cuBLAS / cuBLASLt custom call."""
+def _gemm_call(prog: _Program, ins: Instr, target: str) -> tuple[int, str]:
+    """(flops, precision) of a cuBLAS / cuBLASLt custom call."""
     cfg = backend_config(ins.attrs).get("gemm_backend_config", {})
     dnums = cfg.get("dot_dimension_numbers", {})
     contracting = tuple(int(d) for d in dnums.get("lhs_contracting_dimensions", []))
     types = prog.operand_types(ins)
-    dtypes = tuple(first_array(t)[0] for t in types[:2])
     precision = "HIGHEST" if "HIGHEST" in cfg.get("precision_config", {}).get(
         "operand_precision", []) else "DEFAULT"
-    return _flops(types[0] if types else "", ins.type, contracting), dtypes, precision
+    return _flops(types[0] if types else "", ins.type, contracting), precision
 
 
-def _attention_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
-    """(flops, operand dtypes) of a cuDNN fused-attention call: the two GEMMs of the forward
-    (Q K^T and P V), five in the backward (S again, dP, dV, dQ, dK), half of each under a
-    causal mask. The score shape is the config's ``intermediate_tensor_shape`` and the head
-    size the query's last dimension (JAX passes cuDNN ``[batch, seq, heads, head]`` or
-    ``[batch, heads, seq, head]``)."""
+def _attention_call(prog: _Program, ins: Instr, target: str) -> int:
+    """FLOPs of a cuDNN fused-attention call: 2 GEMMs forward (Q K^T, P V), 5 backward, half
+    under a causal mask; scores of the config's ``intermediate_tensor_shape``, the head size
+    the query's last dimension."""
     cfg = backend_config(ins.attrs).get("cudnn_fmha_backend_config", {})
     scores = tuple(int(d) for d in cfg.get("intermediate_tensor_shape", {})
                    .get("dimensions", []))
     types = prog.operand_types(ins)
     q = arrays(types[0]) if types else []
     if not scores or not q or not q[0][1]:
-        return 0, ()
-    gemms = 5 if "Backward" in target else 2
-    flops = 2 * gemms * math.prod(scores) * q[0][1][-1]
-    causal = "CAUSAL" in str(cfg.get("mask_type", ""))
-    return (flops // 2 if causal else flops), tuple(first_array(t)[0] for t in types[:2])
+        return 0
+    flops = 2 * (5 if "Backward" in target else 2) * math.prod(scores) * q[0][1][-1]
+    return flops // 2 if "CAUSAL" in str(cfg.get("mask_type", "")) else flops
 
 
-def _conv_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
-    """(flops, operand dtypes) of a cuDNN convolution: 2 x the output activation's elements x
-    the kernel's elements per output feature (forward, input and filter gradients alike)."""
+def _conv_call(prog: _Program, ins: Instr, target: str) -> int:
+    """FLOPs of a cuDNN convolution: 2 x the output activation's elements x the kernel's
+    elements per output feature (forward, input and filter gradients alike)."""
     m = _DIM_LABELS.search(ins.attrs)
     types = prog.operand_types(ins)
     result = ins.type
     if not m or len(types) < 2:
-        return 0, ()
+        return 0
     kernel_labels = m.group(2)
     if "BackwardFilter" in target:
         activation, kernel = types[1], result
@@ -572,11 +556,10 @@ def _conv_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
         activation, kernel = result, types[1]
     act, ker = arrays(activation), arrays(kernel)
     if not act or not ker or "o" not in kernel_labels:
-        return 0, ()
+        return 0
     dims = ker[0][1]
     out_features = dims[kernel_labels.index("o")] if len(dims) == len(kernel_labels) else 1
-    flops = 2 * math.prod(act[0][1]) * (math.prod(dims) // max(out_features, 1))
-    return flops, tuple(first_array(t)[0] for t in types[:2])
+    return 2 * math.prod(act[0][1]) * (math.prod(dims) // max(out_features, 1))
 
 
 def _target(ins: Instr) -> str:
@@ -608,15 +591,14 @@ def _custom_call_kernel(prog: _Program, ins: Instr) -> dict:
         written -= array_bytes(*outs[-1])
     out = _kernel(target, sum(type_bytes(t) for t in prog.operand_types(ins)), written,
                   "other", library)
+    dtypes = _gemms(prog, ins)[0].operand_dtypes if library != "xla" else ()
     if library.startswith("cublas"):
-        flops, dtypes, precision = _gemm_call(prog, ins, target)
+        flops, precision = _gemm_call(prog, ins, target)
         out.update(kind="gemm", flops=flops, dtypes=dtypes, precision=precision)
     elif library == "cudnn" and "fmha" in target:
-        flops, dtypes = _attention_call(prog, ins, target)
-        out.update(kind="attention", flops=flops, dtypes=dtypes)
+        out.update(kind="attention", flops=_attention_call(prog, ins, target), dtypes=dtypes)
     elif library == "cudnn" and "conv" in target:
-        flops, dtypes = _conv_call(prog, ins, target)
-        out.update(kind="convolution", flops=flops, dtypes=dtypes)
+        out.update(kind="convolution", flops=_conv_call(prog, ins, target), dtypes=dtypes)
     return out
 
 
