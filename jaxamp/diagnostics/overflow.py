@@ -29,6 +29,7 @@ from ._trace import (
     SCAFFOLD,
     TOP_LEVEL,
     Recorder,
+    _module_key,
     canonical_path,
     clean_path,
     dce,
@@ -37,6 +38,7 @@ from ._trace import (
     recording,
     resolve_call,
 )
+from .metrics import strict
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -310,14 +312,10 @@ class OverflowReport(Report):
                        f"{[r['module'] for r in self.rows]}")
 
     def to_dict(self) -> dict[str, Any]:
-        def clean(v):
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            return v
-        return {"policy": self.policy, "loss_scale": self.loss_scale, "loss": clean(self.loss),
-                "first_nonfinite": self.first_nonfinite, "overflowing": self.overflowing,
-                "underflow": self.underflow,
-                "rows": [{k: clean(v) for k, v in r.items()} for r in self.rows]}
+        return strict({"policy": self.policy, "loss_scale": self.loss_scale, "loss": self.loss,
+                       "first_nonfinite": self.first_nonfinite,
+                       "overflowing": self.overflowing, "underflow": self.underflow,
+                       "rows": self.rows})
 
     def summary(self) -> str:
         """A few sentences: where it overflows, how much underflows."""
@@ -388,17 +386,13 @@ def _param_module(path, root: str | None) -> str:
     return "/".join(([root] if root else []) + head) if head or root else "(params)"
 
 
-def _called(path: str, modules) -> str:
-    """``path``, or its nearest ancestor that was called, where the module holding a param
-    was not (an NNX module used through another method, tunix's ``Embedder.encode``: only
-    ``__call__`` marks a module, so its ops ran in the caller's region); ``(top level)`` for a
-    model without Flax modules (an Equinox model's params are no module paths)."""
-    if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
+def _param_owner(path: str, modules) -> str:
+    """The module a param's gradient is reported at: its own, or its nearest called ancestor
+    (an NNX module used through another method, tunix's ``Embedder.encode``, ran in its
+    caller's region); ``(top level)`` without Flax modules (Equinox, plain JAX)."""
+    if not modules:
         return TOP_LEVEL
-    segs = path.split("/")
-    while len(segs) > 1 and "/".join(segs) not in modules:
-        segs.pop()
-    return "/".join(segs) if "/".join(segs) in modules else path
+    return display_path(_module_key(path, modules) or canonical_path(path, modules), modules)
 
 
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
@@ -570,8 +564,7 @@ def _param_grad_accs(amp_grads, true_grads, modules, scale: float
     g_stats = _summaries([g for _, g, _ in pairs], 1.0)
     t_stats = _summaries([t for _, _, t in pairs], scale)
     for (path, g, t), gs, ts in zip(pairs, g_stats, t_stats):
-        mod = display_path(_called(canonical_path(_param_module(path, root), modules),
-                                   modules), modules)
+        mod = _param_owner(_param_module(path, root), modules)
         pg.setdefault(mod, _Acc()).add(gs, np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(ts, np.dtype(t.dtype).name)
     return pg, tg
