@@ -83,10 +83,10 @@ def first_array(type_text: str) -> tuple[str | None, int | None]:
 
 
 def _close(text: str, i: int) -> int:
-    """The index after the bracket that closes the one at ``text[i]``."""
-    depth = 0
+    """The index after the bracket that closes the one at ``text[i]`` (counting that kind)."""
+    open_, close, depth = text[i], {"(": ")", "{": "}"}[text[i]], 0
     for k in range(i, len(text)):
-        depth += (text[k] in "([{") - (text[k] in ")]}")
+        depth += (text[k] == open_) - (text[k] == close)
         if depth == 0:
             return k + 1
     return len(text)

@@ -270,8 +270,12 @@ def _frac(n: int, d: int) -> float | None:
     return n / d if d else None
 
 
-def _bits(a: _Acc) -> float | None:
-    return None if math.isinf(a.low_headroom_bits) else a.low_headroom_bits
+def _pass_stats(name: str, a: _Acc) -> dict[str, Any]:
+    return {f"{name}_dtypes": ",".join(sorted(a.dtypes)) or "-",
+            f"{name}_max_abs": a.max_abs if a.count else None,
+            f"{name}_nonfinite": a.nonfinite,
+            f"{name}_headroom_bits": None if math.isinf(a.low_headroom_bits)
+            else a.low_headroom_bits}
 
 
 @dataclasses.dataclass
@@ -581,17 +585,9 @@ def _module_row(m: str, acc: dict, p: _Acc | None, t: _Acc | None, a: _Acc | Non
     under = (t.under if t else 0) + (a.under if a else 0)
     under_s = (t.under_scaled if t else 0) + (a.under_scaled if a else 0)
     row = {
-        "module": m,
-        "forward_dtypes": ",".join(sorted(f.dtypes)) or "-",
-        "forward_max_abs": f.max_abs if f.count else None,
-        "forward_nonfinite": f.nonfinite,
-        "forward_headroom_bits": _bits(f),
+        "module": m, **_pass_stats("forward", f),
         "forward_subnormal": _frac(f.subnormal, f.low_nonzero),
-        "forward_saturated": f.saturated,
-        "backward_dtypes": ",".join(sorted(b.dtypes)) or "-",
-        "backward_max_abs": b.max_abs if b.count else None,
-        "backward_nonfinite": b.nonfinite,
-        "backward_headroom_bits": _bits(b),
+        "forward_saturated": f.saturated, **_pass_stats("backward", b),
         "param_grad_max_abs": p.max_abs if p else None,
         "param_grad_nonfinite": p.nonfinite if p else 0,
         "true_grad_max_abs": t.max_abs if t else None,
