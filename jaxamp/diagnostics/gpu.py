@@ -419,8 +419,6 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
     XLA's GPU compiler.
 
     Args:
-      fn: the step or function.
-      *args: its arguments (``state, batch`` for a step).
       target: ``"h100"`` or ``"h200"`` (built-in descriptions), a path to a
         ``GpuTargetConfigProto`` text file, ``jax.devices()[0]`` on a GPU (compiled on it, with
         autotuning), or a :class:`GpuTarget`.
@@ -429,9 +427,6 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
         untuned default tile splits K into float32 partials a tuned program does not have),
         XLA's autotuner on a real GPU.
       compiler_options: more XLA options for ``compile()``.
-
-    Returns:
-      A :class:`GpuProgram`.
 
     Raises:
       ModuleNotFoundError: JAX's CUDA plugin is not installed (the message names the install).

@@ -119,18 +119,14 @@ class RunReview(Report):
 
 
 def _steps_text(steps: Sequence[int], limit: int = 12) -> str:
-    if not steps:
-        return "-"
-    # compress runs: 3,4,5,6 -> 3-6
-    parts, start, prev = [], steps[0], steps[0]
-    for s in list(steps[1:]) + [None]:
-        if s is not None and s == prev + 1:
-            prev = s
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
-        if s is not None:
-            start = prev = s
-    text = ", ".join(parts[:limit])
+    """``steps`` with runs compressed (3,4,5,6 -> 3-6), at most ``limit`` parts."""
+    parts: list[list[int]] = []
+    for s in steps:
+        if parts and s == parts[-1][1] + 1:
+            parts[-1][1] = s
+        else:
+            parts.append([s, s])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in parts[:limit]) or "-"
     return text + (f", ... ({len(steps)} steps)" if len(parts) > limit else "")
 
 
