@@ -1,9 +1,7 @@
-"""Mixed-precision policy strings.
+"""Mixed-precision policies: the :class:`jmp.Policy` built once from a parsed policy string.
 
-A policy says which dtype parameters are stored in, which dtype a module computes in, and which
-dtype its outputs are cast to. Policies are plain :class:`jmp.Policy` objects, so everything here
-interoperates with jmp; this module adds a stricter parser with helpful error messages and a
-canonical writer.
+:func:`jaxamp.policy_spec.read` parses the string; :func:`get_policy` builds the policy JAX
+needs from that value (a :class:`MatmulPolicy` for jaxamp's ``matmul=``/``opt_state=``).
 
 Example:
     >>> from jaxamp.policy import get_policy, policy_to_str
@@ -121,73 +119,52 @@ def check_state_dtype(value: Any, where: str) -> Any:
                      "opt_state=bfloat16 in the policy.")
 
 
-def _check_matmul(names: dict[str, str], compute, spec: str,
-                  inherited: jmp.Policy | None = None) -> Any:
-    """The matmul dtype ``spec`` sets (None: unset); ``inherited``: the policy a string that
-    sets only ``matmul=`` overrides (where its compute dtype comes from)."""
-    name = names.get("matmul")
-    if name is None:
+def _matmul(parsed: policy_spec.PolicySpec, compute: Any,
+            inherited: jmp.Policy | None = None) -> Any:
+    """The matmul dtype ``parsed`` sets (None: unset) for a region computing in ``compute``;
+    ``inherited``: the policy an override that sets only ``matmul=`` applies to."""
+    if parsed.matmul is None:
         return None
-    if name != policy_spec.FLOAT8:
-        return _dtype(name)
+    if parsed.matmul != policy_spec.FLOAT8:
+        return _dtype(parsed.matmul)
     if np.dtype(compute) == np.dtype(jnp.float16):
         source = "" if inherited is None else \
             f" (from the policy it overrides, {policy_to_str(inherited)!r})"
         raise ValueError(
-            f"Policy {spec!r}: matmul=float8 needs compute=bfloat16 or compute=float32, got "
-            f"compute=float16{source}. FP8 matmuls return the compute dtype: float16's range (max "
-            "65504) overflows where the FP8 product of two scaled tensors does not, and "
+            f"Policy {parsed.text!r}: matmul=float8 needs compute=bfloat16 or compute=float32, "
+            f"got compute=float16{source}. FP8 matmuls return the compute dtype: float16's range "
+            "(max 65504) overflows where the FP8 product of two scaled tensors does not, and "
             "float16 also needs a global loss scale on top of FP8's per-tensor scales. Write "
             "'params=float32,compute=bfloat16,output=float32,matmul=float8'.")
     return jnp.float8_e4m3fn
 
 
-def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
+def get_policy(spec: str | jmp.Policy | policy_spec.PolicySpec) -> jmp.Policy:
     """Parses a policy string into a :class:`jmp.Policy`.
 
-    The grammar is jmp's: either a bare dtype name, which sets params, compute and output, or
-    comma-separated ``key=dtype`` parts. Keys are ``params``/``p``, ``compute``/``c`` and
-    ``output``/``o``; each may appear once. Dtype names are ``float32``/``f32``/``full``,
-    ``float16``/``f16``, ``bfloat16``/``bf16`` and ``half``. Names are case-insensitive and
-    whitespace around parts, keys and values is ignored. Unset values default as in jmp: params
-    to float32, compute to params, output to compute.
-
-    jaxamp adds ``matmul=``: ``float8`` (``fp8``, ``f8``) returns a :class:`MatmulPolicy`
-    whose eligible matmuls run in FP8 (:mod:`jaxamp.fp8`); float8 with ``compute=float16`` is
-    refused (use bfloat16 compute: see :class:`MatmulPolicy`); a floating dtype runs the
-    matmuls in that dtype. And ``opt_state=``: ``bfloat16`` (``bf16``) or ``float32``
-    (``f32``, ``full``), the dtype the train step stores the optimizer state in
-    (``float16``/``half`` are refused: see :data:`jaxamp.policy_spec.OPT_STATE_FLOAT16`).
-    Without either the result is a plain :class:`jmp.Policy`.
-
-    ``half`` is resolved when the string is parsed, from the platform of the first local device
-    (the same rule as :func:`jmp.half_dtype`):
-
-    * TPU: ``bfloat16``.
-    * GPU: ``float16``.
-    * CPU: ``float16``.
-
-    Write ``bf16`` or ``f16`` explicitly if the policy must not depend on the backend.
-
-    float64 is rejected: JAX only computes in float64 with ``jax_enable_x64`` and mixed precision
-    has no use for it.
-
-    A :class:`jmp.Policy` is returned unchanged once its three dtypes are checked to be floating
-    point: jmp builds a policy with ``compute_dtype=jnp.int8`` without a word, and casting
-    params or activations to an integer type would fail deep inside the model (or truncate).
+    The grammar (jmp's, plus ``matmul=`` and ``opt_state=``) is :func:`jaxamp.policy_spec.read`'s:
+    a bare dtype name, or comma-separated ``key=dtype`` parts with keys ``params``/``p``,
+    ``compute``/``c``, ``output``/``o`` (unset: params float32, compute params, output compute)
+    and dtypes ``float32``/``f32``/``full``, ``float16``/``f16``, ``bfloat16``/``bf16``,
+    ``half``. ``matmul=float8`` (``fp8``, ``f8``; refused with ``compute=float16``) or a dtype,
+    and ``opt_state=bfloat16``/``float32``, give a :class:`MatmulPolicy`. ``half`` is resolved
+    now, as :func:`jmp.half_dtype` does: bfloat16 on TPU, float16 on GPU and CPU (write
+    ``bf16``/``f16`` for a policy that must not depend on the backend). float64 is refused:
+    JAX only computes in it with ``jax_enable_x64``, and mixed precision has no use for it.
 
     Args:
-        spec: A policy string, or a :class:`jmp.Policy`, which is returned unchanged.
+        spec: A policy string, its :class:`~jaxamp.policy_spec.PolicySpec`, or a
+            :class:`jmp.Policy`, returned unchanged once its dtypes are checked to be floating
+            point (jmp builds ``compute_dtype=jnp.int8`` without a word).
 
     Returns:
-        The policy, with dtypes ``jnp.float32``, ``jnp.float16`` or ``jnp.bfloat16`` so that it
-        compares equal to the policy :func:`jmp.get_policy` returns for the same string.
+        The policy, with dtypes ``jnp.float32``, ``jnp.float16`` or ``jnp.bfloat16``: equal to
+        the policy :func:`jmp.get_policy` returns for the same string.
 
     Raises:
         TypeError: If ``spec`` is neither a string nor a :class:`jmp.Policy`.
         ValueError: If the string is malformed, or a :class:`jmp.Policy` has a dtype that is
-            not floating point; the message names the bad part, the allowed keys or dtypes
-            and gives a valid example.
+            not floating point; the message names the bad part, what is allowed and an example.
 
     Example:
         >>> p = get_policy("c=f16")
@@ -199,24 +176,23 @@ def get_policy(spec: str | jmp.Policy) -> jmp.Policy:
     if isinstance(spec, jmp.Policy):
         _check_float_policy(spec)
         return spec
-    names = policy_spec.parse(spec)
-    compute = _dtype(names["compute"])
-    fields = dict(param_dtype=_dtype(names["params"]), compute_dtype=compute,
-                  output_dtype=_dtype(names["output"]))
-    matmul = _check_matmul(names, compute, spec)
-    opt_state = _DTYPES[names["opt_state"]] if "opt_state" in names else None
+    parsed = spec if isinstance(spec, policy_spec.PolicySpec) else policy_spec.read(spec)
+    compute = _dtype(parsed.compute)
+    fields = dict(param_dtype=_dtype(parsed.params), compute_dtype=compute,
+                  output_dtype=_dtype(parsed.output))
+    matmul = _matmul(parsed, compute)
+    opt_state = None if parsed.opt_state is None else _DTYPES[parsed.opt_state]
     if matmul is None and opt_state is None:
         return jmp.Policy(**fields)
     return MatmulPolicy(**fields, matmul_dtype=matmul, opt_state_dtype=opt_state)
 
 
-def with_matmul(policy: jmp.Policy, spec: str) -> jmp.Policy:
-    """``policy`` with the ``matmul=`` of ``spec`` (a string that sets only ``matmul=``, as an
-    override ``{"lm_head": "matmul=bfloat16"}`` does): its other fields unchanged."""
-    names = policy_spec.parse_given(spec)
-    matmul = _check_matmul(names, policy.compute_dtype, spec, inherited=policy)
+def with_matmul(policy: jmp.Policy, parsed: policy_spec.PolicySpec) -> jmp.Policy:
+    """``policy`` with the ``matmul=`` of ``parsed`` (an override that sets only ``matmul=``,
+    ``{"lm_head": "matmul=bfloat16"}``), its other fields unchanged."""
     return MatmulPolicy(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
-                        matmul_dtype=matmul, opt_state_dtype=opt_state_dtype(policy))
+                        matmul_dtype=_matmul(parsed, policy.compute_dtype, inherited=policy),
+                        opt_state_dtype=opt_state_dtype(policy))
 
 
 def _check_float_policy(policy: jmp.Policy) -> None:

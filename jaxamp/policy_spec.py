@@ -1,8 +1,9 @@
 """Policy strings without JAX: the one parser, the default policy, the loss-scaling rule.
 
-Everything that reads a policy string goes through :func:`parse`: :func:`jaxamp.get_policy` (which
-turns the names into a :class:`jmp.Policy`), the train step's default loss scale, and
-``python -m jaxamp.review``, which reads the ``policy`` a run logged and must not import JAX.
+:func:`read` parses a policy string once into a :class:`PolicySpec`, the typed value every later
+layer reads: :func:`jaxamp.get_policy` builds the :class:`jmp.Policy` from it, module rules
+(:class:`jaxamp.rules.ModuleRules`) read which keys an override sets, and
+``python -m jaxamp.review`` reads the ``policy`` a run logged without importing JAX.
 
 Example:
     >>> parse("p=f32,c=bf16")
@@ -11,15 +12,19 @@ Example:
     'params=float32,compute=bfloat16,output=float32,opt_state=bfloat16'
     >>> to_str(parse("f32"))
     'params=float32,compute=float32,output=float32'
+    >>> read("matmul=fp8").given, read("matmul=fp8").matmul
+    (frozenset({'matmul'}), 'float8')
     >>> loss_scaling(parse(DEFAULT_POLICY)["compute"])
     'dynamic'
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 __all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "EXTRA_FIELDS", "FIELDS", "FLOAT8", "HALF",
-           "MATMUL_ALIASES", "OPT_STATE_ALIASES", "OPT_STATE_FLOAT16", "loss_scaling", "parse",
-           "parse_given", "to_str"]
+           "MATMUL_ALIASES", "OPT_STATE_ALIASES", "OPT_STATE_FLOAT16", "PolicySpec",
+           "loss_scaling", "parse", "parse_given", "read", "to_str"]
 
 #: What jaxamp uses when no policy is given: float32 master weights, float16 compute, float32
 #: outputs (with dynamic loss scaling, see :func:`loss_scaling`).
@@ -65,16 +70,8 @@ OPT_STATE_FLOAT16 = (
     "m / eps. bfloat16 has float32's exponent range; write bfloat16 (stored with stochastic "
     "rounding) or float32.")
 
-_KEYS = {
-    "params": "params",
-    "p": "params",
-    "compute": "compute",
-    "c": "compute",
-    "output": "output",
-    "o": "output",
-    "matmul": "matmul",
-    "opt_state": "opt_state",
-}
+_KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute",
+         "output": "output", "o": "output", "matmul": "matmul", "opt_state": "opt_state"}
 _NON_FLOAT_NAMES = frozenset(
     {"bool", "complex64", "complex128", "c64", "c128"}
     | {f"{p}{n}" for p in ("int", "uint", "i", "u") for n in (4, 8, 16, 32, 64)}
@@ -90,6 +87,34 @@ EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
 MATMUL_EXAMPLE = "Example: 'params=float32,compute=bfloat16,output=float32,matmul=float8'."
 #: FP8 format names a ``matmul=`` value may be written as: all mean ``float8``.
 _FP8_LIKE = ("float8", "f8", "fp8", "e4m3", "e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """A parsed policy string (:func:`read`): canonical names, unset values defaulted as jmp does.
+
+    Attributes:
+      params, compute, output: dtype names (``"float32"``, ``"float16"``, ``"bfloat16"`` or
+        ``"half"``).
+      matmul: ``"float8"``, a dtype name, or None (matmuls in the compute dtype).
+      opt_state: ``"float32"``, ``"bfloat16"`` or None (the state as the optimizer makes it).
+      given: the fields the string sets (a bare dtype name sets the three :data:`FIELDS`); an
+        override that sets only ``matmul`` keeps the rest of the policy its module inherits.
+      text: the string as given, which error messages quote.
+    """
+
+    params: str = "float32"
+    compute: str = "float32"
+    output: str = "float32"
+    matmul: str | None = None
+    opt_state: str | None = None
+    given: frozenset[str] = frozenset(FIELDS)
+    text: str = ""
+
+    def names(self) -> dict[str, str]:
+        """:func:`parse`'s dict: the three fields, and the extra ones that are set."""
+        return {f: getattr(self, f) for f in (*FIELDS, *EXTRA_FIELDS)
+                if getattr(self, f) is not None}
 
 
 def _error(message: str, *hints: str, example: str = EXAMPLE) -> ValueError:
@@ -146,9 +171,8 @@ def _parse_opt_state(value: str, part: str, spec: str) -> str:
 _PARSE_VALUE = {"matmul": _parse_matmul, "opt_state": _parse_opt_state}
 
 
-def parse(spec: str) -> dict[str, str]:
-    """Parses a policy string into canonical dtype names ``{"params", "compute", "output"}``
-    (and ``"matmul"`` when the string sets it).
+def read(spec: str) -> PolicySpec:
+    """Parses a policy string into a :class:`PolicySpec`: the one policy parser.
 
     The grammar is jmp's: a bare dtype name, which sets all three, or comma-separated
     ``key=dtype`` parts (keys ``params``/``p``, ``compute``/``c``, ``output``/``o``, each at
@@ -156,31 +180,35 @@ def parse(spec: str) -> dict[str, str]:
     jmp: params to float32, compute to params, output to compute. ``half`` stays ``"half"``.
     jaxamp adds ``matmul=``: ``float8`` (aliases ``fp8``, ``f8``) runs the eligible matmuls in
     FP8 (:mod:`jaxamp.fp8`); a floating dtype runs the matmuls in it instead of the compute
-    dtype. Unset, matmuls run in the compute dtype (no ``"matmul"`` key in the result).
-    ``opt_state=`` (``float32`` or ``bfloat16``, with their aliases) is the dtype the optimizer
-    state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``; float16 is refused, see
-    :data:`OPT_STATE_FLOAT16`); unset, the state is what the optimizer makes (no
-    ``"opt_state"`` key). A bare dtype name never sets it.
+    dtype. ``opt_state=`` (``float32`` or ``bfloat16``, with their aliases) is the dtype the
+    optimizer state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``; float16 is refused,
+    see :data:`OPT_STATE_FLOAT16`). A bare dtype name sets neither.
 
     Raises:
         TypeError: ``spec`` is not a string.
         ValueError: the string is malformed; the message names the bad part, what is allowed,
             and gives a valid example.
     """
-    dtypes = parse_given(spec)
-    params = dtypes.get("params", "float32")
-    compute = dtypes.get("compute", params)
-    out = {"params": params, "compute": compute, "output": dtypes.get("output", compute)}
-    for extra in EXTRA_FIELDS:
-        if extra in dtypes:
-            out[extra] = dtypes[extra]
-    return out
+    given = _given(spec)
+    params = given.get("params", "float32")
+    compute = given.get("compute", params)
+    return PolicySpec(params, compute, given.get("output", compute), given.get("matmul"),
+                      given.get("opt_state"), frozenset(given), spec)
+
+
+def parse(spec: str) -> dict[str, str]:
+    """:func:`read` as a dict of canonical names: ``{"params", "compute", "output"}``, and
+    ``"matmul"``/``"opt_state"`` when the string sets them."""
+    return read(spec).names()
 
 
 def parse_given(spec: str) -> dict[str, str]:
-    """The keys ``spec`` sets, as :func:`parse` reads them, without defaults (a bare dtype
-    name sets params, compute and output). An override that sets only ``matmul=`` keeps the
-    other fields of the policy its module inherits (:class:`jaxamp.ModuleRules`)."""
+    """The fields ``spec`` sets (:attr:`PolicySpec.given`), as :func:`parse` names them."""
+    parsed = read(spec)
+    return {f: getattr(parsed, f) for f in (*FIELDS, *EXTRA_FIELDS) if f in parsed.given}
+
+
+def _given(spec: str) -> dict[str, str]:
     if not isinstance(spec, str):
         raise TypeError(
             f"Policy must be a str or jmp.Policy, got {type(spec).__name__}: {spec!r}. {EXAMPLE}"

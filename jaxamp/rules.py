@@ -321,25 +321,27 @@ def _naming(key: Any):
 
 
 def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
-    """An override's policy: a string that sets only ``matmul=`` (``"matmul=bfloat16"``) is
-    relative (the inherited policy with that matmul dtype); anything else is absolute."""
+    """An override's policy, its string parsed once: one that sets only ``matmul=``
+    (``"matmul=bfloat16"``) is relative (the inherited policy with that matmul dtype);
+    anything else is absolute."""
     with _naming(key):
-        given = set(policy_spec.parse_given(value)) if isinstance(value, str) else set()
-        if "opt_state" in given or opt_state_dtype(value) is not None:
+        parsed = policy_spec.read(value) if isinstance(value, str) else value
+        if getattr(parsed, "opt_state", None) is not None or opt_state_dtype(value) is not None:
             raise ValueError(
                 f"Override {value!r} sets opt_state=: the optimizer state is one for the whole "
                 "model, stored in the dtype of the train state's policy. Set it there, e.g. "
                 "TrainState.create(..., policy='params=float32,compute=bfloat16,output=float32,"
                 "opt_state=bfloat16'), and leave it out of overrides.")
-        if given == {"matmul"}:
-            with_matmul(default, value)  # validate now (against the default), before tracing
-            return functools.partial(_matmul_within, spec=value, key=key)
-        return get_policy(value)
+        if getattr(parsed, "given", None) == {"matmul"}:
+            with_matmul(default, parsed)  # validate now (against the default), before tracing
+            return functools.partial(_matmul_within, parsed=parsed, key=key)
+        return get_policy(parsed)
 
 
-def _matmul_within(inherited: jmp.Policy, spec: str, key: Any) -> jmp.Policy:
+def _matmul_within(inherited: jmp.Policy, parsed: policy_spec.PolicySpec, key: Any
+                   ) -> jmp.Policy:
     with _naming(key):  # under an ancestor's rule with compute=float16, while tracing
-        return with_matmul(inherited, spec)
+        return with_matmul(inherited, parsed)
 
 
 @dataclasses.dataclass(frozen=True)

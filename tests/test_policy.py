@@ -435,3 +435,34 @@ def test_opt_state_duplicate_and_misplaced():
         with pytest.raises(ValueError, match=r"^x: ") as e:
             check_state_dtype(bad, "x")
         assert repr(bad) in str(e.value)
+
+
+def test_a_policy_and_its_overrides_are_parsed_once_per_autocast(monkeypatch):
+    """Issue #41: each policy string is parsed once, into a PolicySpec, and every later layer
+    (the module rules while tracing, the engine) reads that value: tracing a model whose
+    three Dense layers each match a ``matmul=`` override parses nothing again."""
+    import flax.linen as nn
+    import jax
+
+    import jaxamp
+    from jaxamp import policy_spec
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.Dense(8, name=f"fc_{i}")(x)
+            return nn.LayerNorm(name="norm")(x)
+
+    x = jnp.ones((2, 8))
+    params = MLP().init(jax.random.key(0), x)
+    parsed, read = [], policy_spec.read
+    monkeypatch.setattr(policy_spec, "read", lambda s: parsed.append(s) or read(s))
+    fwd = jaxamp.autocast(MLP().apply, "p=f32,c=bf16,o=f32",
+                          overrides={nn.Dense: "matmul=float32", "norm": "c=f32,o=bf16"})
+    jaxpr = jax.make_jaxpr(fwd)(params, x)
+    assert sorted(parsed) == sorted(["p=f32,c=bf16,o=f32", "matmul=float32", "c=f32,o=bf16"])
+    # ... and what they say reached the engine: float32 matmuls in a bfloat16 region
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(v.aval.dtype == F32 for e in dots for v in e.invars)
+    assert jaxpr.out_avals[0].dtype == F32
