@@ -29,17 +29,10 @@ _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloa
 
 DTYPE_NAMES: Mapping[str, Any] = MappingProxyType(
     {name: _DTYPES[canonical] for name, canonical in policy_spec.DTYPE_ALIASES.items()})
-"""Read-only mapping from dtype name to the dtype jmp uses (``jnp.float32`` etc.).
+"""Read-only mapping from dtype name (lower case) to the dtype jmp uses (``jnp.float32`` etc.);
+``"half"`` depends on the backend and is resolved by :func:`get_policy`."""
 
-``"half"`` is also accepted by :func:`get_policy` but is not in this mapping because it depends
-on the backend (see :func:`get_policy`). Names are matched case-insensitively.
-"""
-
-_CANONICAL_NAMES = {
-    np.dtype(jnp.float32): "float32",
-    np.dtype(jnp.float16): "float16",
-    np.dtype(jnp.bfloat16): "bfloat16",
-}
+_NAMES = {np.dtype(dtype): name for name, dtype in _DTYPES.items()}
 
 
 def _dtype(name: str) -> Any:
@@ -48,23 +41,16 @@ def _dtype(name: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class MatmulPolicy(jmp.Policy):
-    """A :class:`jmp.Policy` that also says which dtype the matmuls run in, and which dtype the
-    optimizer state is stored in: jaxamp's two extra keys, ``matmul=`` and ``opt_state=``.
+    """A :class:`jmp.Policy` with jaxamp's two extra keys, ``matmul=`` and ``opt_state=``.
 
-    ``matmul_dtype``: ``jnp.float8_e4m3fn`` runs every *eligible* ``dot_general`` of the
-    region in FP8 (:mod:`jaxamp.fp8`: E4M3 forward operands, E5M2 output gradients, per-tensor
-    current scaling, the result in the compute dtype; the others stay in the compute dtype and
-    the audit says why); a floating dtype runs the region's matmuls in it instead of the
-    compute dtype; None is a plain policy (matmuls in the compute dtype).
+    ``matmul_dtype``: ``jnp.float8_e4m3fn`` runs the eligible ``dot_general`` calls in
+    FP8 (:mod:`jaxamp.fp8`; the result in the compute dtype, the others stay there and the
+    audit says why); a floating dtype runs its matmuls in that dtype; None, the compute dtype.
 
     ``opt_state_dtype``: ``jnp.bfloat16`` or ``jnp.float32``, the dtype the train step stores
-    the optimizer's floating state in (:func:`jaxamp.amp`'s ``state_dtype=``: it computes in
-    float32 and writes bfloat16 back with stochastic rounding); None, the state as the
-    optimizer makes it. It belongs to the state's policy (:meth:`jaxamp.TrainState.create`),
-    not to a module's: an override that sets it is refused.
-
-    Everything that takes a :class:`jmp.Policy` takes it; :func:`get_policy` makes one for
-    ``matmul=`` or ``opt_state=``.
+    the optimizer's floating state in (:func:`jaxamp.amp`'s ``state_dtype=``); None, as the
+    optimizer makes it. It belongs to the train state's policy: an override that sets it is
+    refused.
 
     Example:
         >>> p = get_policy("params=float32,compute=bfloat16,output=float32,matmul=fp8")
@@ -79,15 +65,13 @@ class MatmulPolicy(jmp.Policy):
 
 
 def matmul_dtype(policy: jmp.Policy) -> Any:
-    """The dtype ``policy``'s matmuls run in: its ``matmul_dtype`` if it is a
-    :class:`MatmulPolicy` that sets one, else its compute dtype."""
+    """The dtype ``policy``'s matmuls run in: its ``matmul_dtype``, else its compute dtype."""
     found = getattr(policy, "matmul_dtype", None)
     return policy.compute_dtype if found is None else found
 
 
 def opt_state_dtype(policy: jmp.Policy) -> Any:
-    """The dtype ``policy`` stores the optimizer state in (its ``opt_state_dtype``), or None:
-    the state as the optimizer makes it."""
+    """The dtype ``policy`` stores the optimizer state in, or None (as the optimizer makes it)."""
     return getattr(policy, "opt_state_dtype", None)
 
 
@@ -217,13 +201,6 @@ def _check_float_policy(policy: jmp.Policy) -> None:
 def policy_to_str(policy: jmp.Policy) -> str:
     """Writes a policy in the canonical full form, which :func:`get_policy` parses back.
 
-    Args:
-        policy: A :class:`jmp.Policy` whose dtypes are float32, float16 or bfloat16 (as scalar
-            types such as ``jnp.float16`` or as ``np.dtype`` objects).
-
-    Returns:
-        A string such as ``"params=float32,compute=float16,output=float32"``.
-
     Raises:
         TypeError: If ``policy`` is not a :class:`jmp.Policy`.
         ValueError: If a dtype has no policy-string name (e.g. float64).
@@ -235,22 +212,17 @@ def policy_to_str(policy: jmp.Policy) -> str:
     if not isinstance(policy, jmp.Policy):
         raise TypeError(f"Expected a jmp.Policy, got {type(policy).__name__}: {policy!r}.")
     names = []
-    for field, dtype in (
-        ("params", policy.param_dtype),
-        ("compute", policy.compute_dtype),
-        ("output", policy.output_dtype),
-    ):
+    for field, dtype in (("params", policy.param_dtype), ("compute", policy.compute_dtype),
+                         ("output", policy.output_dtype)):
         try:
-            names.append(f"{field}={_CANONICAL_NAMES[np.dtype(dtype)]}")
+            names.append(f"{field}={_NAMES[np.dtype(dtype)]}")
         except (KeyError, TypeError):
             raise ValueError(f"The {field} dtype {dtype!r} has no policy-string name. "
                              f"{policy_spec.ALLOWED_DTYPES}") from None
-    matmul = getattr(policy, "matmul_dtype", None)
+    matmul, opt_state = getattr(policy, "matmul_dtype", None), opt_state_dtype(policy)
     if matmul is not None:
         fp8 = np.dtype(matmul) == np.dtype(jnp.float8_e4m3fn)
-        name = policy_spec.FLOAT8 if fp8 else _CANONICAL_NAMES[np.dtype(matmul)]
-        names.append(f"matmul={name}")
-    opt_state = opt_state_dtype(policy)
+        names.append(f"matmul={policy_spec.FLOAT8 if fp8 else _NAMES[np.dtype(matmul)]}")
     if opt_state is not None:
-        names.append(f"opt_state={_CANONICAL_NAMES[np.dtype(opt_state)]}")
+        names.append(f"opt_state={_NAMES[np.dtype(opt_state)]}")
     return ",".join(names)

@@ -123,8 +123,7 @@ def _error(message: str, *hints: str, example: str = EXAMPLE) -> ValueError:
 
 def _parse_dtype(value: str, part: str, spec: str, *, what: str = "dtype",
                  allowed: str = ALLOWED_DTYPES, example: str = EXAMPLE) -> str:
-    """A dtype name of a policy field (``what``, ``allowed`` and ``example``: the words of the
-    errors, which ``matmul=`` replaces with its own choices)."""
+    """A field's dtype name (``what``, ``allowed``, ``example``: the words of the errors)."""
     name = value.strip().lower()
     where = f"'{value.strip()}' in '{part.strip()}'"
     if not name:
@@ -211,51 +210,37 @@ def parse_given(spec: str) -> dict[str, str]:
 def _given(spec: str) -> dict[str, str]:
     if not isinstance(spec, str):
         raise TypeError(
-            f"Policy must be a str or jmp.Policy, got {type(spec).__name__}: {spec!r}. {EXAMPLE}"
-        )
+            f"Policy must be a str or jmp.Policy, got {type(spec).__name__}: {spec!r}. {EXAMPLE}")
     if not spec.strip():
-        raise _error(
-            f"Empty policy string {spec!r}.",
-            "Give a dtype name or comma-separated key=dtype parts.",
-            _ALLOWED_KEYS,
-            ALLOWED_DTYPES,
-        )
-
+        raise _error(f"Empty policy string {spec!r}.",
+                     "Give a dtype name or comma-separated key=dtype parts.", _ALLOWED_KEYS,
+                     ALLOWED_DTYPES)
     if "=" not in spec and "," not in spec:
         dtype = _parse_dtype(spec, spec, spec)
         return {"params": dtype, "compute": dtype, "output": dtype}
-
     dtypes: dict[str, str] = {}
     seen: dict[str, str] = {}
     for index, part in enumerate(spec.split(","), start=1):
         if not part.strip():
-            raise _error(
-                f"Empty part #{index} in '{spec}' (stray or trailing comma?).",
-                "Each part must be key=dtype.",
-                _ALLOWED_KEYS,
-            )
+            raise _error(f"Empty part #{index} in '{spec}' (stray or trailing comma?).",
+                         "Each part must be key=dtype.", _ALLOWED_KEYS)
         if part.count("=") != 1:
             problem = "has more than one '=' (missing comma?)" if "=" in part else "is missing '='"
-            raise _error(
-                f"Part '{part.strip()}' in '{spec}' {problem}; each part must be key=dtype.",
-                _ALLOWED_KEYS,
-                ALLOWED_DTYPES,
-            )
+            raise _error(f"Part '{part.strip()}' in '{spec}' {problem}; each part must be "
+                         "key=dtype.", _ALLOWED_KEYS, ALLOWED_DTYPES)
         raw_key, value = part.split("=")
         key = raw_key.strip().lower()
         if not key:
             raise _error(f"Empty key in '{part.strip()}' of '{spec}'.", _ALLOWED_KEYS)
         if key not in _KEYS:
-            raise _error(
-                f"Unknown policy key '{raw_key.strip()}' in '{part.strip()}'.", _ALLOWED_KEYS
-            )
+            raise _error(f"Unknown policy key '{raw_key.strip()}' in '{part.strip()}'.",
+                         _ALLOWED_KEYS)
         field = _KEYS[key]
         if field in seen:
             raise _error(
                 f"Duplicate policy key '{raw_key.strip()}' in '{spec}': {field} is already set "
                 f"by '{seen[field]}'. Each of params/p, compute/c, output/o, matmul, opt_state "
-                "may appear once."
-            )
+                "may appear once.")
         seen[field] = part.strip()
         dtypes[field] = _PARSE_VALUE.get(field, _parse_dtype)(value, part, spec)
     return dtypes
@@ -268,8 +253,6 @@ def to_str(names: dict[str, str]) -> str:
 
 
 def loss_scaling(compute: str) -> str:
-    """The loss scaling a compute dtype needs by default: ``"dynamic"`` for float16 (its
-    gradients underflow below ~6e-8), ``"none"`` for bfloat16/float32 (float32's exponent
-    range). The one place this rule is written; :func:`jaxamp.default_loss_scale` and the
-    example's ``--loss-scale auto`` use it."""
+    """The loss scaling a compute dtype needs by default, the one place this rule is written:
+    ``"dynamic"`` for float16 (its gradients underflow below ~6e-8), else ``"none"``."""
     return "dynamic" if DTYPE_ALIASES.get(compute.strip().lower()) == "float16" else "none"
