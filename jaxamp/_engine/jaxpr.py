@@ -1,27 +1,6 @@
-"""The one walker of jaxprs: autocast's interpreter, the overflow locator, the audit and the step
-audit all read programs through the functions here (no other module reads ``.eqns``).
-
-* :func:`evaluate` runs a jaxpr's equations in order through a caller's per-equation function
-  (the environment of values, literals, outputs): autocast's re-evaluation and the overflow
-  locator's recording interpreter are both this loop with their own equation handler;
-  :func:`evaluate_rerouted` is the same loop binding each equation as it is, with chosen
-  outputs replaced where later equations read them (the AMP update's skip select);
-* :func:`sub_programs` says what an equation's sub-programs are (``pjit``/``closed_call``/
-  ``remat``/``custom_jvp``/``custom_vjp`` bodies, ``scan``/``while`` bodies, ``cond`` branches)
-  and which caller variable each of their inputs and outputs stands for;
-* :func:`walk` visits every equation of a jaxpr and of its sub-programs, in execution order,
-  with its full name stack (the audit's records, the step audit's dataflow graph);
-* :func:`readers` follows a var into the sub-programs it is passed to;
-* :func:`transposed_equations` says which of them run in a transpose (the backward pass);
-* :func:`iter_jaxprs`/:func:`iter_eqns` list them without order or mapping (tests, benchmarks);
-* :func:`all_consumers_accept` is the backward dataflow autocast's float32 propagation uses;
-* :func:`spans` finds runs of consecutive equations (autocast's recompute segments) and
-  :func:`span_io` what such a run reads from before it and what is read after it;
-* :func:`flat_scopes` sees through in-line calls (a value is one value inside and outside a
-  recompute segment): :func:`duplicate_casts` and :func:`lossy_round_trips` check casts
-  across those boundaries;
-* :func:`param_matmuls` lists the matmuls that read a program input (a param), in order (the
-  first and last matmul that the FP8 rule keeps in the compute dtype).
+"""The one walker of jaxprs: autocast's interpreter, the overflow locator and the audits read
+programs only through these functions (no other module reads ``.eqns``). The map of what each
+does is in jaxamp/_engine/README.md ("The walker").
 """
 
 from __future__ import annotations
@@ -39,7 +18,6 @@ from jaxamp._engine.compat import (
     bind_with_params,
     cond_params,
     inline_jit,
-    named_sub_jaxprs,
     new_dtype,
     open_jaxpr,
     sub_jaxprs,
@@ -47,37 +25,11 @@ from jaxamp._engine.compat import (
 )
 from jaxamp._engine.primitives import CONTAINERS, IDENTITY, IN_LINE, LOOPS
 
-__all__ = [
-    "jit_inlines",
-    "LOW_PRECISION",
-    "Run",
-    "Flat",
-    "Span",
-    "Sub",
-    "all_consumers_accept",
-    "as_jaxpr",
-    "consumers",
-    "containing",
-    "duplicate_casts",
-    "equations",
-    "evaluate",
-    "evaluate_rerouted",
-    "feeders",
-    "flat_scopes",
-    "iter_eqns",
-    "iter_jaxprs",
-    "jaxpr_of",
-    "lossy_round_trips",
-    "name_stack",
-    "param_matmuls",
-    "producers",
-    "readers",
-    "span_io",
-    "spans",
-    "sub_programs",
-    "transposed_equations",
-    "walk",
-]
+__all__ = ["LOW_PRECISION", "Flat", "Run", "Span", "Sub", "all_consumers_accept", "as_jaxpr",
+           "consumers", "containing", "duplicate_casts", "equations", "evaluate",
+           "evaluate_rerouted", "feeders", "flat_scopes", "iter_eqns", "iter_jaxprs",
+           "jit_inlines", "lossy_round_trips", "name_stack", "param_matmuls", "producers",
+           "readers", "span_io", "spans", "sub_programs", "transposed_equations", "walk"]
 
 LOW_PRECISION = (np.dtype("float16"), np.dtype("bfloat16"))
 
@@ -92,8 +44,7 @@ def equations(j: Any) -> list:
 
 
 def name_stack(eqn, prefix: str = "") -> str:
-    """``eqn``'s name stack as a string, below ``prefix`` (the stack of the equation that
-    called the sub-program it is in)."""
+    """``eqn``'s name stack as a string, below ``prefix`` (its caller's stack)."""
     stack = str(eqn.source_info.name_stack)
     return f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
 
@@ -102,8 +53,7 @@ def name_stack(eqn, prefix: str = "") -> str:
 
 
 class Run(NamedTuple):
-    """Equations ``start:end`` of a jaxpr run as one: ``fn(values of ins) -> values of outs``
-    (the vars the rest of the jaxpr reads)."""
+    """Equations up to ``end`` run as one: ``fn(values of ins) -> values of outs``."""
 
     end: int
     ins: list
@@ -115,11 +65,9 @@ def evaluate(j: Any, consts: Sequence[Any] | None, args: Sequence[Any],
              run_eqn: Callable[[Any, list], Sequence[Any]],
              literal: Callable[[Any], Any] = lambda lit: lit.val,
              runs: dict[int, Run] | None = None) -> list:
-    """Runs ``j``'s equations in order: ``run_eqn(eqn, operand values)`` returns the values of
-    its outputs. ``consts`` bind the constvars (None: the closed jaxpr's own consts, as is);
-    ``literal(lit)`` gives a literal operand's value; ``runs`` maps the index of an equation
-    to a :class:`Run` that replaces it and the equations after it. Returns the output
-    values."""
+    """Runs ``j``'s equations in order (``run_eqn(eqn, operand values)`` -> output values) and
+    returns its outputs. ``consts``: the constvars' values (None: the closed jaxpr's own);
+    ``runs``: equation index -> a :class:`Run` that replaces it and the equations after it."""
     jaxpr, own = open_jaxpr(j)
     env: dict[Any, Any] = {}
     for var, x in zip(jaxpr.constvars, (own or []) if consts is None else consts):
@@ -150,15 +98,10 @@ def evaluate(j: Any, consts: Sequence[Any] | None, args: Sequence[Any],
 
 def evaluate_rerouted(j: Any, args: Sequence[Any],
                       reroute: Sequence[Callable[[Any], Any] | None]) -> tuple[list, list[bool]]:
-    """Runs the closed jaxpr ``j`` on ``args`` (every equation bound as it is), except that
-    the value of output ``k`` is replaced by ``reroute[k](value)`` as soon as an equation of
-    ``j`` computes it: the equations after it, and the output itself, read the replacement.
-
-    Returns ``(outputs, rerouted)``; ``rerouted[k]`` says whether output ``k`` was replaced
-    (not when ``reroute[k]`` is None, nor when the output is an input or a literal of ``j``).
-    Equations inside the sub-program (``pjit``, ...) that computes an output still read the
-    value as computed.
-    """
+    """Runs the closed jaxpr ``j`` on ``args`` as it is, except that output ``k`` is replaced
+    by ``reroute[k](value)`` as soon as a top-level equation computes it (later equations and
+    the output read the replacement). Returns ``(outputs, rerouted)``: whether output ``k``
+    was replaced (not an input or literal of ``j``, nor with ``reroute[k]`` None)."""
     jaxpr = as_jaxpr(j)
     first: dict[Any, Callable] = {}
     for var, fn in zip(jaxpr.outvars, reroute):
@@ -197,9 +140,8 @@ def producers(j: Any) -> dict[Any, Any]:
 
 def all_consumers_accept(j: Any, accept: Callable[[Any, set], bool], seeds: Sequence[bool]
                          ) -> set:
-    """Vars of ``j`` whose every consumer equation satisfies ``accept(eqn, found)``, found
-    backwards from the outputs (``seeds``: which outputs count as accepted; the others are
-    not). ``found`` is the set so far: an equation can accept because its outputs are in it."""
+    """Vars of ``j`` whose every consumer satisfies ``accept(eqn, found)``, found backwards
+    from the outputs (``seeds``: which outputs count as accepted); ``found``: the set so far."""
     jaxpr = as_jaxpr(j)
     uses = consumers(jaxpr)
     found = {v for v, s in zip(jaxpr.outvars, seeds) if s and isinstance(v, jcore.Var)}
@@ -215,8 +157,8 @@ def all_consumers_accept(j: Any, accept: Callable[[Any, set], bool], seeds: Sequ
 
 
 class Span(NamedTuple):
-    """Equations ``start:end`` of a jaxpr found by :func:`spans`; ``skipped``: the indices
-    among them that do not belong to the run (read nothing it made; run before it)."""
+    """Equations ``start:end`` found by :func:`spans`; ``skipped``: those among them not in
+    the run (they read nothing it made and run before it)."""
 
     start: int
     end: int
@@ -225,12 +167,10 @@ class Span(NamedTuple):
 
 def spans(j: Any, member: Sequence[bool], skippable: Callable[[Any], bool],
           stops: Callable[[int], bool]) -> list[Span]:
-    """Maximal runs of consecutive equations of ``j`` whose ``member`` flag is set, each
-    starting at a member and ending at its last member. A run goes past an equation for which
-    ``skippable(eqn)`` holds when it reads no var the run made (it is listed in ``skipped``),
-    and never past an index for which ``stops(index)`` holds (a run may start at one); a run
-    ends at any other non-member. ``stops(i)`` is also asked before a run starts at ``i``:
-    a True there does not block the start. Indices that are not members are not in runs."""
+    """Maximal runs of consecutive equations of ``j`` whose ``member`` flag is set, from a
+    member to its last member. A run goes past a ``skippable(eqn)`` non-member that reads
+    nothing the run made (listed in ``skipped``), never past an index where ``stops(i)``
+    (though a run may start at one), and ends at any other non-member."""
     eqns = as_jaxpr(j).eqns
     found, i = [], 0
     while i < len(eqns):
@@ -255,9 +195,8 @@ def spans(j: Any, member: Sequence[bool], skippable: Callable[[Any], bool],
 
 
 def span_io(j: Any, indices: Sequence[int], end: int) -> tuple[list, list]:
-    """``(inputs, outputs)`` of equations ``indices`` of ``j`` (in order, all before ``end``):
-    the vars they read that none of them made (in first-read order), and the vars they make
-    that an equation from ``end`` on, or an output of ``j``, reads."""
+    """``(inputs, outputs)`` of equations ``indices`` of ``j`` (all before ``end``): the vars
+    they read and none of them made, and those they make that ``j`` reads from ``end`` on."""
     jaxpr = as_jaxpr(j)
     eqns = jaxpr.eqns
     later: set = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
@@ -279,9 +218,8 @@ def span_io(j: Any, indices: Sequence[int], end: int) -> tuple[list, list]:
 
 
 class Sub(NamedTuple):
-    """A sub-program of an equation: its (open) jaxpr and consts, and for each of its inputs
-    and outputs the caller's operand/result it stands for (None where none does: a loop's
-    carry seen from outside, a body of unknown arity)."""
+    """A sub-program of an equation: its open jaxpr and consts, and per input/output the
+    caller's var it stands for (None where none does: a loop's carry, an unknown arity)."""
 
     jaxpr: jcore.Jaxpr
     consts: list
@@ -295,9 +233,8 @@ def _sub(j, ins, outs) -> Sub:
 
 
 def sub_programs(eqn) -> list[Sub]:
-    """The sub-programs of ``eqn`` with the caller vars their inputs and outputs are bound to;
-    empty for a first-order equation (and for a typed combiner such as scatter-add's, where the
-    equation itself is the operation)."""
+    """The sub-programs of ``eqn``; none for a first-order equation or a typed combiner (such
+    as scatter-add's, where the equation itself is the operation)."""
     name = eqn.primitive.name
     ins, outs = list(eqn.invars), list(eqn.outvars)
     subs = sub_jaxprs(eqn)
@@ -322,15 +259,6 @@ def sub_programs(eqn) -> list[Sub]:
     return found
 
 
-def jaxpr_of(eqn, sub: Sub) -> Any:
-    """The params entry of ``eqn`` that ``sub`` was read from (a closed jaxpr keeps its
-    consts), or ``sub.jaxpr``."""
-    for obj in named_sub_jaxprs(eqn):
-        if as_jaxpr(obj) is sub.jaxpr:
-            return obj
-    return sub.jaxpr
-
-
 # ---- visiting every equation ----------------------------------------------------------------
 
 
@@ -338,12 +266,9 @@ def walk(j: Any, leaf: Callable[[Any, str], None], *,
          enter: Callable[[Any, Sub, str], None] | None = None,
          leave: Callable[[Any, list[Sub], str], None] | None = None,
          prefix: str = "") -> None:
-    """Visits every equation of ``j`` and its sub-programs in execution order.
-
-    ``leaf(eqn, stack)`` for an equation without sub-programs; for one with them,
-    ``enter(eqn, sub, stack)`` before each sub-program is walked and ``leave(eqn, subs,
-    stack)`` after all of them. ``stack`` is the full name stack (:func:`name_stack`).
-    """
+    """Visits every equation of ``j`` and its sub-programs in execution order: ``leaf(eqn,
+    stack)`` for a first-order one; else ``enter(eqn, sub, stack)`` before each sub-program
+    and ``leave(eqn, subs, stack)`` after them (``stack``: the full :func:`name_stack`)."""
     for eqn in as_jaxpr(j).eqns:
         stack = name_stack(eqn, prefix)
         subs = sub_programs(eqn)
@@ -359,9 +284,8 @@ def walk(j: Any, leaf: Callable[[Any, str], None], *,
 
 
 def feeders(j: Any, outs: Sequence[Any], stop: frozenset[str] = frozenset()) -> list:
-    """The top-level equations of ``j`` whose outputs reach ``outs`` (vars of ``j``), walking
-    back through every equation except those of the primitives in ``stop`` (they are
-    included, their inputs are not followed)."""
+    """The top-level equations of ``j`` whose outputs reach ``outs``, walking back (the inputs
+    of primitives in ``stop`` are not followed)."""
     reach = {v for v in outs if isinstance(v, jcore.Var)}
     found = []
     for e in reversed(as_jaxpr(j).eqns):
@@ -373,8 +297,7 @@ def feeders(j: Any, outs: Sequence[Any], stop: frozenset[str] = frozenset()) -> 
 
 
 def readers(j: Any, var) -> list:
-    """The first-order equations that read ``var`` (a var of ``j``), followed into the
-    sub-programs it is passed to (a recompute segment's checkpoint, a jit), in order."""
+    """The first-order equations that read ``var``, followed into sub-programs, in order."""
     found = []
     for eqn in as_jaxpr(j).eqns:
         if not any(v is var for v in eqn.invars):
@@ -390,27 +313,20 @@ def readers(j: Any, var) -> list:
 
 
 def transposed_equations(j: Any) -> set[int]:
-    """``id`` of each equation of ``j`` (sub-programs included) that runs in a transpose: its
-    full name stack (the callers' included) names a ``transpose`` transform. A transposed
-    ``jax.checkpoint`` body keeps its forward names (JAX transposes it with the transform
-    stack off): only the checkpoint equation around it says ``transpose``, so its own stack
-    does not; the forward equations it replays are counted too."""
+    """``id`` of each equation of ``j`` (sub-programs included) whose full name stack names a
+    ``transpose`` (a transposed checkpoint's body is marked by the checkpoint equation)."""
     found: set[int] = set()
 
-    def leaf(eqn, stack):
-        if "transpose(" in stack:
+    def mark(eqn, *args):
+        if "transpose(" in args[-1]:
             found.add(id(eqn))
 
-    def enter(eqn, sub, stack):
-        if "transpose(" in stack:
-            found.add(id(eqn))
-
-    walk(j, leaf, enter=enter)
+    walk(j, mark, enter=mark)
     return found
 
 
 def iter_jaxprs(j: Any) -> Iterator[jcore.Jaxpr]:
-    """The jaxpr and every sub-jaxpr (jit, scan, cond, remat, custom_jvp bodies), depth first."""
+    """The jaxpr and every sub-jaxpr, depth first."""
     jaxpr = as_jaxpr(j)
     yield jaxpr
     for eqn in jaxpr.eqns:
@@ -426,9 +342,8 @@ def iter_eqns(j: Any) -> Iterator[jcore.JaxprEqn]:
 
 @functools.cache
 def jit_inlines() -> bool:
-    """Whether :func:`jaxamp._engine.compat.inline_jit` calls are inlined into the jaxpr that calls
-    them, under autodiff too (checked once; if not, autocast calls its cached bodies unjitted,
-    and a body is evaluated once per use)."""
+    """Whether ``compat.inline_jit`` calls are inlined into their caller's jaxpr, under autodiff
+    too (if not, autocast calls its cached bodies unjitted)."""
     try:
         f = inline_jit(lambda x: x + 1)
         for fn in (lambda x: f(x) * 2, jax.value_and_grad(lambda x: f(x) * 2)):
@@ -450,10 +365,9 @@ def containing(j: Any, eqn) -> jcore.Jaxpr | None:
 
 def param_matmuls(j: Any, matmuls: frozenset[str],
                   passes: frozenset[str]) -> list[tuple[Any, bool]]:
-    """The equations of primitives ``matmuls`` (``dot_general``) with an operand that is a
-    float input or const of ``j`` as it is, or after primitives ``passes`` only (reshape,
-    transpose, convert: a param read), in execution order, sub-programs included; each with
-    whether it sits in a ``scan``/``while`` body (run once per iteration)."""
+    """The ``matmuls`` equations with an operand that is an input or const of ``j``, directly
+    or through ``passes`` only (reshape, transpose, convert), in execution order, each with
+    whether it sits in a loop body."""
     found: list[tuple[Any, bool]] = []
 
     def visit(jaxpr, consts_params: bool, params: set, in_loop: bool) -> None:
@@ -489,8 +403,7 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
 # ---- checks on casts ------------------------------------------------------------------------
 
 class Flat(NamedTuple):
-    """A first-order equation seen from the program around it: ``ins``/``outs`` are, per
-    operand/result, the var of the outermost program that holds the same value."""
+    """A first-order equation with, per operand/result, the outermost var of the same value."""
 
     eqn: Any
     ins: list
@@ -498,13 +411,10 @@ class Flat(NamedTuple):
 
 
 def flat_scopes(j: Any) -> list[list[Flat]]:
-    """The first-order equations of ``j``, with the bodies of in-line calls (``pjit``,
-    ``checkpoint``/``remat``, ``custom_jvp_call``, ...) and ``optimization_barrier`` seen
-    through: a value passed into such a body, or returned from it, is one value on both
-    sides. One list per scope, in order: ``j`` itself, then each loop body or branch
-    (``scan``, ``while``, ``cond``, ``shard_map``) and each differentiated ``checkpoint``
-    (the backward's replay of a forward one, which recomputes its values from the kept
-    ones), whose inputs are values of their own."""
+    """The first-order equations of ``j``, seeing through in-line calls (``pjit``,
+    ``checkpoint``, ``custom_jvp_call``, ...) and ``optimization_barrier``: a value passed
+    in or out is one value on both sides. One list per scope: ``j``, then each loop body or
+    branch and each differentiated ``checkpoint`` (a backward replay), whose inputs are new."""
     scopes: list[list[Flat]] = []
     calls = iter(range(1, 1 << 62))  # one number per body run: a jaxpr called twice (a
     # shared module call, one jit per layer) makes new values each time
@@ -559,10 +469,8 @@ def _scopes(j: Any, nested: bool) -> list[list[Flat]]:
 
 
 def lossy_round_trips(j: Any, *, nested: bool = True) -> list[jcore.JaxprEqn]:
-    """Casts that take a value float32 -> float16/bfloat16 -> float32 (precision thrown away).
-    ``nested``: the two casts may be on either side of an in-line call's boundary (a cast
-    down before a recompute segment, back up inside it; :func:`flat_scopes`); else both are
-    in one jaxpr."""
+    """Casts that take a value float32 -> float16/bfloat16 -> float32 (precision thrown away);
+    ``nested``: also across an in-line call's boundary (:func:`flat_scopes`)."""
     found = []
     for flat in _scopes(j, nested):
         down = {f.outs[0] for f in flat
@@ -575,11 +483,9 @@ def lossy_round_trips(j: Any, *, nested: bool = True) -> list[jcore.JaxprEqn]:
 
 def duplicate_casts(j: Any, *, nested: bool = True
                     ) -> list[tuple[jcore.JaxprEqn, jcore.JaxprEqn]]:
-    """Pairs of casts of the same floating value to the same dtype. ``nested``: also where
-    one is inside an in-line call's body (a recompute segment) and the other outside it, or
-    each in its own (:func:`flat_scopes`); else within one jaxpr. (An integer made float
-    twice is the traced code's own, as autocast never casts integers: eqx-zoo's RoPE
-    converts its positions once per attention call.)"""
+    """Pairs of casts of the same floating value to the same dtype; ``nested``: also across an
+    in-line call's boundary (:func:`flat_scopes`). Integers are skipped: autocast never casts
+    them, so such a pair is the traced code's own."""
     found = []
     for flat in _scopes(j, nested):
         seen: dict = {}

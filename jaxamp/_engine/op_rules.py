@@ -1,13 +1,7 @@
-"""The first-order rules of autocast's evaluator: one small function per op class.
-
-Each rule is ``rule(ctx, eqn, ins, site) -> list[Value]``: ``ctx`` the evaluator (policies,
-region crossings, op rules), ``eqn`` the traced equation, ``ins`` its operands as the
-equation's region sees them (cast on leaving/entering module regions), ``site`` its region and
-which outputs are wanted in float32. :data:`BY_CLASS` maps an op class of
-:class:`jaxamp.OpRules` to its rule; :func:`first_order` picks it. The higher-order rules
-(``jit``, ``scan``, ``cond``, ...) are in :mod:`jaxamp._engine.control`; a user's handler for a
-primitive (``OpRules.extend(handlers=...)``) gets a :class:`RuleCall` and runs before both.
-"""
+"""The first-order rules of autocast's evaluator, one per op class (:data:`BY_CLASS`, picked by
+:func:`first_order`): ``rule(ctx, eqn, ins, site) -> list[Value]``, ``ins`` the operands as the
+equation's region sees them. A user's handler gets a :class:`RuleCall` and runs first
+(jaxamp/_engine/README.md, "The rule table")."""
 
 from __future__ import annotations
 
@@ -59,9 +53,7 @@ def bind_eqn(eqn, vals, site: Site, *, params=None, stored=False, const=False) -
 
 
 def _traced_float(var) -> bool:
-    """``var`` was traced as a float autocast may cast to: float16/bfloat16/float32, or
-    float64 (a value the rules made narrower, e.g. a user's handler of a float64 matmul,
-    goes back to the float64 it was traced in)."""
+    """``var`` was traced as a float (float64 too: a value a handler made narrower goes back)."""
     return is_float(var.aval.dtype) or dtype_of(var.aval) == F64
 
 
@@ -110,15 +102,9 @@ def _small_table(table: Value, rows: Value) -> bool:
 
 
 def gather_low(eqn, low_table, table, indices: Sequence[Any]):
-    """``eqn``'s gather of rows from ``low_table`` (``table`` cast down): the same numbers as
-    the gathered rows cast (a cast commutes with picking rows). Its derivative is the float32
-    gather's of ``table``, cast: the table's gradient is scattered (summed) in float32.
-
-    For a table no larger than the rows read from it (a positional or small-vocabulary
-    embedding read at every position): XLA then makes the low-precision rows again where they
-    are read, from the small low-precision table; from the float32 table it would read twice
-    the bytes, so it keeps the rows in memory instead (and copies them where a GEMM adds into
-    its output). A hand-cast model (``nn.Embed(dtype=...)``) casts its table the same way."""
+    """``eqn``'s gather of rows from ``low_table`` (``table`` cast down: the same numbers as the
+    rows cast), whose derivative is the float32 gather's of ``table``, so the table's gradient
+    is summed in float32. For a table no larger than its rows read (README, Values)."""
 
     @jax.custom_jvp
     def rows(low_table, table, *indices):
@@ -167,9 +153,8 @@ def matmul(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
 
 def recompute_param_casts(eqn, ins: list[Value], site: Site, params, dtype,
                           wide: tuple[bool, ...]) -> list[Value]:
-    """``eqn`` in ``dtype`` under a ``jax.checkpoint`` that keeps nothing: the casts of its
-    param operands (``wide``) are inside it, so the backward pass casts them again. The
-    casts are returned too: what reads a param's low copy after the matmul reads them."""
+    """``eqn`` in ``dtype`` under a ``jax.checkpoint`` that keeps nothing, casting its ``wide``
+    (param) operands inside (the backward casts again); the casts are kept for later readers."""
     def run(*xs):
         lows = [convert_dtype(x, dtype) if w else x for x, w in zip(xs, wide)]
         return bind(eqn.primitive, lows, params), [x for x, w in zip(lows, wide) if w]
@@ -227,9 +212,8 @@ def promote(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
 
 
 def convert(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
-    """A cast written in the traced function: a float -> float downcast (often jnp's own,
-    after summing low-precision values in float32) or a weak-type change is autocast's to
-    decide, so it passes the value through; an explicit upcast is honoured."""
+    """A cast in the traced code: a float downcast (often jnp's own) or weak-type change is
+    autocast's to decide (passed through); an explicit upcast is honoured."""
     (v,), new = ins, np.dtype(new_dtype(eqn))
     src = eqn.invars[0].aval.dtype
     if v.is_float and is_float(new):
@@ -257,8 +241,7 @@ def _float64_in(eqn) -> bool:
 
 
 def _note_float64_matmul(ctx: Context, site: Site) -> None:
-    """A matmul left in float64 where its region's policy asks for a low-precision one: the
-    policy changes nothing there (autocast warns, naming the float64 inputs)."""
+    """A float64 matmul where the policy asks for a low-precision one (autocast warns)."""
     dtype = np.dtype(matmul_dtype(ctx.policy(site.region)))
     if dtype.itemsize < 4:
         ctx.note_float64_matmul("float8" if dtype.itemsize == 1 else dtype.name)
@@ -285,21 +268,18 @@ def first_order(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
 class RuleCall:
     """What a handler given in ``OpRules.extend(handlers={primitive: handler})`` receives.
 
-    Attributes:
-      eqn: the traced equation (``eqn.primitive``, ``eqn.params``, ``eqn.invars`` with the
-        traced avals).
-      args: its operands as arrays, after the module-region crossings (in the dtypes the
-        values have now, which may differ from the traced ones).
-      stored: per operand, whether it is a stored value (a param, a float input, a constant)
-        rather than an activation.
-      policy: the :class:`jmp.Policy` of the region the equation runs in.
-      want_f32: per output, whether every consumer computes in float32.
-      position: ``"first"`` or ``"last"`` for the first and the last matmul of the program
-        that reads a param (outside loop bodies; see :func:`jaxamp._engine.jaxpr.param_matmuls`),
-        found when some policy sets ``matmul=``; else None.
+    A handler returns the equation's outputs (a list of arrays), or None for its op class's
+    rule (which :meth:`default` runs).
 
-    A handler returns the equation's outputs (a list of arrays, activations of the region),
-    or None to leave the equation to its op class's rule; :meth:`default` runs that rule.
+    Attributes:
+      eqn: the traced equation (its invars have the traced avals).
+      args: its operands as arrays, after region crossings (in their current dtypes).
+      stored: per operand, whether it is stored (a param, a float input, a constant) rather
+        than an activation.
+      policy: the :class:`jmp.Policy` of the equation's region.
+      want_f32: per output, whether every consumer computes in float32.
+      position: ``"first"``/``"last"`` for the first and last matmul that reads a param
+        (outside loops), found when some policy sets ``matmul=``; else None.
     """
 
     def __init__(self, ctx: Context, eqn, ins: Sequence[Value], site: Site):

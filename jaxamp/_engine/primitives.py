@@ -1,42 +1,15 @@
-"""Every fact jaxamp keeps about JAX primitives by name, in one place.
-
-The engine recognises primitives by ``eqn.primitive.name``. Each set below names one fact, and
-every module that needs it reads it from here (a second copy of a list drifts: before this
-registry, nine names here had stopped being primitives of any supported JAX, ``copy_p``,
-``xla_call`` and ``core_call`` among them, and their entries never matched).
-
-``tests/test_primitives.py`` checks every name against the installed JAX's primitives; a name
-that is a primitive in some supported JAX versions only is listed in :data:`VERSIONED`.
-
-This module imports nothing: it is the leaf every other module may read.
+"""Every fact jaxamp keeps about JAX primitives by name, in one place (a second copy of a list
+drifts: before this registry nine names had stopped being primitives of any supported JAX).
+``tests/test_primitives.py`` checks every name against the installed JAX; names of some
+versions only are in :data:`VERSIONED`. This module imports nothing.
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "AS_TRACED",
-    "CALLS",
-    "CONTAINERS",
-    "FP32",
-    "IDENTITY",
-    "IN_LINE",
-    "LEADING_SUMS",
-    "LOOPS",
-    "MATMUL",
-    "NEVER_RECOMPUTED",
-    "NOT_ELEMENTWISE",
-    "PARAM_READS",
-    "PROMOTE",
-    "REMAT",
-    "SELF_DERIVED",
-    "SOFTMAX",
-    "STATISTICS",
-    "STRUCTURAL",
-    "SUM",
-    "TRANSPARENT",
-    "VERSIONED",
-    "all_names",
-]
+__all__ = ["AS_TRACED", "CALLS", "CONTAINERS", "FP32", "IDENTITY", "IN_LINE", "LEADING_SUMS",
+           "LOOPS", "MATMUL", "NEVER_RECOMPUTED", "NOT_ELEMENTWISE", "PARAM_READS", "PROMOTE",
+           "REMAT", "SELF_DERIVED", "SOFTMAX", "STATISTICS", "STRUCTURAL", "SUM", "TRANSPARENT",
+           "VERSIONED", "all_names"]
 
 # ---- op classes: the defaults of jaxamp.rules.OpRules ----------------------------------------
 
@@ -151,21 +124,11 @@ NEVER_RECOMPUTED = frozenset({
 #: Reductions whose float outputs are row statistics (kept, not recomputed).
 STATISTICS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
                         "argmin"})
-#: A segment's first equation left out of it when it adds a matmul's output to another array:
-#: a residual stream's ``x + h``. Inside, the checkpoint would keep both operands to
-#: recompute the sum; outside, the add keeps nothing and the segment keeps the sum, which
-#: the next segment keeps anyway (the stream's next residual add reads it). Only when both
-#: operands have the sum's shape: then the sum is no bigger than either (whatever dtypes the
-#: engine gives them), while a broadcast operand (an attention mask bias ``[B, 1, T, T]``)
-#: would be kept at the sum's full size. (Not a sum of two embedding lookups: a segment
-#: recomputes those from the table, keeping nothing.)
+#: A segment's first equation left out of it when it adds a matmul's output to a same-shape
+#: array (a residual stream's ``x + h``): outside, the add keeps nothing (README, Recompute).
 LEADING_SUMS = frozenset({"add", "add_any", "sub"})
-#: Ops whose derivative reads only their output (``1 - tanh(x)**2``). Ending a segment, with
-#: its output read by matmuls (an MLP head's ``Dense(tanh(Dense(x)))``), such an op is a
-#: segment of its own that keeps that output, which the matmuls keep anyway: in the segment
-#: before it, the checkpoint would keep the op's input as well, and evaluated plainly, JAX
-#: keeps ``1 - tanh(x)`` beside it. (``logistic`` and ``exp`` are float32 ops: their output
-#: is not the low copy the matmul keeps.)
+#: Ops whose derivative reads only their output (``1 - tanh(x)**2``): ending a segment before
+#: matmuls, one is a segment of its own that keeps that output (README, Recompute).
 SELF_DERIVED = frozenset({"tanh"})
 
 

@@ -1,37 +1,9 @@
 """Activation memory: the cheap code between two matmuls is recomputed in the backward pass.
 
-Reverse-mode AD keeps, for the backward pass, whatever each primitive's derivative reads.
-Evaluated primitive by primitive, a LayerNorm keeps three float32 ``[B, T, D]`` products, a
-softmax its float32 output next to the low-precision copy the next matmul keeps, a GELU
-several ``[B, T, 4D]`` intermediates, a dropout its mask. autocast therefore cuts each jaxpr
-it evaluates into *segments*: maximal runs of consecutive equations none of which is a matmul,
-a convolution, a collective, an effect or a higher-order primitive other than an inlined call
-or a ``custom_jvp`` function (softmax, ReLU) made of such equations. Each segment is evaluated
-as one ``jax.checkpoint`` whose policy saves only its row statistics (the float outputs of the
-reductions in it, ``checkpoint_name`` :data:`STAT`: a LayerNorm's mean and variance, a
-softmax's max and sum, ``[B, T]``-sized): the backward pass recomputes the rest from the
-segment's inputs, which are the low-precision outputs of the matmuls before it (the matmuls
-after it keep their own low-precision inputs). A segment runs past a matmul that reads nothing
-the segment made (SwiGLU's ``up`` projection, traced between SiLU and the gate product): the
-matmul is evaluated first, outside the checkpoint. A segment's last op whose derivative reads
-only its output (``tanh`` before a matmul) is a segment of its own that keeps that output,
-the array the matmul keeps anyway (:data:`jaxamp._engine.primitives.SELF_DERIVED`). The forward pass
-runs the same operations in the same dtypes; only what is kept changes (a low-precision input
-is read rounded, through an ``optimization_barrier``, as the backward reads it:
-:func:`_rounded`). Compiled, that
-rounding is the one difference: without segments XLA's excess precision may use a low-precision
-matmul output unrounded where it fuses it into the next op; with
-``--xla_allow_excess_precision=false`` the results with and without segments are
-bit-identical. (The matmul rule, likewise, casts a param operand inside a ``jax.checkpoint``
-that keeps nothing: the backward casts it again instead of keeping its low copy;
-:func:`jaxamp._engine.op_rules.recompute_param_casts`.) A value is cast once across a segment's
-boundary, as without segments: the segment reads the copies made of its inputs before it and
-returns the copies it makes (:func:`jaxamp._engine.values.copies`), and the backward casts only
-inside the segment that made a copy.
-
-Not segmented: the inside of a user's ``jax.checkpoint``/``remat`` (its policy decides),
-module calls that :mod:`jaxamp._engine.sharing` replays (their insides are segmented once, in the
-shared evaluation), and everything under ``OpRules(recompute=False)``.
+:func:`plan` cuts a jaxpr into *segments*, maximal runs of cheap equations between matmuls;
+:func:`run` evaluates one as a ``jax.checkpoint`` that keeps only its inputs (the matmuls'
+low-precision outputs) and its row statistics (:data:`STAT`). The forward's values are
+unchanged. Why, and what is kept where: jaxamp/_engine/README.md ("Recompute segments").
 """
 
 from __future__ import annotations
@@ -67,15 +39,13 @@ __all__ = ["STAT", "Segment", "plan", "run", "run_range", "tag_statistics"]
 STAT = "jaxamp_row_stat"
 _POLICY = jax.checkpoint_policies.save_only_these_names(STAT)
 
+
 class Segment(NamedTuple):
-    """Equations ``start:end`` of a jaxpr: the vars the recomputed ones read from before
-    (``inputs``) and those read after them (``outputs``); ``hoisted``: the indices of the
-    matmuls among them that read nothing the segment makes (the ``up`` projection traced
-    between SiLU and the gate product), run first, outside the checkpoint; ``run_ins`` and
-    ``run_outs``: the same for the whole range; ``tail``: for a segment of one trailing
-    self-derived op (:data:`jaxamp._engine.primitives.SELF_DERIVED`), the matmuls that read its
-    output, else ``()``;
-    ``readers``: per output, the matmuls that read it (:func:`_low_casts`)."""
+    """Equations ``start:end``: the vars the recomputed ones read from before (``inputs``) and
+    those read after (``outputs``); ``hoisted``: matmuls among them that read nothing the
+    segment makes, run first outside the checkpoint; ``run_ins``/``run_outs``: the same for
+    the whole range; ``tail``: for a segment of one trailing ``SELF_DERIVED`` op, the matmuls
+    that read its output; ``readers``: per output, the matmuls that read it."""
 
     start: int
     end: int
@@ -117,8 +87,7 @@ def _weight(rules: OpRules, eqn) -> int:
 
 
 def _trimmed(rules: OpRules, eqns, made: dict, span):
-    """``span`` without a leading sum with a matmul's output (``made``: var -> the equation
-    that made it)."""
+    """``span`` without a leading sum with a matmul's output (``made``: var -> its equation)."""
     start, end = span.start, span.end
     first = eqns[start]
     if first.primitive.name in LEADING_SUMS and len(first.invars) == 2 and all(
@@ -137,10 +106,9 @@ def _trimmed(rules: OpRules, eqns, made: dict, span):
 
 def plan(rules: OpRules, jaxpr, taken: dict, cuts: set[int],
          memo: dict | None = None) -> dict[int, Segment]:
-    """The segments of ``jaxpr`` (start index -> :class:`Segment`) under op rules ``rules``,
-    around the runs in ``taken`` (start index -> run with ``.end``: shared module calls), none
-    across an index in ``cuts``. A pure function of its arguments; ``memo`` (id(sub-program)
-    -> (it, recomputable)) may be shared between calls on the programs of one trace."""
+    """The segments of ``jaxpr`` (start index -> :class:`Segment`), around the runs in
+    ``taken`` (shared module calls: start -> run with ``.end``), none across an index in
+    ``cuts``. A pure function; ``memo`` may be shared between the programs of one trace."""
     eqns = equations(jaxpr)
     memo = {} if memo is None else memo
     ok = [_recomputable(rules, e, memo) for e in eqns]
@@ -179,8 +147,7 @@ def plan(rules: OpRules, jaxpr, taken: dict, cuts: set[int],
 
 
 def _plain_matmul(rules: OpRules, eqn) -> bool:
-    """A matmul the built-in rule may run: no handler of the user's (it may keep anything),
-    at most the FP8 rule, which defers outside ``matmul=float8`` regions."""
+    """A matmul the built-in rule may run: no user handler (the FP8 rule defers outside FP8)."""
     name = eqn.primitive.name
     handler = rules.handler(name)
     return rules.classify(name) == "matmul" and (
@@ -188,17 +155,9 @@ def _plain_matmul(rules: OpRules, eqn) -> bool:
 
 
 def _low_casts(ctx: Context, seg: Segment, base, outs, metas) -> list[tuple[int, np.dtype]]:
-    """(output index, dtype): the segment's outputs that matmuls read cast down (a float32
-    softmax before ``P @ V``, a float32 LayerNorm before a projection), each with the narrower
-    dtype those matmuls cast it to. The segment makes that cast itself, inside its checkpoint:
-    made outside, the cast's transpose (the cotangent cast up to float32) is computed outside
-    the checkpoint too, and enters the backward's ``optimization_barrier`` (``prevent_cse``)
-    as a float32 array, which XLA must then write out in full (a ``[B, H, T, T]`` float32
-    array per attention layer: measured, 0.87x the step's speed on an H200; BENCHMARKS.md,
-    History).
-    Inside, the low-precision cotangent the matmul makes enters it, and the cast up fuses
-    into the recomputation. No FP8 (quantised by its own rule) and no region crossing that
-    casts the output on the way."""
+    """(output index, dtype): outputs that matmuls read cast down (a float32 softmax before
+    ``P @ V``), with that dtype; the segment makes the cast inside its checkpoint (why: the
+    README). Not FP8, nor where a region crossing casts the output on the way."""
     found = []
     for i, (out, meta, readers) in enumerate(zip(outs, metas, seg.readers)):
         if not readers or not is_float(out.dtype) or meta.stored or meta.const:
@@ -211,16 +170,14 @@ def _low_casts(ctx: Context, seg: Segment, base, outs, metas) -> list[tuple[int,
 
 
 def _kept_by_matmuls(ctx: Context, readers: tuple, base, out, meta: Value) -> bool:
-    """Whether every matmul in ``readers`` reads ``out`` as it is: no cast on the way into
-    its region, none to its matmul dtype (then it keeps this very array)."""
+    """Whether every matmul in ``readers`` reads (and keeps) ``out`` as it is, uncast."""
     return is_float(out.dtype) and all(
         d is not None and d == out.dtype for d in _matmul_casts(ctx, readers, base, out, meta))
 
 
 def _matmul_casts(ctx: Context, readers: tuple, base, out, meta: Value) -> list:
-    """Per matmul in ``readers``, the dtype the built-in rule casts ``out`` to (its own dtype
-    where it reads it as it is), or None where it is not that plain cast: a region crossing
-    casts ``out`` on the way in, or the matmul is FP8 (quantised by its own rule)."""
+    """Per matmul in ``readers``, the dtype its rule casts ``out`` to, or None where that is
+    not a plain cast (a region crossing casts it first, or the matmul is FP8)."""
     value = Value(out, meta.stored, meta.const, meta.region)
     casts = []
     for eqn in readers:
@@ -298,12 +255,8 @@ def run(ctx: Context, eqns, seg: Segment, base, wants: set, drop,
 
 
 def _rounded(xs: tuple) -> list:
-    """``xs`` with each low-precision float (bfloat16, float16, FP8) read through an
-    ``optimization_barrier``: XLA otherwise feeds the forward's consumers the unrounded
-    float32 value of a bfloat16 matmul output (``xla_allow_excess_precision``), while the
-    backward recomputes from the rounded residual. A kept row max taken of the unrounded
-    logits can then lie below the recomputed ones by half an ulp (2**-9 of them: exp(g - max)
-    overflows to inf, and inf * 0 is NaN, once the logits pass about 45000)."""
+    """``xs`` with each low-precision float read through an ``optimization_barrier``, so the
+    forward reads it rounded as the backward does (why: the README)."""
     low = [i for i, x in enumerate(xs)
            if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4]
     out = list(xs)

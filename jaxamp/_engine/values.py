@@ -1,9 +1,5 @@
-"""The values autocast's evaluator passes around, and the casts between them.
-
-A :class:`Value` is an array under re-evaluation plus what autocast knows about it (stored or an
-activation, constant, the module region that made it, the casts already made of it), and the
-helpers here bind primitives and casts (:func:`bind`, :func:`convert`).
-"""
+"""The values autocast's evaluator passes around (:class:`Value`: an array and what autocast
+knows of it; jaxamp/_engine/README.md, "Values"), and the casts between them."""
 
 from __future__ import annotations
 
@@ -26,9 +22,7 @@ F64 = np.dtype(np.float64)
 
 
 def is_float(dtype) -> bool:
-    """A floating dtype autocast may cast: float16, bfloat16 or float32. float64 (under
-    ``jax_enable_x64``) is left alone, as torch autocast leaves it, unless a policy asks for it
-    (no policy can: :func:`jaxamp.policy.get_policy` refuses float64)."""
+    """A floating dtype autocast may cast: float16, bfloat16 or float32 (never float64)."""
     try:  # jax's issubdtype knows extended dtypes (PRNG keys): not floating
         return bool(jax.dtypes.issubdtype(dtype, jnp.floating)) and np.dtype(dtype) != F64
     except TypeError:
@@ -53,8 +47,8 @@ def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
 
 
 def spec(x, dtype=None) -> jax.ShapeDtypeStruct:
-    """``x``'s shape and dtype (``dtype`` instead, if given), with its weak type, so that a
-    jitted body traced on specs is the one JAX later finds in its cache for ``x`` itself."""
+    """``x``'s shape and dtype (or ``dtype``) with its weak type: a jitted body traced on specs
+    is the one JAX's cache finds for ``x`` itself."""
     weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
     return jax.ShapeDtypeStruct(np.shape(x), dtype_of(x) if dtype is None else dtype,
                                 weak_type=weak and dtype is None)
@@ -101,14 +95,8 @@ def saturating(x, dtype: np.dtype):
 
 
 def bind(prim, vals: Sequence[Any], params: Mapping[str, Any]):
-    """``prim.bind(*vals, **params)``.
-
-    Bound directly, not through a cached jitted call per (primitive, params): sub-programs and
-    repeated module calls are cached jitted bodies already (:class:`jaxamp._engine.context.Body`),
-    and a jitted call per primitive cost more to trace than the linearizations it saved
-    (``bench/trace_cost.py``, trace + lower of ``value_and_grad`` against plain:
-    transformers' GPT-2 at 12 layers 1.17-1.19x with it, 0.83-1.06x without; the nested
-    control flow at depth 1 1.32-1.34x and 1.24-1.28x; BENCHMARKS.md, History)."""
+    """``prim.bind(*vals, **params)``, directly: a jitted call per primitive cost more to
+    trace than it saved (jaxamp/_engine/README.md, "Values")."""
     return prim.bind(*vals, **params)
 
 
@@ -143,13 +131,8 @@ def cast(v: Value, dtype) -> Any:
 
 
 def copies(values: Sequence[Value]) -> list[tuple[int, np.dtype]]:
-    """(index, dtype): the copies made of traced float ``values`` (``cast`` makes each once),
-    in a fixed order. A body evaluated on fresh values (a recompute segment, a shared module
-    call) is given those of its inputs and returns those it makes of its inputs and outputs
-    (:class:`jaxamp._engine.context.Body`), so that no value is cast twice across its boundary.
-    Where a body's derivative reads a wider copy (a float32 copy of a float16 input that a
-    normalisation reads), the body keeps that copy in place of its input: one array, however
-    many bodies read it."""
+    """(index, dtype): the copies made of traced float ``values``, in a fixed order, which a
+    body on fresh values is given and returns so none is cast twice across its boundary."""
     return [(i, d) for i, v in enumerate(values) if v.is_float
             for d in sorted((k for k in v.casts if isinstance(k, np.dtype)
                              and isinstance(v.casts[k], Tracer)), key=str)]

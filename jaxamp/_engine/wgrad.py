@@ -1,25 +1,6 @@
-"""Low-precision matmuls and convolutions whose weight gradient is computed, and summed, in
-float32.
-
-Used by :func:`jaxamp.autocast` where a batch contraction may be a sum across devices (its
-``f32_weight_grads``: under a ``jax.set_mesh`` context, which ``make_train_step(mesh=...)``
-enters while tracing, or with more than one device visible).
-
-The weight gradient of ``x @ w`` is a matmul that contracts the batch (and sequence)
-dimensions. When the batch is split across devices (data parallel, FSDP), that contraction is
-a sum across devices, and XLA's SPMD partitioner reduces it in the matmul's output dtype. With
-JAX's own transpose rule that dtype is the compute dtype (bfloat16/float16), and the cast back
-to the float32 param comes after the cross-device sum. Here the weight-gradient matmul has a
-float32 output instead, with the same low-precision operands (the tensor cores' float32
-accumulators), so every partial sum, on one device or across many, is float32. The activation
-gradient keeps the compute dtype.
-
-* :func:`dot_f32_weight_grads` is a ``jax.custom_jvp`` function whose tangent JAX transposes
-  into that weight-gradient matmul (so ``jax.jvp`` works through it too);
-* :func:`conv_f32_kernel_grads` is a ``jax.custom_vjp`` function (reverse mode only) whose
-  kernel gradient is JAX's convolution transpose (in JAX's ``lax.convolution`` module),
-  restated with the public ``lax.conv_general_dilated`` and a float32 output.
-"""
+"""Low-precision matmuls and convolutions whose weight gradient is computed, and summed across
+devices, in float32 (autocast's ``f32_weight_grads``; why: jaxamp/_engine/README.md, "Float32
+weight gradients")."""
 
 from __future__ import annotations
 
@@ -34,10 +15,9 @@ _F32 = np.dtype(np.float32)
 
 
 def _cpu_lacks_bf16_f32_dot(x) -> bool:
-    """XLA:CPU fails at run time on some ``bf16 x bf16 -> f32`` dots and convolutions
-    ("Unsupported element type for DotThunk::Execute", jaxlib 0.10 and 0.12); it computes
-    bfloat16 products in float32 anyway, so there the operands are cast up first (same
-    numbers, same float32 sums)."""
+    """XLA:CPU fails on some ``bf16 x bf16 -> f32`` dots and convolutions ("Unsupported element
+    type for DotThunk::Execute", jaxlib 0.10 and 0.12): there the operands are cast up first
+    (the same numbers: it computes bfloat16 products in float32 anyway)."""
     return np.dtype(x.dtype) == np.dtype(jnp.bfloat16) and target_platform() == "cpu"
 
 
@@ -51,16 +31,11 @@ def _algorithm(dtype):
 
 
 def dot_f32_weight_grads(primitive, params: dict, lhs, rhs, dtype, wide: tuple[bool, bool]):
-    """``primitive`` (``dot_general``) of ``lhs``, ``rhs`` cast to ``dtype``; the cotangent
-    of each operand marked ``wide`` (a stored param, passed in its stored dtype) is computed
-    with float32 output, then cast to that operand's dtype; the others' in ``dtype``.
+    """``dot_general`` of ``lhs``, ``rhs`` cast to ``dtype``; the cotangent of each ``wide``
+    operand (a param in its stored dtype) has a float32 output, then that operand's dtype.
 
-    A ``jax.custom_jvp`` function, so forward mode works too. Its tangent with respect to a
-    wide operand ``w`` is ``dot_general(x, dw)`` with ``x`` in ``dtype``, ``dw`` in ``w``'s
-    dtype, a float32 output and the ``dtype x dtype -> float32`` dot algorithm (which casts
-    ``dw`` to ``dtype`` for the product); JAX's transpose of that tangent is the same
-    ``dot_general`` of the (low-precision) cotangent and ``x``: the weight gradient, in
-    float32. (On XLA:CPU the mixed dot is computed in float32: the same products.)"""
+    A ``jax.custom_jvp`` function (forward mode works too): its tangent in a wide operand is
+    a ``dtype x dtype -> float32`` dot, which JAX transposes into the weight gradient."""
     dtype = np.dtype(dtype)
     dn = params["dimension_numbers"]
     algorithm = _algorithm(dtype)
@@ -101,9 +76,8 @@ def _dilate(shape, dilation):
 
 
 def _conv_kernel_transpose(g, lhs, kernel_shape, params, out_dtype):
-    """The cotangent of the kernel of ``conv_general_dilated(lhs, kernel, **params)``,
-    computed with ``out_dtype`` output: JAX's own transpose rule
-    (JAX's ``lax.convolution`` module), restated with the public ``lax.conv_general_dilated``."""
+    """The kernel cotangent of ``conv_general_dilated(lhs, kernel, **params)`` with an
+    ``out_dtype`` output: JAX's transpose rule, restated with the public API."""
     dn = params["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn
     feature_groups, batch_groups = params["feature_group_count"], params["batch_group_count"]
@@ -132,13 +106,10 @@ def _conv_kernel_transpose(g, lhs, kernel_shape, params, out_dtype):
 
 
 def conv_f32_kernel_grads(primitive, params: dict, lhs, kernel, dtype):
-    """``primitive`` (``conv_general_dilated``) of ``lhs`` and ``kernel`` cast to ``dtype``,
-    whose kernel cotangent is computed with float32 output (same low-precision operands),
-    then cast to the kernel's (stored) dtype; the input's cotangent is JAX's, in ``dtype``.
-
-    A ``jax.custom_vjp`` function: a convolution's transpose rule casts its input to the
-    cotangent's dtype, so no tangent (``custom_jvp``) formulation keeps low-precision
-    operands with a float32 output. Reverse mode only: ``jax.jvp`` through it fails."""
+    """``conv_general_dilated`` of ``lhs``, ``kernel`` cast to ``dtype``; the kernel cotangent
+    has a float32 output, then the kernel's dtype. A ``jax.custom_vjp`` function (reverse
+    mode only: a convolution's transpose casts its input to the cotangent's dtype, so no
+    ``custom_jvp`` keeps low-precision operands with a float32 output)."""
     dtype = np.dtype(dtype)
     kernel_dtype, kernel_shape = np.dtype(kernel.dtype), np.shape(kernel)
 
