@@ -56,13 +56,11 @@ FLOAT8 = "float8"
 MATMUL_ALIASES = {"float8": FLOAT8, "fp8": FLOAT8, "f8": FLOAT8, **DTYPE_ALIASES}
 
 #: Accepted ``opt_state=`` names (lower case) -> canonical name: the dtype the optimizer's
-#: floating state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``). bfloat16 is written back
-#: with stochastic rounding; the optimizer always computes in float32.
+#: floating state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``).
 OPT_STATE_ALIASES = {name: canonical for name, canonical in DTYPE_ALIASES.items()
                      if canonical != "float16"}
 
-#: Why ``opt_state=float16`` (and ``half``) is refused: the one place the rule is written (the
-#: policy parser and ``jaxamp.amp(state_dtype=)`` both say it).
+#: Why ``opt_state=float16`` (and ``half``) is refused (the parser and ``amp(state_dtype=)``).
 OPT_STATE_FLOAT16 = (
     "float16 cannot hold an optimizer state: Adam's second moment is the square of the "
     "gradients, which underflows float16 below ~6e-8 (gradients below ~2.4e-4) and overflows "

@@ -140,13 +140,11 @@ def matmul(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
             out = conv_f32_kernel_grads(eqn.primitive, params, cast(ins[0], dtype),
                                         ins[1].val, dtype)
             return [Value(out, False, False, site.region)]
-    # A param as the function got it (region (): no op made it here; a transposed kernel
-    # is not one, and keeping it in float32 would cost more than its low copy)
+    # a param as the function got it (region (); not a transposed kernel)
     given = tuple(w and v.region == () for v, w in zip(ins, wide))
     if ctx.segments_on() and dtype != F32 and any(given) \
             and any(isinstance(v.val, Tracer) for v in ins):
-        # its low-precision copy is made again in the backward pass from the param (kept
-        # anyway), not kept as a residual (jaxamp._engine.recompute)
+        # its low copy is made again in the backward from the param, not kept as a residual
         return recompute_param_casts(eqn, ins, site, params, dtype, given)
     return bind_eqn(eqn, [cast(v, dtype) for v in ins], site, params=params)
 
@@ -201,11 +199,9 @@ def promote(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     elif live:
         dtype = widest(live)
     else:
-        # Only stored operands (params, float inputs, int inputs made float): no activation
-        # decides yet, so the op runs as traced and its result stays stored, cast where an
-        # activation or a matmul first uses it. Committing to the compute dtype here would
-        # round what precision depends on: a diffusion timestep x frequency fed to sin/cos,
-        # a squared weight in an L2 penalty.
+        # Only stored operands: as traced, the result still stored (cast where first used).
+        # The compute dtype here would round what precision depends on (a diffusion
+        # timestep x frequency fed to sin/cos, a squared weight in an L2 penalty).
         return bind_eqn(eqn, [cast(v, var.aval.dtype) if v.is_float else v.val
                               for v, var in zip(ins, eqn.invars)], site, stored=True)
     return bind_eqn(eqn, [promoted(v, dtype, eqn) for v in ins], site)
