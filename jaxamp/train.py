@@ -88,11 +88,10 @@ from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, opt_state_dtype, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
-from jaxamp.state_dtype import with_state_dtype
 from jaxamp.transform import (
     AmpState,
     PerShape,
-    amp_update,
+    amp_transform,
     check_clip_norm,
     check_loss_scale,
     check_opt_state,
@@ -168,21 +167,19 @@ def _check_rng(rng: Any, where: str) -> None:
                         f"dtype={dtype}, shape={np.shape(rng)}.")
 
 
-def _stored_tx(tx: optax.GradientTransformation, policy: jmp.Policy | None,
-               where: str) -> optax.GradientTransformation:
-    """The optimizer as the state holds it: ``tx``, its floating state stored in the
-    policy's ``opt_state=`` dtype when it sets one (:func:`jaxamp.state_dtype.with_state_dtype`);
-    the one place the train state and the step decide it."""
-    dtype = None if policy is None else opt_state_dtype(policy)
-    return tx if dtype is None else with_state_dtype(tx, dtype, where=where)
+def _amp_tx(tx: optax.GradientTransformation, policy: jmp.Policy, where: str,
+            **options: Any) -> optax.GradientTransformationExtraArgs:
+    """``jaxamp.amp(tx, **options)`` storing the state in the policy's ``opt_state=`` dtype:
+    what ``TrainState.opt_state`` is the state of (the state's and the step's one composition)."""
+    return amp_transform(tx, state_dtype=opt_state_dtype(policy), where=where, **options)
 
 
-def _check_not_amp(opt_state: Any, where: str) -> None:
-    """The step wraps the state's optimizer in :func:`jaxamp.amp` itself: an optimizer that
-    is already ``amp(...)`` would unscale (and skip, clip) twice, updates loss_scale times too
+def _check_not_amp(inner_state: Any, where: str) -> None:
+    """The state's optimizer is wrapped in :func:`jaxamp.amp` by the state itself: one that
+    already is ``amp(...)`` would unscale (and skip, clip) twice, updates loss_scale times too
     small without a word."""
     if any(isinstance(x, AmpState) for x in
-           jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AmpState))):
+           jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, AmpState))):
         raise TypeError(
             f"{where}: tx is (or contains) jaxamp.amp(...), but the train step applies "
             "jaxamp.amp itself: the gradients would be unscaled twice (updates loss_scale "
@@ -192,13 +189,26 @@ def _check_not_amp(opt_state: Any, where: str) -> None:
             "hand-written step.")
 
 
+def _replace(self, **changes: Any):
+    """``dataclasses.replace``, also taking ``loss_scale=``/``skipped_steps=`` (which live in
+    ``opt_state``, the :class:`jaxamp.transform.AmpState`)."""
+    amp = {k: changes.pop(k) for k in ("loss_scale", "skipped_steps") if k in changes}
+    if amp:
+        changes["opt_state"] = changes.get("opt_state", self.opt_state)._replace(**amp)
+    return dataclasses.replace(self, **changes)
+
+
 class TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` plus what an AMP step needs.
 
+    ``opt_state`` is the state of ``jaxamp.amp(tx)`` (a :class:`jaxamp.transform.AmpState`:
+    the loss scale, ``tx``'s own state as ``inner_state``, the skipped-step count and the last
+    step's grad norm), the one copy of each; ``tx`` is the plain optimizer.
+
     Attributes:
-      loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
-        :class:`DynamicLossScale`; every field is a leaf, so it checkpoints with the state.
-      skipped_steps: int32 count of steps whose update was skipped (non-finite gradients).
+      loss_scale: ``opt_state.loss_scale`` (read-only; ``state.replace(loss_scale=...)`` sets
+        it): a :class:`NoOpLossScale`, :class:`StaticLossScale` or :class:`DynamicLossScale`.
+      skipped_steps: ``opt_state.skipped_steps``, int32 count of skipped steps.
       rng: the base PRNG key, or ``None``. It never changes: step ``s``, micro-batch ``m``
         uses ``fold_in(fold_in(fold_in(rng, s), 0), m)`` for the whole (global) micro-batch,
         on one device or a mesh, so a resumed run draws the same dropout masks as an
@@ -209,11 +219,21 @@ class TrainState(train_state.TrainState):
         it; a step built with another policy refuses the state.
     """
 
-    loss_scale: Any = None
-    skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.zeros((), jnp.int32))
     rng: Any = None
     collections: Any = struct.field(default_factory=dict)
     policy: Any = struct.field(pytree_node=False, default=None)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.replace = _replace  # flax's dataclass sets its own on every subclass
+
+    @property
+    def loss_scale(self) -> Any:
+        return self.opt_state.loss_scale
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        return self.opt_state.skipped_steps
 
     @classmethod
     def create(cls, model: Any = None, params: Any = None, tx: optax.GradientTransformation
@@ -297,12 +317,14 @@ class TrainState(train_state.TrainState):
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
                 "Omit loss_scale= for dynamic scaling (or pass jaxamp.DynamicLossScale()).",
                 UserWarning, stacklevel=2)
-        opt_state = _stored_tx(tx, policy, where).init(params)
-        _check_not_amp(opt_state, where)
+        opt_state = _amp_tx(tx, policy, where, loss_scale=loss_scale).init(params)
+        _check_not_amp(opt_state.inner_state, where)
         return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
-                   opt_state=opt_state, loss_scale=copy_tree(loss_scale),
-                   skipped_steps=jnp.zeros((), jnp.int32), rng=copy_tree(rng),
+                   opt_state=opt_state, rng=copy_tree(rng),
                    collections=copy_tree(dict(collections)), policy=policy, **kwargs)
+
+
+TrainState.replace = _replace  # TrainState's own (flax set it)
 
 
 def _batch_size(batch: Any, where: str) -> int:
@@ -828,7 +850,10 @@ def _state_loss(opts: _StepOptions, state: TrainState) -> tuple[jmp.Policy, _Ste
 def _train_step(opts: _StepOptions, state: TrainState, batch: Any, shardings: Any = None):
     """The step :func:`make_train_step` jits: loss and scaled grads, then the update."""
     policy, loss_of = _state_loss(opts, state)
-    _check_step(opts, state, batch, policy)  # trace time: before compiling
+    tx = _amp_tx(state.tx, policy, "step", loss_scale=getattr(state.opt_state, "loss_scale",
+                                                                None),
+                 clip_norm=opts.clip_norm, group_vectors=opts.mesh is None)
+    _check_step(opts, state, batch, tx)  # trace time: before compiling
     amp_loss = autocast(loss_of, policy.with_output_dtype(jnp.float32),
                         overrides=opts.overrides, op_rules=opts.op_rules,
                         f32_weight_grads=opts.f32_weight_grads)
@@ -840,7 +865,7 @@ def _train_step(opts: _StepOptions, state: TrainState, batch: Any, shardings: An
             x, NamedSharding(opts.mesh, PartitionSpec(opts.data_axis))), batch)
     loss, aux, new_coll, scaled_grads = _gradients(opts, grad_fn, state, batch, key,
                                                    shardings)
-    new_state, metrics = _update(opts, state, policy, loss, new_coll, scaled_grads)
+    new_state, metrics = _update(tx, state, loss, new_coll, scaled_grads)
     if opts.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
@@ -899,25 +924,19 @@ def _split_micro(opts: _StepOptions, x: jax.Array) -> jax.Array:
         x, NamedSharding(opts.mesh, PartitionSpec(None, opts.data_axis)))
 
 
-def _update(opts: _StepOptions, state: TrainState, policy: jmp.Policy, loss, new_coll,
-            scaled_grads) -> tuple[TrainState, dict]:
-    """The update: :func:`jaxamp.amp`'s recipe (unscale, f32, clip, skip, adjust), the one
-    copy; the collections skip with the same :func:`jaxamp.transform.skip`."""
-    ls = state.loss_scale
+def _update(tx, state: TrainState, loss, new_coll, scaled_grads) -> tuple[TrainState, dict]:
+    """``tx`` (the state's ``jaxamp.amp``) updates once; the collections skip with the same
+    :func:`jaxamp.transform.skip`."""
     loss_finite = jnp.isfinite(loss)
-    inner_tx = _stored_tx(state.tx, policy, "step")  # opt_state=: stored in bfloat16
-    updates, out, grads_finite = amp_update(
-        optax.with_extra_args_support(inner_tx).update, opts.clip_norm, scaled_grads,
-        AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
-                 jnp.ones((), bool)), state.params, {}, loss_finite,
-        group_vectors=opts.mesh is None)
-    applied = out.grads_finite
+    updates, out = tx.update(scaled_grads, state.opt_state, state.params,
+                             loss_finite=loss_finite)
+    grads_finite = out.grads_finite
+    applied = grads_finite & loss_finite
     new_state = state.replace(
-        step=state.step + 1, params=optax.apply_updates(state.params, updates),
-        opt_state=out.inner_state, loss_scale=out.loss_scale, skipped_steps=out.skipped_steps,
+        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=out,
         collections=skip(PerShape(applied), new_coll, state.collections))
     metrics = {
-        "loss": loss, "grad_norm": out.grad_norm, "loss_scale": ls.loss_scale,
+        "loss": loss, "grad_norm": out.grad_norm, "loss_scale": state.loss_scale.loss_scale,
         "grads_finite": grads_finite, "loss_finite": loss_finite, "skipped": ~applied,
         "skip_reason": ((~grads_finite).astype(jnp.int32) * SKIP_NONFINITE_GRADS
                         + (~loss_finite).astype(jnp.int32) * SKIP_NONFINITE_LOSS),
@@ -950,15 +969,13 @@ def _micro_size(opts: _StepOptions, batch: Any) -> int:
     return size // opts.micro_batches
 
 
-def _check_step(opts: _StepOptions, state: TrainState, batch: Any, policy: jmp.Policy):
+def _check_step(opts: _StepOptions, state: TrainState, batch: Any, tx):
     if opts.tx is not None and state.tx is not opts.tx:
         raise ValueError("step: the state was created with a different optimizer than the "
                          "one given to make_train_step; pass the same tx to both (or omit "
                          "it: the step uses the state's).")
-    check_loss_scale(state.loss_scale, "step")
-    check_opt_state(_stored_tx(state.tx, policy, "step"), state.opt_state, state.params,
-                    "step")
-    _check_not_amp(state.opt_state, "step")
+    _check_not_amp(jax.eval_shape(state.tx.init, state.params), "step")
+    check_opt_state(tx, state.opt_state, state.params, "step")  # an AmpState of state.tx
     _check_float_params(state.params, "step")
     _micro_size(opts, batch)
 

@@ -361,7 +361,7 @@ def test_kill_9_with_bfloat16_moments_resumes_bit_identically(tmp_path):
     resumed = _kill_and_resume(tmp_path, [9], "--opt-state", "bfloat16")  # killed near step 14
     assert resumed == [True]  # from a checkpoint, not started again
     state = restore_state(tmp_path / "seed9", KILL_STEPS)
-    assert state["opt_state"]["rounding_key"].shape == (2,)
+    assert state["opt_state"]["inner_state"]["rounding_key"].shape == (2,)
 
 
 def _kill_and_resume(tmp_path, seeds, *extra: str) -> list[bool]:
