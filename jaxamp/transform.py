@@ -191,19 +191,14 @@ def amp_transform(tx, *, loss_scale=None, clip_norm=None, group_vectors=True,
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-#: The second sum of squares is of the gradients times 2**-64: it overflows only when the norm
-#: itself exceeds float32's largest value (~3.4e38), and the elements it loses to underflow
-#: (|g| < ~2**-10) are below float32 precision next to the norms it stands in for (> 2**64).
+#: The norm's second sum is of the gradients times 2**-64 (docs/train_step.md).
 _DOWN_EXPONENT = 64
 _DOWN = np.float32(2.0**-_DOWN_EXPONENT)
 
 
 def _down_exact(g: jax.Array) -> jax.Array:
-    """``g * 2**-64`` by subtracting 64 from the exponent bits, for one-element leaves: XLA:CPU
-    folds the constant factors of a scalar product, ``(g*c) * (g*c)`` into ``(g*g) * (c*c)``,
-    which overflows exactly where this sum must not (it leaves arrays of two or more elements
-    alone, whose plain product ``g * c`` the other leaves use). Elements below ``2**-62``
-    become 0; inf and nan stay."""
+    """``g * 2**-64`` for one-element leaves, by the exponent bits (XLA:CPU would fold the
+    constant of ``(g*c) * (g*c)`` into an overflowing ``(g*g) * (c*c)``)."""
     bits = lax.bitcast_convert_type(g, jnp.int32) - (_DOWN_EXPONENT << 23)
     down = jnp.where(jnp.abs(g) >= 2.0 ** (2 - _DOWN_EXPONENT),
                      lax.bitcast_convert_type(bits, jnp.float32), 0.0)
@@ -221,16 +216,8 @@ _GROUP_MAX_SIZE = 2**16
 
 
 def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
-    """``leaves``, the vectors among them replaced by their concatenation.
-
-    A transformer layer has two or three times as many vector leaves as matrices; one reduction
-    per leaf gave each its own fused kernel and reducer in the compiled step. Concatenated, the
-    bench GPT's 8-layer step has 1192 fusions instead of 1257 (the plain step: 1140) and 1.21x
-    the plain step's instructions in fusions instead of 1.29x (``bench/step_counts.py``). The
-    concatenation copies the vector gradients (54 kB in that step, 0.5 MB in GPT-2 small) and
-    the one reduction waits for the last of them: small next to the matrices, whose reductions
-    still run beside the backward as each gradient is ready (grouping those put the whole
-    norm on the step's critical path: the CPU figures in BENCHMARKS.md's History)."""
+    """``leaves``, the vectors among them replaced by their concatenation (one reduction
+    for all the biases and norm scales: fewer kernels)."""
     is_vector = [g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE for g in leaves]
     if sum(is_vector) < 2:
         return leaves
@@ -241,19 +228,10 @@ def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def _scaled_sums(leaves: list[jax.Array], group: bool = True
                  ) -> tuple[jax.Array, jax.Array]:
-    """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``,
-    ``total`` finite when every element is finite (unless the norm exceeds float32's range),
-    inf/nan otherwise.
-
-    One variadic reduction per leaf sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the
-    first is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it,
-    the second stands in (``r = 2**-64``). One pass over each leaf and one reduction in the
-    compiled program, three elementwise ops more than a plain sum of squares (dividing by
-    ``max |g|`` first takes two reductions; measured on the bench GPT: the train step's compile
-    time 1.32x -> 1.69x the plain step's). A non-finite element makes both sums non-finite:
-    the finite check needs no pass of its own. With ``group``, the vector leaves share one
-    reduction (:func:`_grouped`); without, as on a mesh, where concatenating leaves sharded
-    apart would move them between devices, every leaf has its own.
+    """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``;
+    ``total`` is inf/nan exactly when an element is (unless the norm exceeds float32's range).
+    One variadic reduction per leaf sums ``g**2`` and ``(g * 2**-64)**2``; the second stands
+    in (``r = 2**-64``) when the first overflows. ``group``: :func:`_grouped` (not on a mesh).
     """
     zero = jnp.zeros((), jnp.float32)
     down = PerShape(_DOWN)
@@ -319,16 +297,8 @@ def _update(inner_update, clip_norm, grads, state: AmpState, params, extra_args:
 def _inner_update_selected(inner_update, applied, grads, inner_state, params,
                            extra_args: dict) -> tuple[Any, Any]:
     """``(updates, state)`` of ``inner_update``, the state's leaves selected: new where
-    ``applied``, else the old ones (bit for bit, counters included).
-
-    The updates are computed from the *selected* state: where the optimizer's update reads a
-    leaf of its new state (Adam's moments, its count), it reads ``where(applied, new, old)``
-    instead. That changes nothing where ``applied`` (the same bits) and only updates the caller
-    masks where not, and it lets XLA compute each new leaf once: with the updates reading the
-    unselected value, XLA:CPU fused the moment update into both the select and the param
-    update (twice the optimizer's instructions) and copied every donated moment buffer so the
-    param update could still read the old one.
-    """
+    ``applied``, else the old ones (bit for bit, counters included); the updates read the
+    selected state, so XLA computes each new leaf once (``docs/train_step.md``)."""
     old_leaves, old_tree = jax.tree.flatten(inner_state)
     closed, out_shape = jax.make_jaxpr(
         lambda g, s, p: inner_update(g, s, p, **extra_args), return_shape=True)(
@@ -356,11 +326,8 @@ def _inner_update_selected(inner_update, applied, grads, inner_state, params,
     return updates, jax.tree.unflatten(old_tree, leaves)
 
 
-# The skip, the one implementation (jaxamp.amp's update and the train step both use it): state
-# keeps its old leaves bit for bit (a per-leaf select, no lax.cond: the selects fuse into the
-# loops that compute the new values), and updates become -0.0, the identity of IEEE addition
-# (p + -0.0 == p bit for bit, even p = -0.0), so optax.apply_updates leaves the params as they
-# were.
+# The skip, the one implementation (jaxamp.amp's update and the train step): per-leaf selects
+# of the state; updates -0.0, the identity of IEEE addition (p + -0.0 == p bit for bit).
 
 
 def skip(applied: PerShape, new: Any, old: Any) -> Any:
@@ -385,10 +352,8 @@ def _skip_leaf(applied: PerShape, new: Any, old: Any) -> Any:
 
 
 class PerShape:
-    """A scalar broadcast once per shape it is asked for. Multiplying or selecting leaf by leaf
-    with a scalar makes one ``broadcast`` per leaf in the HLO; this makes one per distinct
-    shape (a transformer's leaves have a dozen shapes whatever its depth): fewer instructions
-    for XLA to simplify before its CSE would merge them (the step's compile time)."""
+    """A scalar broadcast once per shape it is asked for (one ``broadcast`` per distinct
+    shape, not per leaf: fewer HLO instructions to compile)."""
 
     def __init__(self, x: jax.Array):
         self.x = x
