@@ -181,6 +181,13 @@ class TrainState(train_state.TrainState):
     def skipped_steps(self) -> jax.Array:
         return self.opt_state.skipped_steps
 
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Flax's: ``tx`` applied to ``grads`` as they are (no loss scale, no skip), on
+        ``opt_state.inner_state``."""
+        updates, inner = self.tx.update(grads, self.opt_state.inner_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=self.opt_state._replace(inner_state=inner), **kwargs)
+
     @classmethod
     def create(cls, model: Any = None, params: Any = None, tx: optax.GradientTransformation
                | None = None, *, apply_fn: Callable | None = None, loss_scale: Any = None,
@@ -616,7 +623,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
       **misplaced: refused, naming where each belongs (:meth:`TrainState.create`).
     """
     _misplaced("make_train_step", misplaced, set())
-    opts = _step_options(
+    opts = _StepOptions(
         apply_fn=None if model is None else _apply_fn_of(model), loss_fn=loss_fn, tx=tx,
         policy=policy, overrides=overrides, clip_norm=clip_norm, micro_batches=micro_batches,
         mesh=mesh, data_axis=data_axis, axis_rules=axis_rules, has_aux=has_aux,
@@ -628,8 +635,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _StepOptions:
-    """:func:`make_train_step`'s options, checked: how the step runs (the state holds the
-    rest). ``policy`` and ``apply_fn`` are ``None`` where the state's are used."""
+    """:func:`make_train_step`'s options, checked eagerly (before any state is seen): how the
+    step runs (the state holds the rest). ``policy``/``apply_fn``: ``None`` for the state's."""
 
     apply_fn: Callable | None
     loss_fn: Callable
@@ -648,35 +655,32 @@ class _StepOptions:
     axis_name: str | None
     n_shards: int = 1
 
-
-def _step_options(*, apply_fn, loss_fn, tx, policy, clip_norm, micro_batches, mesh, data_axis,
-                  axis_rules, has_aux, mutable, op_rules, f32_weight_grads, axis_name,
-                  overrides) -> _StepOptions:
-    """make_train_step's options checked eagerly (before any state is seen)."""
-    where = "make_train_step"
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise TypeError(f"{where}: axis_name must be the name (a str) of the axis the model's "
-                        f"collectives reduce over, as given to jax.pmap, got {axis_name!r}. "
-                        "Example: make_train_step(model, loss_fn, axis_name='batch').")
-    if not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}. "
-                        "Example: make_train_step(model, loss_fn).")
-    if tx is not None and not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
-                        f"{type(tx).__name__}.")
-    policy = None if policy is None else get_policy(policy)
-    check_options(where, op_rules, f32_weight_grads)
-    clip_norm = check_clip_norm(clip_norm, where)
-    micro_batches = _positive_int(micro_batches, "micro_batches", where)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"{where}: has_aux must be True or False, got {has_aux!r}.")
-    mutable = _check_mutable(mutable, where)
-    n_shards, axis_rules = _check_mesh(mesh, data_axis, axis_rules, where)
-    if n_shards > 1:
-        op_rules = _fp8_per_shard(op_rules, n_shards)
-    return _StepOptions(apply_fn, loss_fn, tx, policy, overrides, clip_norm, micro_batches,
-                        mesh, data_axis, axis_rules, has_aux, mutable, op_rules,
-                        f32_weight_grads, axis_name, n_shards)
+    def __post_init__(self):
+        where, put = "make_train_step", functools.partial(object.__setattr__, self)
+        if self.axis_name is not None and not isinstance(self.axis_name, str):
+            raise TypeError(f"{where}: axis_name must be the name (a str) of the axis the "
+                            "model's collectives reduce over, as given to jax.pmap, got "
+                            f"{self.axis_name!r}. Example: make_train_step(model, loss_fn, "
+                            "axis_name='batch').")
+        if not callable(self.loss_fn):
+            raise TypeError(f"{where}: loss_fn must be callable, got "
+                            f"{type(self.loss_fn).__name__}. Example: make_train_step(model, "
+                            "loss_fn).")
+        if self.tx is not None and not isinstance(self.tx, optax.GradientTransformation):
+            raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
+                            f"{type(self.tx).__name__}.")
+        put("policy", None if self.policy is None else get_policy(self.policy))
+        check_options(where, self.op_rules, self.f32_weight_grads)
+        put("clip_norm", check_clip_norm(self.clip_norm, where))
+        put("micro_batches", _positive_int(self.micro_batches, "micro_batches", where))
+        if not isinstance(self.has_aux, bool):
+            raise TypeError(f"{where}: has_aux must be True or False, got {self.has_aux!r}.")
+        put("mutable", _check_mutable(self.mutable, where))
+        n_shards, axis_rules = _check_mesh(self.mesh, self.data_axis, self.axis_rules, where)
+        put("n_shards", n_shards)
+        put("axis_rules", axis_rules)
+        if n_shards > 1:
+            put("op_rules", _fp8_per_shard(self.op_rules, n_shards))
 
 
 def _check_mutable(mutable: Any, where: str) -> tuple[str, ...] | None:

@@ -760,3 +760,35 @@ def test_inf_loss_with_finite_gradients_is_a_skipped_step_with_its_reason():
     state, m = step(state, ok)
     assert int(m["skip_reason"]) == 0 and int(state.opt_state.inner_state[0].count) == 2
 
+
+
+def test_the_loss_scale_and_the_count_live_once_in_opt_state():
+    """Issue #41: ``opt_state`` is ``jaxamp.amp(tx)``'s state, the one copy of the loss scale and
+    the skipped count; ``state.loss_scale``/``skipped_steps`` read it, ``replace`` writes it
+    (on a subclass too), and ``apply_gradients`` is still flax's plain update."""
+    model, params, batch = _setup()
+    tx = optax.adam(1e-2)
+    state = jaxamp.TrainState.create(model, params, tx, policy=F16,
+                                     loss_scale=jaxamp.StaticLossScale(8.0))
+    assert isinstance(state.opt_state, jaxamp.transform.AmpState)
+    assert state.loss_scale is state.opt_state.loss_scale
+    assert float(jaxamp.scale_loss(jnp.float32(2.0), state.opt_state)) == 16.0
+    assert jax.tree.structure(state.opt_state.inner_state) == jax.tree.structure(
+        tx.init(params))
+    moved = state.replace(loss_scale=jaxamp.StaticLossScale(4.0), skipped_steps=jnp.int32(3))
+    assert float(moved.opt_state.loss_scale.loss_scale) == 4.0
+    assert int(moved.opt_state.skipped_steps) == 3 and float(state.loss_scale.loss_scale) == 8.0
+    new, m = jaxamp.make_train_step(model, ce_loss, donate=False)(moved, batch)
+    assert float(m["loss_scale"]) == 4.0 and int(new.skipped_steps) == 3 == int(m["skipped_steps"])
+
+    class Sub(jaxamp.TrainState):
+        extra: int = 0
+
+    sub = Sub.create(model, params, tx, policy=F16, extra=1)
+    assert int(sub.replace(skipped_steps=jnp.int32(5)).skipped_steps) == 5
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    applied = state.apply_gradients(grads=grads)
+    updates, inner = tx.update(grads, state.opt_state.inner_state, state.params)
+    assert _bits_equal(applied.params, optax.apply_updates(state.params, updates))
+    assert _bits_equal(applied.opt_state.inner_state, inner) and int(applied.step) == 1
+    assert applied.loss_scale is state.loss_scale
