@@ -394,7 +394,7 @@ class Checkpoints:
             "rng": {"seed": a.seed, "init": "jax.random.key(seed)",
                     "dropout": "fold_in(state.rng = PRNGKey(seed), step), in the checkpoint",
                     "opt_state": "--opt-state bfloat16: stochastic rounding's key is "
-                                 "state.opt_state.rounding_key, in the checkpoint",
+                                 "state.opt_state.inner_state.rounding_key, in the checkpoint",
                     "note": "batches depend only on (seed, step)"},
             "steps": a.steps,
         }

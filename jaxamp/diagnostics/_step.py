@@ -1,12 +1,7 @@
-"""Auditing a whole train step: is the loss scale divided out before gradients are clipped?
-
-Loss scaling multiplies the loss (so the gradients) by a scale; the gradients must be divided
-by it again *before* anything reads their magnitude. Clipping (or logging) the global norm of
-still-scaled gradients shrinks the clip threshold by the scale and over-suppresses every
-update. :func:`audit_step` traces a user-written train step as is and looks for that order in
-its dataflow: :class:`_Graph` holds the data dependencies of the step's jaxpr (sub-programs
-included), :func:`_clip_findings` pairs global norms with loss-scale unscaling (the heuristic is
-documented in :func:`audit_step`).
+"""Auditing a whole train step (:func:`audit_step`): is the loss scale divided out before the
+gradients' global norm is taken (a clip of scaled gradients over-suppresses every update)?
+:class:`_Graph` holds the data dependencies of the step's jaxpr, :func:`_clip_findings` pairs
+global norms with loss-scale unscaling (``docs/train_step.md``).
 """
 
 from __future__ import annotations
@@ -163,13 +158,9 @@ _NORM_OF_SCALED = (
 
 
 def _global_norms(g: _Graph, jaxpr: jcore.Jaxpr) -> list:
-    """``(eqn, name stack, ancestors)`` of each global norm, a scalar sqrt of a sum, that is
-    read by more than a finite check.
-
-    A norm read only by a finite check (``isfinite(sqrt(total))`` gating the step) does not
-    depend on the scale: scaled or not, it is finite exactly when the gradients are. Readers
-    are followed through g.preds (into sub-jaxprs and out of them); a program output (a logged
-    norm) is a reader that is no finite check."""
+    """``(eqn, name stack, ancestors)`` of each global norm (a scalar sqrt of a sum) read by
+    more than a finite check (which does not depend on the scale); a program output counts
+    as a reader."""
     norms = []
     for eqn, stack in g.leaves:
         if eqn.primitive.name == "sqrt" and _shape(eqn.outvars[0]) == () \
