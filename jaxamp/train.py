@@ -57,10 +57,8 @@ __all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "Tra
 #: The policy of a state created without ``policy=`` and of :func:`make_eval_step`.
 DEFAULT_POLICY = policy_spec.DEFAULT_POLICY
 
-#: Bits of ``metrics["skip_reason"]`` (0: the update was applied). Non-finite gradients are
-#: an overflow: the loss scale backs off. A non-finite loss with finite gradients (an inf
-#: through a term whose gradient is zero) skips the update, but the scale does not back off
-#: (no smaller scale would make that loss finite).
+#: Bits of ``metrics["skip_reason"]`` (0: applied). Non-finite gradients are an overflow (the
+#: scale backs off); a non-finite loss with finite gradients skips without backing off.
 SKIP_NONFINITE_GRADS = 1
 SKIP_NONFINITE_LOSS = 2
 
@@ -120,15 +118,12 @@ def _check_rng(rng: Any, where: str) -> None:
 
 def _amp_tx(tx: optax.GradientTransformation, policy: jmp.Policy, where: str,
             **options: Any) -> optax.GradientTransformationExtraArgs:
-    """``jaxamp.amp(tx, **options)`` storing the state in the policy's ``opt_state=`` dtype:
-    what ``TrainState.opt_state`` is the state of (the state's and the step's one composition)."""
+    """``jaxamp.amp(tx, **options)`` in the policy's ``opt_state=`` dtype (state and step)."""
     return amp_transform(tx, state_dtype=opt_state_dtype(policy), where=where, **options)
 
 
 def _check_not_amp(inner_state: Any, where: str) -> None:
-    """The state's optimizer is wrapped in :func:`jaxamp.amp` by the state itself: one that
-    already is ``amp(...)`` would unscale (and skip, clip) twice, updates loss_scale times too
-    small without a word."""
+    """An optimizer that already is ``amp(...)`` would unscale twice (updates too small)."""
     if any(isinstance(x, AmpState) for x in
            jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, AmpState))):
         raise TypeError(
@@ -141,8 +136,7 @@ def _check_not_amp(inner_state: Any, where: str) -> None:
 
 
 def _replace(self, **changes: Any):
-    """``dataclasses.replace``, also taking ``loss_scale=``/``skipped_steps=`` (which live in
-    ``opt_state``, the :class:`jaxamp.transform.AmpState`)."""
+    """``dataclasses.replace``, also taking ``loss_scale=``/``skipped_steps=`` (in opt_state)."""
     amp = {k: changes.pop(k) for k in ("loss_scale", "skipped_steps") if k in changes}
     if amp:
         changes["opt_state"] = changes.get("opt_state", self.opt_state)._replace(**amp)
@@ -426,10 +420,9 @@ class TrainStep:
 
 
 def _platform_of(mesh, state):
-    """``jax.default_device`` set to the step's own device where it is on another platform than
-    JAX's default backend (a state placed on compile-only GPU devices, ``jaxamp.gpu_program``):
-    autocast decides fused attention and weight-gradient dots by the platform it traces for,
-    and JAX keys its trace caches on the default device."""
+    """``jax.default_device`` set to the step's device where its platform is not the default
+    backend's (compile-only GPU devices, ``jaxamp.gpu_program``): autocast decides by the
+    platform it traces for, and JAX keys its trace caches on the default device."""
     device = mesh.devices.flat[0] if mesh is not None else None
     if device is None:  # the step counter: one leaf, not a flatten of the state per call
         leaf = state.step
