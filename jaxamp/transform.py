@@ -125,12 +125,9 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
       group_vectors: sum the squares of the vector leaves (biases, norm scales) in one
         reduction over their concatenation (fewer kernels). Pass ``False`` when the gradients
         are sharded over a mesh: the concatenation would move them between devices.
-      state_dtype: store ``tx``'s floating state in this dtype (:mod:`jaxamp.state_dtype`):
-        ``jnp.bfloat16`` halves Adam's moments (computed in float32, written back with
-        stochastic rounding from a key carried in the state; ``inner_state`` is then a
-        :class:`jaxamp.state_dtype.StoredState`, which a skipped step keeps, key included),
-        ``jnp.float32`` stores it in float32 whatever the params. Scalars and integer leaves
-        stay as they are; float16 is refused. None: the state as ``tx`` makes it.
+      state_dtype: store ``tx``'s non-scalar floating state in ``jnp.bfloat16`` (computed in
+        float32, written back with stochastic rounding; ``inner_state`` is then a
+        :class:`jaxamp.state_dtype.StoredState`) or ``jnp.float32``; None: as ``tx`` makes it.
 
     Example:
       >>> import optax
