@@ -7,7 +7,7 @@ inf/nan, adjust the scale); the collections skip with it. ``loss_fn`` is
 ``loss_fn(apply_fn, params, batch[, rng]) -> loss`` (linen; ``apply_fn`` adds the state's
 collections) or ``loss_fn(model, batch[, rng])`` (NNX); with ``has_aux=True`` it returns
 ``(loss, aux)``. The whole story (the state's layout, aux across micro-batches, meshes,
-``axis_name=``): ``docs/train_step.md``.
+``axis_name=``): ``docs/api/train.rst``.
 """
 
 from __future__ import annotations
@@ -591,7 +591,7 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
     The state (:meth:`TrainState.create`) holds the policy, the loss scale, the optimizer, the
     RNG and the collections; the step adds how to run. :class:`TrainStep` lists the metrics;
-    ``docs/train_step.md`` says what a step does and how a mesh runs it.
+    ``docs/api/train.rst`` says what a step does and how a mesh runs it.
 
     Args:
       model: a flax linen Module, a flax NNX Module, or an apply function; optional (the

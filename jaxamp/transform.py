@@ -5,7 +5,7 @@
 takes their global norm once (computed scaled, so finite gradients never overflow it), unscales
 and clips them with one scalar, runs the inner optimizer, and on a non-finite norm skips the
 step (:func:`skip`: state bit for bit, ``-0.0`` updates, no ``lax.cond``); then the loss scale
-adjusts. Why each piece is as it is: ``docs/train_step.md``. A hand-written step needs three
+adjusts. Why each piece is as it is: ``docs/api/train.rst``. A hand-written step needs three
 changes (README, "Your own train step")::
 
     tx = jaxamp.amp(optax.adamw(3e-4), clip_norm=1.0)            # 1. wrap the optimizer
@@ -188,7 +188,7 @@ def amp_transform(tx, *, loss_scale=None, clip_norm=None, group_vectors=True,
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-#: The norm's second sum is of the gradients times 2**-64 (docs/train_step.md).
+#: The norm's second sum is of the gradients times 2**-64 (docs/api/train.rst).
 _DOWN_EXPONENT = 64
 _DOWN = np.float32(2.0**-_DOWN_EXPONENT)
 
@@ -295,7 +295,7 @@ def _inner_update_selected(inner_update, applied, grads, inner_state, params,
                            extra_args: dict) -> tuple[Any, Any]:
     """``(updates, state)`` of ``inner_update``, the state's leaves selected: new where
     ``applied``, else the old ones (bit for bit, counters included); the updates read the
-    selected state, so XLA computes each new leaf once (``docs/train_step.md``)."""
+    selected state, so XLA computes each new leaf once (``docs/api/train.rst``)."""
     old_leaves, old_tree = jax.tree.flatten(inner_state)
     closed, out_shape = jax.make_jaxpr(
         lambda g, s, p: inner_update(g, s, p, **extra_args), return_shape=True)(

@@ -1,7 +1,7 @@
 """Auditing a whole train step (:func:`audit_step`): is the loss scale divided out before the
 gradients' global norm is taken (a clip of scaled gradients over-suppresses every update)?
 :class:`_Graph` holds the data dependencies of the step's jaxpr, :func:`_clip_findings` pairs
-global norms with loss-scale unscaling (``docs/train_step.md``).
+global norms with loss-scale unscaling (``docs/api/train.rst``).
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def audit_step(step_fn: Callable, *args: Any, params: Any = None,
     depends on is ``grad_norm_of_scaled_grads``). A loss scale is a scalar that multiplies a
     scalar and divides a tensor (``g / s`` or ``g * (1 / s)``); a norm that meets ``1 / scale``
     as a scalar (:func:`jaxamp.amp`'s unscaled norm) is fine. What it detects and cannot:
-    ``docs/train_step.md``.
+    ``docs/api/train.rst``.
 
     With a step from :func:`jaxamp.make_train_step` it traces that step and checks the state's
     params and optimizer state; module paths print as ``overrides=`` takes them.
