@@ -64,7 +64,7 @@ def memory(preset: str, policy: str, work: Path) -> dict:
             s.release()
         out[state] = {**lm_report.compiled_memory(compiled), "compile_s": seconds,
                       "opt_state": sum(x.size * x.dtype.itemsize
-                                       for x in jax.tree.leaves(abstract.opt_state))}
+                                       for x in jax.tree.leaves(abstract.opt_state.inner_state))}
     return out
 
 

@@ -21,6 +21,10 @@ sharded (a checkpoint resumes on another mesh). Changing any one element always 
 sum (the mix is a bijection); the sha256 of those bits with the dtype and shape is stored.
 Checkpoints of format 1 (a sha256 of each array's bytes, read on one host) are still checked.
 
+A checkpoint written before issue #41 holds the state's old layout (``loss_scale`` and
+``skipped_steps`` beside ``opt_state``, which held the optimizer's own state): :func:`restore_state`
+reads it as :class:`OldLayout` and moves them into today's ``opt_state`` (``jaxamp.amp``'s state).
+
 For train_lm.py: :func:`resume` restores the latest checkpoint in ``--out`` (or, with
 ``--resume latest-intact``, the newest intact one) after checking it was made with the same
 settings; :class:`Checkpoints` saves the run's state with the meta a resume needs.
@@ -39,11 +43,13 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import lm_files
 import numpy as np
+from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 from lm_cli import Setup, UsageError
 
@@ -51,7 +57,8 @@ from jaxamp import policy_spec
 from jaxamp.diagnostics.metrics import MetricsError, read_metrics, strict
 
 __all__ = ["Checkpoints", "CorruptCheckpoint", "SaveError", "closed_event_loop_filter",
-           "latest_step", "manager", "metrics_before", "restore_meta", "restore_state",
+           "OldLayout", "from_old_layout", "latest_step", "manager", "metrics_before",
+           "old_layout", "restore_meta", "restore_state",
            "resume", "run_config", "array_checksum", "save", "strong", "tree_digests"]
 
 ITEMS = ("state", "meta", "integrity")
@@ -180,16 +187,51 @@ def restore_meta(mgr, step: int, where: Path) -> tuple[dict, dict]:
     return meta, integrity
 
 
+class OldLayout(struct.PyTreeNode):
+    """The state as checkpointed before issue #41 (the same key paths): ``opt_state`` is the
+    optimizer's own state; the loss scale and the skipped-step count sit beside it."""
+
+    step: Any
+    params: Any
+    opt_state: Any
+    loss_scale: Any
+    skipped_steps: Any
+    rng: Any
+    collections: Any
+
+
+def old_layout(state) -> OldLayout:
+    """``state`` (a ``jaxamp.TrainState``) in the layout of :class:`OldLayout`."""
+    amp = state.opt_state
+    return OldLayout(state.step, state.params, amp.inner_state, amp.loss_scale,
+                     amp.skipped_steps, state.rng, state.collections)
+
+
+def from_old_layout(abstract_state, old: OldLayout):
+    """An :class:`OldLayout` read from a checkpoint as today's state: the loss scale and the
+    count move into ``opt_state``; the last step's grad norm is not in it (a step sets it
+    before anything reads it)."""
+    amp = abstract_state.opt_state._replace(
+        loss_scale=old.loss_scale, inner_state=old.opt_state, skipped_steps=old.skipped_steps,
+        grad_norm=np.zeros((), np.float32), grads_finite=np.ones((), bool))
+    return abstract_state.replace(step=old.step, params=old.params, opt_state=amp, rng=old.rng,
+                                  collections=old.collections)
+
+
 def restore_state(mgr, step: int, where: Path, abstract_state, integrity: dict):
     """The state of checkpoint ``step``, every array checked against its checksum. Leaves of
     ``abstract_state`` with a ``sharding`` are restored onto it (each host reads its shards);
-    without, the state comes back as host numpy arrays."""
+    without, the state comes back as host numpy arrays. A checkpoint of the old layout
+    (:class:`OldLayout`) is read in it and returned in today's."""
     import orbax.checkpoint as ocp
 
     fmt = integrity.get("format")
     if fmt not in (1, FORMAT):
         raise CorruptCheckpoint(step, where, f"its integrity data has format {fmt!r}, "
                                 f"not 1 or {FORMAT}")
+    old = any(k.startswith(".skipped_steps") for k in integrity.get("arrays", {}))
+    if old:
+        abstract_state, today = old_layout(abstract_state), abstract_state
     sharded = any(getattr(x, "sharding", None) is not None
                   for x in jax.tree.leaves(abstract_state))
     if not sharded:  # onto one device, whatever mesh the checkpoint was written from
@@ -216,7 +258,7 @@ def restore_state(mgr, step: int, where: Path, abstract_state, integrity: dict):
     if bad:
         raise CorruptCheckpoint(step, where, f"{len(bad)} of {len(got)} arrays fail their "
                                 f"checksum, e.g. {bad[0]}")
-    return restored
+    return from_old_layout(today, restored) if old else restored
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +394,7 @@ class Checkpoints:
             "rng": {"seed": a.seed, "init": "jax.random.key(seed)",
                     "dropout": "fold_in(state.rng = PRNGKey(seed), step), in the checkpoint",
                     "opt_state": "--opt-state bfloat16: stochastic rounding's key is "
-                                 "state.opt_state.rounding_key, in the checkpoint",
+                                 "state.opt_state.inner_state.rounding_key, in the checkpoint",
                     "note": "batches depend only on (seed, step)"},
             "steps": a.steps,
         }

@@ -159,7 +159,7 @@ def summary(s: Setup, state, rows: list[dict], *, start_step: int, initial_val: 
         "jax_version": jax.__version__,
         "memory_bytes": memory, "memory_bytes_f32": memory_f32,
         "opt_state": s.opt_state,
-        "opt_state_bytes": metrics.array_bytes(jax.tree.leaves(state.opt_state)),
+        "opt_state_bytes": metrics.array_bytes(jax.tree.leaves(state.opt_state.inner_state)),
         # read by `python -m jaxamp.review` (clip threshold, scale floor)
         "clip_norm": args.clip_norm or None,
         "min_loss_scale": (float(state.loss_scale.min_loss_scale)

@@ -1,62 +1,13 @@
-"""The jitted AMP train step: scaled loss -> grads -> unscale -> f32 -> clip -> skip -> rescale.
+"""The jitted AMP train step (:func:`make_train_step`) and its state (:class:`TrainState`).
 
-One step, in the order the methodology prescribes:
-
-1. the loss runs under :func:`jaxamp.autocast` (the forward only; the backward follows the
-   forward's dtypes), and is returned in float32;
-2. the float32 loss is multiplied by the loss scale and differentiated (micro-batches
-   accumulate float32 gradients under one scale; devices of a mesh each take their share);
-3. the update itself is :func:`jaxamp.amp`'s (one implementation of the recipe): the
-   gradients are cast to float32, their global norm taken once (metric, finite check and
-   clip; computed scaled, so finite gradients never overflow it), one scalar unscales and
-   clips them, and on a non-finite norm or loss the update is skipped (params and the whole
-   optimizer state bit-identical, so schedules do not advance);
-4. params, optimizer state and the mutable collections (BatchNorm ``batch_stats``) take their
-   new values on applied steps only, by :func:`jaxamp.transform.skip` (the one skip, which
-   :func:`jaxamp.amp` uses too: per-leaf selects and ``-0.0`` updates, no ``lax.cond``);
-   with the policy's ``opt_state=bfloat16`` the optimizer state is stored in bfloat16,
-   written back with stochastic rounding (:mod:`jaxamp.state_dtype`);
-5. the loss scale adjusts (backs off on overflow, grows after a run of clean steps).
-
-``TrainState.step`` counts every step, skipped or not; the optimizer's own counter (which drives
-learning-rate schedules) counts applied updates only, and ``skipped_steps`` counts the rest.
-
-The loss function (``loss_fn`` of :func:`make_train_step`):
-
-- linen: ``loss_fn(apply_fn, params, batch) -> loss``; it calls
-  ``apply_fn({"params": params}, ...)``. If the state holds collections, ``apply_fn`` adds them
-  to the variables and ``mutable=`` to the call and returns only the model's output: the
-  loss_fn is written as for a stateless model.
-- NNX (a state created from an NNX model): ``loss_fn(model, batch) -> loss``; it gets the model
-  merged from the state's params and collections, and BatchNorm statistics it updates go back
-  to the state.
-- With an ``rng`` parameter (``loss_fn(apply_fn, params, batch, rng)``) it gets this step's key
-  (derived from ``state.rng``) for ``rngs={"dropout": rng}``; with a default (``rng=None``) it
-  runs without one when the state has no rng.
-- Every leaf of ``batch`` has the same leading (batch) dimension, at least 1: a batch of 0 rows
-  is refused before compiling (its mean loss would be NaN and the step skipped).
-- With ``has_aux=True`` it returns ``(loss, aux)`` (as for ``jax.value_and_grad``); aux goes to
-  ``metrics["aux"]`` in float32 (float leaves). Across micro-batches and devices, an aux leaf
-  whose leading axis is the per-micro-batch batch size (logits, per-token losses) is
-  concatenated back into batch order; other float leaves are averaged; integer/bool leaves
-  (counts) are summed.
-- Micro-batches (``micro_batches=M``) accumulate float32 gradients under one loss scale (one
-  overflow skips the whole window); collections are threaded through them in order.
-
-On a mesh (``mesh=``) the step is one program, partitioned by XLA's SPMD partitioner: the batch
-is split over ``data_axis``; params, optimizer state and collections keep the shardings the state
-has (see :func:`jaxamp.shard_state`: ``NamedSharding`` s, Flax partitioning metadata, replicated
-otherwise), so data parallel, FSDP (params and optimizer state sharded over ``data_axis``),
-tensor parallel (a ``model`` axis) and their combinations are the same step. The result equals
-the single-device step on the global batch (one RNG stream, one skip decision, BatchNorm
-statistics over the global batch); every cross-device gradient reduction is float32 (see
-:func:`jaxamp.autocast`; ``f32_weight_grads=None`` is decided by the mesh/devices). The model's
-sharding constraints (``jax.lax.with_sharding_constraint``, ``nn.with_logical_constraint``) are
-traced under the mesh, and ``axis_rules=`` maps ``nn.with_logical_partitioning`` params and
-``nn.with_logical_constraint`` activations to mesh axes. ``axis_name=`` serves a model written
-for ``jax.pmap`` (Flax's imagenet ResNet: ``nn.BatchNorm(axis_name="batch")``): the step binds
-the name to one member that holds the whole (global) batch, so the model runs unmodified and its
-``pmean`` of batch statistics gives the global batch's, as pmap's mean over devices did.
+A step runs the loss under :func:`jaxamp.autocast`, differentiates the scaled float32 loss
+(micro-batches accumulate float32 gradients; on a mesh each device takes its share of one SPMD
+program), and updates once with the state's ``jaxamp.amp(tx)`` (unscale, float32, clip, skip on
+inf/nan, adjust the scale); the collections skip with it. ``loss_fn`` is
+``loss_fn(apply_fn, params, batch[, rng]) -> loss`` (linen; ``apply_fn`` adds the state's
+collections) or ``loss_fn(model, batch[, rng])`` (NNX); with ``has_aux=True`` it returns
+``(loss, aux)``. The whole story (the state's layout, aux across micro-batches, meshes,
+``axis_name=``): ``docs/api/train.rst``.
 """
 
 from __future__ import annotations
@@ -88,11 +39,10 @@ from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, opt_state_dtype, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules
 from jaxamp.sharding import check_axis_rules, state_shardings
-from jaxamp.state_dtype import with_state_dtype
 from jaxamp.transform import (
     AmpState,
     PerShape,
-    amp_update,
+    amp_transform,
     check_clip_norm,
     check_loss_scale,
     check_opt_state,
@@ -107,10 +57,8 @@ __all__ = ["DEFAULT_POLICY", "SKIP_NONFINITE_GRADS", "SKIP_NONFINITE_LOSS", "Tra
 #: The policy of a state created without ``policy=`` and of :func:`make_eval_step`.
 DEFAULT_POLICY = policy_spec.DEFAULT_POLICY
 
-#: Bits of ``metrics["skip_reason"]`` (0: the update was applied). Non-finite gradients are
-#: an overflow: the loss scale backs off. A non-finite loss with finite gradients (an inf
-#: through a term whose gradient is zero) skips the update, but the scale does not back off
-#: (no smaller scale would make that loss finite).
+#: Bits of ``metrics["skip_reason"]`` (0: applied). Non-finite gradients are an overflow (the
+#: scale backs off); a non-finite loss with finite gradients skips without backing off.
 SKIP_NONFINITE_GRADS = 1
 SKIP_NONFINITE_LOSS = 2
 
@@ -168,21 +116,16 @@ def _check_rng(rng: Any, where: str) -> None:
                         f"dtype={dtype}, shape={np.shape(rng)}.")
 
 
-def _stored_tx(tx: optax.GradientTransformation, policy: jmp.Policy | None,
-               where: str) -> optax.GradientTransformation:
-    """The optimizer as the state holds it: ``tx``, its floating state stored in the
-    policy's ``opt_state=`` dtype when it sets one (:func:`jaxamp.state_dtype.with_state_dtype`);
-    the one place the train state and the step decide it."""
-    dtype = None if policy is None else opt_state_dtype(policy)
-    return tx if dtype is None else with_state_dtype(tx, dtype, where=where)
+def _amp_tx(tx: optax.GradientTransformation, policy: jmp.Policy, where: str,
+            **options: Any) -> optax.GradientTransformationExtraArgs:
+    """``jaxamp.amp(tx, **options)`` in the policy's ``opt_state=`` dtype (state and step)."""
+    return amp_transform(tx, state_dtype=opt_state_dtype(policy), where=where, **options)
 
 
-def _check_not_amp(opt_state: Any, where: str) -> None:
-    """The step wraps the state's optimizer in :func:`jaxamp.amp` itself: an optimizer that
-    is already ``amp(...)`` would unscale (and skip, clip) twice, updates loss_scale times too
-    small without a word."""
+def _check_not_amp(inner_state: Any, where: str) -> None:
+    """An optimizer that already is ``amp(...)`` would unscale twice (updates too small)."""
     if any(isinstance(x, AmpState) for x in
-           jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AmpState))):
+           jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, AmpState))):
         raise TypeError(
             f"{where}: tx is (or contains) jaxamp.amp(...), but the train step applies "
             "jaxamp.amp itself: the gradients would be unscaled twice (updates loss_scale "
@@ -192,28 +135,52 @@ def _check_not_amp(opt_state: Any, where: str) -> None:
             "hand-written step.")
 
 
+def _replace(self, **changes: Any):
+    """``dataclasses.replace``, also taking ``loss_scale=``/``skipped_steps=`` (in opt_state)."""
+    amp = {k: changes.pop(k) for k in ("loss_scale", "skipped_steps") if k in changes}
+    if amp:
+        changes["opt_state"] = changes.get("opt_state", self.opt_state)._replace(**amp)
+    return dataclasses.replace(self, **changes)
+
+
 class TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` plus what an AMP step needs.
 
     Attributes:
-      loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
-        :class:`DynamicLossScale`; every field is a leaf, so it checkpoints with the state.
-      skipped_steps: int32 count of steps whose update was skipped (non-finite gradients).
-      rng: the base PRNG key, or ``None``. It never changes: step ``s``, micro-batch ``m``
-        uses ``fold_in(fold_in(fold_in(rng, s), 0), m)`` for the whole (global) micro-batch,
-        on one device or a mesh, so a resumed run draws the same dropout masks as an
-        uninterrupted one, and a mesh the same as one device.
-      collections: the model's variable collections other than ``params`` (e.g.
-        ``{"batch_stats": ...}``), updated by the step on applied steps only.
-      policy: the :class:`jmp.Policy` the state was created for (static). The step runs under
-        it; a step built with another policy refuses the state.
+      opt_state: the state of ``jaxamp.amp(tx)`` (:class:`jaxamp.transform.AmpState`): the
+        loss scale, ``tx``'s own state (``inner_state``), the skipped-step count.
+      loss_scale: ``opt_state.loss_scale`` (read-only; ``state.replace(loss_scale=...)``).
+      skipped_steps: ``opt_state.skipped_steps``, int32 count of skipped steps.
+      rng: the base PRNG key, or ``None``; never changes: step ``s``, micro-batch ``m`` draws
+        from ``fold_in(fold_in(fold_in(rng, s), 0), m)``, so a resumed run and a mesh draw the
+        same dropout masks as one uninterrupted device.
+      collections: variable collections other than ``params`` (``batch_stats``), updated on
+        applied steps only.
+      policy: the :class:`jmp.Policy` (static) the step runs under.
     """
 
-    loss_scale: Any = None
-    skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.zeros((), jnp.int32))
     rng: Any = None
     collections: Any = struct.field(default_factory=dict)
     policy: Any = struct.field(pytree_node=False, default=None)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.replace = _replace  # flax's dataclass sets its own on every subclass
+
+    @property
+    def loss_scale(self) -> Any:
+        return self.opt_state.loss_scale
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        return self.opt_state.skipped_steps
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Flax's: ``tx`` applied to ``grads`` as they are (no loss scale, no skip), on
+        ``opt_state.inner_state``."""
+        updates, inner = self.tx.update(grads, self.opt_state.inner_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=self.opt_state._replace(inner_state=inner), **kwargs)
 
     @classmethod
     def create(cls, model: Any = None, params: Any = None, tx: optax.GradientTransformation
@@ -223,32 +190,23 @@ class TrainState(train_state.TrainState):
         """Creates a state: one place for the policy, the loss scale, the RNG and collections.
 
         Args:
-          model: a flax linen Module (its ``apply`` is used), a flax NNX Module, or an apply
-            function. For an NNX model ``params`` may be omitted: its ``nnx.Param`` values
-            become ``params`` and its other Variables (BatchNorm statistics) the collection
-            ``"nnx_state"``, both as plain nested dicts (write them back into a model with
-            :func:`jaxamp.nnx_update`).
-          params: the params, or the variables ``model.init`` returned: ``{"params": ...}``
-            plus any other collections (``batch_stats``), which go to ``collections``. Cast to
-            the policy's ``param_dtype``.
-          tx: the optax optimizer.
+          model: a flax linen Module, a flax NNX Module (``params`` may then be omitted: its
+            ``nnx.Param`` values become ``params``, its other Variables the collection
+            ``"nnx_state"``; :func:`nnx_update` writes them back), or an apply function.
+          params: the params, or ``model.init``'s variables (other collections go to
+            ``collections``); cast to the policy's ``param_dtype``.
+          tx: the plain optax optimizer (the state wraps it in :func:`jaxamp.amp`).
           apply_fn: instead of ``model``.
-          loss_scale: the initial loss scale; ``None`` picks
-            :func:`jaxamp.default_loss_scale` for the policy (dynamic for float16 compute).
-            ``NoOpLossScale()`` with float16 compute warns: small gradients underflow.
-          policy: the policy (string or :class:`jmp.Policy`); ``None`` is
-            :data:`DEFAULT_POLICY` (float16 compute), the default of ``make_train_step``.
-            With ``opt_state=bfloat16`` the optimizer's floating state is stored in bfloat16
-            and written back with stochastic rounding (``opt_state`` is then a
-            :class:`jaxamp.state_dtype.StoredState`: the optimizer's state and the rounding
-            key; see :func:`jaxamp.amp`'s ``state_dtype=``).
-          rng: the base PRNG key for dropout (see ``rng`` above), or ``None``.
-          **kwargs: other fields (``collections=``, a subclass's fields). An option of the
-            step (``overrides=``, ``clip_norm=``, ``micro_batches=``, ...) is refused with the
-            place it belongs: :func:`make_train_step`.
+          loss_scale: the initial loss scale; ``None``: :func:`jaxamp.default_loss_scale`.
+            ``NoOpLossScale()`` with float16 compute warns (small gradients underflow).
+          policy: string or :class:`jmp.Policy`; ``None`` is :data:`DEFAULT_POLICY`. Its
+            ``opt_state=bfloat16`` stores the optimizer's state in bfloat16 (``inner_state`` is
+            then a :class:`jaxamp.state_dtype.StoredState`).
+          rng: the base PRNG key for dropout, or ``None``.
+          **kwargs: other fields (``collections=``, a subclass's); a step option is refused,
+            naming :func:`make_train_step`.
 
-        Every array is copied: the step donates the state's buffers, and what you passed in
-        stays usable.
+        Every array is copied (the step donates the state's buffers).
 
         Example:
           >>> import flax.linen as nn
@@ -297,12 +255,14 @@ class TrainState(train_state.TrainState):
                 "loss_scale=NoOpLossScale(): float16 gradients below ~6e-8 underflow to zero. "
                 "Omit loss_scale= for dynamic scaling (or pass jaxamp.DynamicLossScale()).",
                 UserWarning, stacklevel=2)
-        opt_state = _stored_tx(tx, policy, where).init(params)
-        _check_not_amp(opt_state, where)
+        opt_state = _amp_tx(tx, policy, where, loss_scale=loss_scale).init(params)
+        _check_not_amp(opt_state.inner_state, where)
         return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
-                   opt_state=opt_state, loss_scale=copy_tree(loss_scale),
-                   skipped_steps=jnp.zeros((), jnp.int32), rng=copy_tree(rng),
+                   opt_state=opt_state, rng=copy_tree(rng),
                    collections=copy_tree(dict(collections)), policy=policy, **kwargs)
+
+
+TrainState.replace = _replace  # TrainState's own (flax set it)
 
 
 def _batch_size(batch: Any, where: str) -> int:
@@ -333,58 +293,48 @@ def _batch_size(batch: Any, where: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
-    """What a train step runs for one state and batch, for the diagnostics to trace or run.
-
-    :meth:`TrainStep.program` builds it from the step's own internals (the same loss, policy,
-    collections, dropout key and ``train=`` arguments the step uses), so
-    ``precision_table(step, state, batch)``, ``audit(...)``, ``locate_overflow(...)`` and
-    ``audit_step(...)`` see the program the step differentiates.
+    """What a train step runs for one state and batch (:meth:`TrainStep.program`, from the
+    step's own internals), for the diagnostics to trace or run.
 
     Attributes:
-      loss: ``loss(params) -> float32 scalar``: the step's loss on ``batch`` (all of it, one
-        micro-batch's key), with the state's collections and this step's dropout key bound.
-        Call it under :func:`jaxamp.autocast` with ``policy``/``overrides``/``op_rules``.
-      params: the state's params.
-      opt_state: the state's optimizer state.
-      loss_scale: the state's loss scale.
+      loss: ``loss(params) -> float32 scalar``: the step's loss on ``batch`` with the state's
+        collections and micro-batch 0's dropout key; run it under :func:`jaxamp.autocast`
+        with ``policy``/``overrides``/``op_rules``/``f32_weight_grads``.
+      params, opt_state: the state's (``loss_scale``: ``opt_state``'s).
       policy: the policy the step runs (the state's, output float32).
-      overrides, op_rules, f32_weight_grads: as given to :func:`make_train_step`.
       context: ``context()`` enters what the step traces under (its mesh and axis rules).
     """
 
     loss: Callable
     params: Any
     opt_state: Any
-    loss_scale: Any
     policy: jmp.Policy
     overrides: Any
     op_rules: OpRules
     f32_weight_grads: bool | None
     context: Callable
 
+    @property
+    def loss_scale(self) -> Any:
+        return self.opt_state.loss_scale
+
 
 class TrainStep:
     """The step :func:`make_train_step` returns: ``step(state, batch) -> (state, metrics)``,
-    jitted. Its checks run while it is traced: once per input signature, before anything
-    compiles, and at no cost on later calls.
+    jitted; its checks run while it is traced (once per input signature, before compiling).
 
-    With a mesh, the state's shardings (:func:`jaxamp.sharding.state_shardings`) are read on
-    every call; the state is placed on them (a no-op once it is there) and the step is
-    compiled with them as its output shardings, so the state keeps them and one compile
-    serves every step. Tracing runs under the mesh (and the ``axis_rules``), so the model's
-    sharding constraints (``with_sharding_constraint``, Flax logical constraints) resolve.
-
-    :meth:`program` gives the diagnostics what the step runs; ``fn(step, state, batch)`` is
-    the call shape of :func:`jaxamp.precision_table`, :func:`jaxamp.audit`,
-    :func:`jaxamp.locate_overflow` and :func:`jaxamp.audit_step`.
+    With a mesh the state is placed on its shardings (:func:`jaxamp.sharding.state_shardings`)
+    on every call (a no-op once there) and the step compiled with them as output shardings;
+    tracing runs under the mesh and ``axis_rules``. :meth:`program` gives the diagnostics
+    (``fn(step, state, batch)``) what the step runs.
 
     ``metrics`` holds float32/bool/int32 scalars: ``loss`` (unscaled), ``grad_norm``
     (unscaled, before clipping), ``loss_scale`` (used in this step), ``grads_finite``,
     ``loss_finite``, ``skipped`` (not finite gradients and loss), ``skip_reason`` (int32 bits,
     0 when applied: :data:`SKIP_NONFINITE_GRADS`, :data:`SKIP_NONFINITE_LOSS`),
     ``skipped_steps`` (running total), ``loss_scale_at_min``, and ``aux`` with
-    ``has_aux=True``. On a skipped step params, optimizer state and collections come back
-    bit-identical; the loss scale backs off on non-finite gradients only.
+    ``has_aux=True``. On a skipped step params, ``opt_state.inner_state`` and collections come
+    back bit-identical; the loss scale backs off on non-finite gradients only.
     """
 
     def __init__(self, step, donate: bool, mesh: Mesh | None = None, axis_rules=None,
@@ -470,10 +420,9 @@ class TrainStep:
 
 
 def _platform_of(mesh, state):
-    """``jax.default_device`` set to the step's own device where it is on another platform than
-    JAX's default backend (a state placed on compile-only GPU devices, ``jaxamp.gpu_program``):
-    autocast decides fused attention and weight-gradient dots by the platform it traces for,
-    and JAX keys its trace caches on the default device."""
+    """``jax.default_device`` set to the step's device where its platform is not the default
+    backend's (compile-only GPU devices, ``jaxamp.gpu_program``): autocast decides by the
+    platform it traces for, and JAX keys its trace caches on the default device."""
     device = mesh.devices.flat[0] if mesh is not None else None
     if device is None:  # the step counter: one leaf, not a flatten of the state per call
         leaf = state.step
@@ -640,42 +589,34 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
                     **misplaced: Any) -> TrainStep:
     """Builds ``step(state, batch) -> (state, metrics)``, compiled once with ``jax.jit``.
 
-    The state (:meth:`TrainState.create`) is the one source of truth for the policy, the loss
-    scale, the optimizer, the RNG and the collections; the step only adds how to run. The
-    module docstring (:mod:`jaxamp.train`) says what a step does, how ``loss_fn`` is called,
-    and how a mesh runs it; :class:`TrainStep` lists the metrics.
+    The state (:meth:`TrainState.create`) holds the policy, the loss scale, the optimizer, the
+    RNG and the collections; the step adds how to run. :class:`TrainStep` lists the metrics;
+    ``docs/api/train.rst`` says what a step does and how a mesh runs it.
 
     Args:
       model: a flax linen Module, a flax NNX Module, or an apply function; optional (the
-        state's ``apply_fn`` is used).
+        state's ``apply_fn``).
       loss_fn: linen: ``loss_fn(apply_fn, params, batch[, rng]) -> loss``; NNX:
         ``loss_fn(model, batch[, rng])``. The whole loss runs under the policy.
-      tx: the optax optimizer; optional (if given, the one the state was created with).
-      policy: optional (the state's); if given it must equal the state's.
+      tx, policy: optional; if given, the state's.
       overrides: per-module rules for :func:`jaxamp.autocast`.
       clip_norm: clip the unscaled float32 gradients to this global norm (None: no clip).
       micro_batches: accumulate float32 gradients over this many micro-batches under one
         loss scale; one overflow skips the whole window.
-      mesh: run on this :class:`jax.sharding.Mesh`, the batch split over ``data_axis`` and
-        the state kept on its shardings (data, FSDP and tensor parallel alike).
+      mesh: run on this :class:`jax.sharding.Mesh`, the batch split over ``data_axis``, the
+        state kept on its shardings (data, FSDP and tensor parallel alike).
       data_axis: the mesh axis the batch is split over.
       axis_rules: Flax logical axis rules (as for ``nn.logical_axis_rules``); only with mesh.
       donate: donate the input state's buffers (a donated state is refused afterwards).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux goes to ``metrics["aux"]``.
-      mutable: the collections the step updates (default: every collection of the state).
+      mutable: the collections the step updates (default: all of the state's).
       op_rules, f32_weight_grads: as for :func:`jaxamp.autocast`.
-      axis_name: the axis name a model written for ``jax.pmap`` reduces over (bound to one
-        member holding the whole global batch).
-      **misplaced: refused, naming where each belongs (``loss_scale=``, ``rng=``,
-        ``params=``, ``collections=`` go to :meth:`TrainState.create`).
-
-    Returns:
-      The step, a :class:`TrainStep`. On a skipped step params, optimizer state and
-      collections come back bit-identical; the loss scale backs off on non-finite gradients
-      only.
+      axis_name: the axis a model written for ``jax.pmap`` reduces over (bound to one member
+        holding the whole global batch).
+      **misplaced: refused, naming where each belongs (:meth:`TrainState.create`).
     """
     _misplaced("make_train_step", misplaced, set())
-    opts = _step_options(
+    opts = _StepOptions(
         apply_fn=None if model is None else _apply_fn_of(model), loss_fn=loss_fn, tx=tx,
         policy=policy, overrides=overrides, clip_norm=clip_norm, micro_batches=micro_batches,
         mesh=mesh, data_axis=data_axis, axis_rules=axis_rules, has_aux=has_aux,
@@ -687,8 +628,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _StepOptions:
-    """:func:`make_train_step`'s options, checked: how the step runs (the state holds the
-    rest). ``policy`` and ``apply_fn`` are ``None`` where the state's are used."""
+    """:func:`make_train_step`'s options, checked eagerly (before any state is seen): how the
+    step runs (the state holds the rest). ``policy``/``apply_fn``: ``None`` for the state's."""
 
     apply_fn: Callable | None
     loss_fn: Callable
@@ -707,35 +648,32 @@ class _StepOptions:
     axis_name: str | None
     n_shards: int = 1
 
-
-def _step_options(*, apply_fn, loss_fn, tx, policy, clip_norm, micro_batches, mesh, data_axis,
-                  axis_rules, has_aux, mutable, op_rules, f32_weight_grads, axis_name,
-                  overrides) -> _StepOptions:
-    """make_train_step's options checked eagerly (before any state is seen)."""
-    where = "make_train_step"
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise TypeError(f"{where}: axis_name must be the name (a str) of the axis the model's "
-                        f"collectives reduce over, as given to jax.pmap, got {axis_name!r}. "
-                        "Example: make_train_step(model, loss_fn, axis_name='batch').")
-    if not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}. "
-                        "Example: make_train_step(model, loss_fn).")
-    if tx is not None and not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
-                        f"{type(tx).__name__}.")
-    policy = None if policy is None else get_policy(policy)
-    check_options(where, op_rules, f32_weight_grads)
-    clip_norm = check_clip_norm(clip_norm, where)
-    micro_batches = _positive_int(micro_batches, "micro_batches", where)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"{where}: has_aux must be True or False, got {has_aux!r}.")
-    mutable = _check_mutable(mutable, where)
-    n_shards, axis_rules = _check_mesh(mesh, data_axis, axis_rules, where)
-    if n_shards > 1:
-        op_rules = _fp8_per_shard(op_rules, n_shards)
-    return _StepOptions(apply_fn, loss_fn, tx, policy, overrides, clip_norm, micro_batches,
-                        mesh, data_axis, axis_rules, has_aux, mutable, op_rules,
-                        f32_weight_grads, axis_name, n_shards)
+    def __post_init__(self):
+        where, put = "make_train_step", functools.partial(object.__setattr__, self)
+        if self.axis_name is not None and not isinstance(self.axis_name, str):
+            raise TypeError(f"{where}: axis_name must be the name (a str) of the axis the "
+                            "model's collectives reduce over, as given to jax.pmap, got "
+                            f"{self.axis_name!r}. Example: make_train_step(model, loss_fn, "
+                            "axis_name='batch').")
+        if not callable(self.loss_fn):
+            raise TypeError(f"{where}: loss_fn must be callable, got "
+                            f"{type(self.loss_fn).__name__}. Example: make_train_step(model, "
+                            "loss_fn).")
+        if self.tx is not None and not isinstance(self.tx, optax.GradientTransformation):
+            raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
+                            f"{type(self.tx).__name__}.")
+        put("policy", None if self.policy is None else get_policy(self.policy))
+        check_options(where, self.op_rules, self.f32_weight_grads)
+        put("clip_norm", check_clip_norm(self.clip_norm, where))
+        put("micro_batches", _positive_int(self.micro_batches, "micro_batches", where))
+        if not isinstance(self.has_aux, bool):
+            raise TypeError(f"{where}: has_aux must be True or False, got {self.has_aux!r}.")
+        put("mutable", _check_mutable(self.mutable, where))
+        n_shards, axis_rules = _check_mesh(self.mesh, self.data_axis, self.axis_rules, where)
+        put("n_shards", n_shards)
+        put("axis_rules", axis_rules)
+        if n_shards > 1:
+            put("op_rules", _fp8_per_shard(self.op_rules, n_shards))
 
 
 def _check_mutable(mutable: Any, where: str) -> tuple[str, ...] | None:
@@ -828,7 +766,10 @@ def _state_loss(opts: _StepOptions, state: TrainState) -> tuple[jmp.Policy, _Ste
 def _train_step(opts: _StepOptions, state: TrainState, batch: Any, shardings: Any = None):
     """The step :func:`make_train_step` jits: loss and scaled grads, then the update."""
     policy, loss_of = _state_loss(opts, state)
-    _check_step(opts, state, batch, policy)  # trace time: before compiling
+    tx = _amp_tx(state.tx, policy, "step", loss_scale=getattr(state.opt_state, "loss_scale",
+                                                                None),
+                 clip_norm=opts.clip_norm, group_vectors=opts.mesh is None)
+    _check_step(opts, state, batch, tx)  # trace time: before compiling
     amp_loss = autocast(loss_of, policy.with_output_dtype(jnp.float32),
                         overrides=opts.overrides, op_rules=opts.op_rules,
                         f32_weight_grads=opts.f32_weight_grads)
@@ -840,7 +781,7 @@ def _train_step(opts: _StepOptions, state: TrainState, batch: Any, shardings: An
             x, NamedSharding(opts.mesh, PartitionSpec(opts.data_axis))), batch)
     loss, aux, new_coll, scaled_grads = _gradients(opts, grad_fn, state, batch, key,
                                                    shardings)
-    new_state, metrics = _update(opts, state, policy, loss, new_coll, scaled_grads)
+    new_state, metrics = _update(tx, state, loss, new_coll, scaled_grads)
     if opts.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
@@ -899,25 +840,19 @@ def _split_micro(opts: _StepOptions, x: jax.Array) -> jax.Array:
         x, NamedSharding(opts.mesh, PartitionSpec(None, opts.data_axis)))
 
 
-def _update(opts: _StepOptions, state: TrainState, policy: jmp.Policy, loss, new_coll,
-            scaled_grads) -> tuple[TrainState, dict]:
-    """The update: :func:`jaxamp.amp`'s recipe (unscale, f32, clip, skip, adjust), the one
-    copy; the collections skip with the same :func:`jaxamp.transform.skip`."""
-    ls = state.loss_scale
+def _update(tx, state: TrainState, loss, new_coll, scaled_grads) -> tuple[TrainState, dict]:
+    """``tx`` (the state's ``jaxamp.amp``) updates once; the collections skip with the same
+    :func:`jaxamp.transform.skip`."""
     loss_finite = jnp.isfinite(loss)
-    inner_tx = _stored_tx(state.tx, policy, "step")  # opt_state=: stored in bfloat16
-    updates, out, grads_finite = amp_update(
-        optax.with_extra_args_support(inner_tx).update, opts.clip_norm, scaled_grads,
-        AmpState(ls, state.opt_state, state.skipped_steps, jnp.zeros((), jnp.float32),
-                 jnp.ones((), bool)), state.params, {}, loss_finite,
-        group_vectors=opts.mesh is None)
-    applied = out.grads_finite
+    updates, out = tx.update(scaled_grads, state.opt_state, state.params,
+                             loss_finite=loss_finite)
+    grads_finite = out.grads_finite
+    applied = grads_finite & loss_finite
     new_state = state.replace(
-        step=state.step + 1, params=optax.apply_updates(state.params, updates),
-        opt_state=out.inner_state, loss_scale=out.loss_scale, skipped_steps=out.skipped_steps,
+        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=out,
         collections=skip(PerShape(applied), new_coll, state.collections))
     metrics = {
-        "loss": loss, "grad_norm": out.grad_norm, "loss_scale": ls.loss_scale,
+        "loss": loss, "grad_norm": out.grad_norm, "loss_scale": state.loss_scale.loss_scale,
         "grads_finite": grads_finite, "loss_finite": loss_finite, "skipped": ~applied,
         "skip_reason": ((~grads_finite).astype(jnp.int32) * SKIP_NONFINITE_GRADS
                         + (~loss_finite).astype(jnp.int32) * SKIP_NONFINITE_LOSS),
@@ -932,7 +867,7 @@ def _step_program(opts: _StepOptions, state: TrainState, batch: Any, context) ->
     policy, loss_of = _state_loss(opts, state)
     key = jax.random.fold_in(_step_key(state), 0) if loss_of.use_rng else None
     loss = functools.partial(_loss_only, loss_of, state.collections, batch, key)
-    return StepProgram(loss, state.params, state.opt_state, state.loss_scale,
+    return StepProgram(loss, state.params, state.opt_state,
                        policy.with_output_dtype(jnp.float32), opts.overrides, opts.op_rules,
                        opts.f32_weight_grads, context)
 
@@ -950,15 +885,13 @@ def _micro_size(opts: _StepOptions, batch: Any) -> int:
     return size // opts.micro_batches
 
 
-def _check_step(opts: _StepOptions, state: TrainState, batch: Any, policy: jmp.Policy):
+def _check_step(opts: _StepOptions, state: TrainState, batch: Any, tx):
     if opts.tx is not None and state.tx is not opts.tx:
         raise ValueError("step: the state was created with a different optimizer than the "
                          "one given to make_train_step; pass the same tx to both (or omit "
                          "it: the step uses the state's).")
-    check_loss_scale(state.loss_scale, "step")
-    check_opt_state(_stored_tx(state.tx, policy, "step"), state.opt_state, state.params,
-                    "step")
-    _check_not_amp(state.opt_state, "step")
+    _check_not_amp(jax.eval_shape(state.tx.init, state.params), "step")
+    check_opt_state(tx, state.opt_state, state.params, "step")  # an AmpState of state.tx
     _check_float_params(state.params, "step")
     _micro_size(opts, batch)
 

@@ -1,37 +1,16 @@
-"""``jaxamp.amp``: the AMP update as an optax ``GradientTransformation``.
+"""``jaxamp.amp``: the AMP update as an optax ``GradientTransformation`` (one implementation;
+:func:`jaxamp.make_train_step` composes it, its state in ``TrainState.opt_state``).
 
-The recipe (one implementation; :func:`jaxamp.make_train_step` is built on it):
-
-1. the caller differentiates the *scaled* loss (:func:`scale_loss`), so float16 gradients do not
-   underflow;
-2. ``update`` casts the gradients to float32 and takes their global norm once (the metric, the
-   finite check and the clip's norm). It is computed scaled, as robust norms are: beside the
-   float32 sum of squares, the same pass sums the squares of the gradients times ``2**-64``,
-   which stands in when the plain sum overflows (an element above ~1.8e19 is enough), so finite
-   gradients never give an infinite norm;
-3. ONE float32 scalar, ``1 / loss_scale * min(1, clip_norm / norm)``, unscales and clips: each
-   leaf is multiplied by it once (clipping the *unscaled* gradients, as
-   ``optax.clip_by_global_norm`` would);
-4. the inner optimizer always runs; on a non-finite norm the skip (:func:`skip`, the one
-   implementation, which the train step uses too) keeps the old optimizer state by a per-leaf
-   select (its counters included, so schedules do not advance), and the returned updates are
-   ``-0.0`` there (``p + -0.0 == p`` bit for bit, for every ``p``, ``-0.0`` included), so
-   ``optax.apply_updates`` leaves the params bit-identical. No ``lax.cond``: the selects fuse
-   into the optimizer's own loops (``optax.apply_if_finite`` instead applies a NaN update
-   after ``max_consecutive_errors``);
-5. adjusts the loss scale (backs off on overflow, grows after a run of clean steps).
-
-With ``state_dtype=jnp.bfloat16`` the inner optimizer's floating state is stored in bfloat16
-(:mod:`jaxamp.state_dtype`): upcast to float32 for the update, written back with stochastic
-rounding from a key in the state. The skip of step 4 keeps that state, key included.
-
-A hand-written step needs three changes (see the README, "Your own train step")::
+``update`` takes the gradients of the scaled loss (:func:`scale_loss`), casts them to float32,
+takes their global norm once (computed scaled, so finite gradients never overflow it), unscales
+and clips them with one scalar, runs the inner optimizer, and on a non-finite norm skips the
+step (:func:`skip`: state bit for bit, ``-0.0`` updates, no ``lax.cond``); then the loss scale
+adjusts. Why each piece is as it is: ``docs/api/train.rst``. A hand-written step needs three
+changes (README, "Your own train step")::
 
     tx = jaxamp.amp(optax.adamw(3e-4), clip_norm=1.0)            # 1. wrap the optimizer
     loss = jaxamp.autocast(loss_fn, policy)(params, batch)       # 2. the loss under the policy
     return jaxamp.scale_loss(loss, opt_state)                    # 3. differentiate it scaled
-
-The transformation knows nothing about models, so a linen or an NNX step can use it alike.
 """
 
 from __future__ import annotations
@@ -65,10 +44,11 @@ class AmpState(NamedTuple):
       loss_scale: the current loss scale (:class:`jaxamp.DynamicLossScale`,
         :class:`jaxamp.StaticLossScale` or :class:`jaxamp.NoOpLossScale`).
       inner_state: the wrapped optimizer's state; unchanged by a skipped step.
-      skipped_steps: int32 count of updates skipped on non-finite gradients.
+      skipped_steps: int32 count of updates skipped (non-finite gradients or loss).
       grad_norm: float32 global norm of the last update's unscaled gradients, before clipping
         (inf/nan on a skipped step).
-      grads_finite: bool, whether the last update's gradients were finite (it was applied).
+      grads_finite: bool, whether the last update's gradients were finite (the update was
+        applied when they were and ``update``'s ``loss_finite`` was true).
     """
 
     loss_scale: Any
@@ -130,35 +110,24 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
         state_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
     """Wraps ``tx`` in the AMP update: unscale -> float32 -> clip -> skip on inf/nan -> adjust.
 
-    ``update`` takes the gradients of the *scaled* loss (:func:`scale_loss`); the loss scale
-    lives in the returned state (:class:`AmpState`), so it checkpoints with the optimizer.
+    ``update(grads, state, params, *, loss_finite=True, **extra_args)`` takes the gradients of
+    the *scaled* loss (:func:`scale_loss`); the loss scale lives in the state
+    (:class:`AmpState`), so it checkpoints with the optimizer. ``loss_finite=False`` (a traced
+    bool) skips the update without backing the scale off (no smaller scale makes that loss
+    finite); ``extra_args`` go to ``tx`` (e.g. ``value=`` for line searches).
 
     Args:
       tx: the optimizer to wrap (any optax transformation).
       loss_scale: the initial loss scale; ``None`` means ``jaxamp.DynamicLossScale()`` (what
-        float16 needs; pass ``jaxamp.NoOpLossScale()`` for bfloat16/float32, or use
-        :func:`default_loss_scale`). ``init`` copies it: the object stays usable.
+        float16 needs; :func:`default_loss_scale` picks for a policy). ``init`` copies it.
       clip_norm: clip the unscaled float32 gradients to this global norm (a Python or JAX
-        scalar), or ``None`` for no clipping.
+        scalar), or ``None``.
       group_vectors: sum the squares of the vector leaves (biases, norm scales) in one
-        reduction over their concatenation, as :func:`jaxamp.make_train_step` does on one
-        device (fewer kernels to compile). Pass ``False`` when the gradients are sharded over
-        a mesh: the concatenation would move them between devices (``make_train_step(mesh=...)``
-        sums each leaf where it lies).
-      state_dtype: store ``tx``'s floating state in this dtype: ``jnp.bfloat16`` halves
-        Adam's moments (the optimizer still computes in float32; the new state is written
-        back with stochastic rounding, its random bits drawn from a key carried in the state,
-        so runs are reproducible and resume bit for bit), ``jnp.float32`` stores it in
-        float32 whatever the params. Scalars (counts, injected hyperparameters) and integer
-        leaves stay as they are. ``inner_state`` is then a
-        :class:`jaxamp.state_dtype.StoredState` (the optimizer's state and the key); a
-        skipped step leaves both bit-identical, so the key advances once per applied update.
-        float16 is refused (it cannot hold a second moment). None (default): the state as
-        ``tx`` makes it. The train step reads it from the policy's ``opt_state=``.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of ``update`` are
-      passed to ``tx`` (e.g. ``value=`` for line searches).
+        reduction over their concatenation (fewer kernels). Pass ``False`` when the gradients
+        are sharded over a mesh: the concatenation would move them between devices.
+      state_dtype: store ``tx``'s non-scalar floating state in ``jnp.bfloat16`` (computed in
+        float32, written back with stochastic rounding; ``inner_state`` is then a
+        :class:`jaxamp.state_dtype.StoredState`) or ``jnp.float32``; None: as ``tx`` makes it.
 
     Example:
       >>> import optax
@@ -181,7 +150,14 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
       >>> adam.mu["w"].dtype, adam.nu["w"].nbytes
       (dtype(bfloat16), 4)
     """
-    where = "jaxamp.amp"
+    return amp_transform(tx, loss_scale=loss_scale, clip_norm=clip_norm,
+                         group_vectors=group_vectors, state_dtype=state_dtype,
+                         where="jaxamp.amp")
+
+
+def amp_transform(tx, *, loss_scale=None, clip_norm=None, group_vectors=True,
+                  state_dtype=None, where: str) -> optax.GradientTransformationExtraArgs:
+    """:func:`amp`, its errors naming ``where`` (the train step composes it too)."""
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
                         f"{type(tx).__name__}. Example: jaxamp.amp(optax.adam(1e-3)).")
@@ -204,28 +180,22 @@ def amp(tx: optax.GradientTransformation, *, loss_scale: Any = None,
                         grad_norm=jnp.zeros((), jnp.float32),
                         grads_finite=jnp.ones((), bool))
 
-    def update_fn(updates, state, params=None, **extra_args):
-        _check_state(tx, state, params)
-        new_updates, state, _ = amp_update(inner_update, clip_norm, updates, state, params,
-                                           extra_args, group_vectors=group_vectors)
-        return new_updates, state
+    def update_fn(updates, state, params=None, *, loss_finite=True, **extra_args):
+        _check_state(tx, state, params, where)
+        return _update(inner_update, clip_norm, updates, state, params, extra_args,
+                       loss_finite, group_vectors)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-#: The second sum of squares is of the gradients times 2**-64: it overflows only when the norm
-#: itself exceeds float32's largest value (~3.4e38), and the elements it loses to underflow
-#: (|g| < ~2**-10) are below float32 precision next to the norms it stands in for (> 2**64).
+#: The norm's second sum is of the gradients times 2**-64 (docs/api/train.rst).
 _DOWN_EXPONENT = 64
 _DOWN = np.float32(2.0**-_DOWN_EXPONENT)
 
 
 def _down_exact(g: jax.Array) -> jax.Array:
-    """``g * 2**-64`` by subtracting 64 from the exponent bits, for one-element leaves: XLA:CPU
-    folds the constant factors of a scalar product, ``(g*c) * (g*c)`` into ``(g*g) * (c*c)``,
-    which overflows exactly where this sum must not (it leaves arrays of two or more elements
-    alone, whose plain product ``g * c`` the other leaves use). Elements below ``2**-62``
-    become 0; inf and nan stay."""
+    """``g * 2**-64`` for one-element leaves, by the exponent bits (XLA:CPU would fold the
+    constant of ``(g*c) * (g*c)`` into an overflowing ``(g*g) * (c*c)``)."""
     bits = lax.bitcast_convert_type(g, jnp.int32) - (_DOWN_EXPONENT << 23)
     down = jnp.where(jnp.abs(g) >= 2.0 ** (2 - _DOWN_EXPONENT),
                      lax.bitcast_convert_type(bits, jnp.float32), 0.0)
@@ -243,16 +213,8 @@ _GROUP_MAX_SIZE = 2**16
 
 
 def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
-    """``leaves``, the vectors among them replaced by their concatenation.
-
-    A transformer layer has two or three times as many vector leaves as matrices; one reduction
-    per leaf gave each its own fused kernel and reducer in the compiled step. Concatenated, the
-    bench GPT's 8-layer step has 1192 fusions instead of 1257 (the plain step: 1140) and 1.21x
-    the plain step's instructions in fusions instead of 1.29x (``bench/step_counts.py``). The
-    concatenation copies the vector gradients (54 kB in that step, 0.5 MB in GPT-2 small) and
-    the one reduction waits for the last of them: small next to the matrices, whose reductions
-    still run beside the backward as each gradient is ready (grouping those put the whole
-    norm on the step's critical path: the CPU figures in BENCHMARKS.md's History)."""
+    """``leaves``, the vectors among them replaced by their concatenation (one reduction
+    for all the biases and norm scales: fewer kernels)."""
     is_vector = [g.ndim <= 1 and g.size <= _GROUP_MAX_SIZE for g in leaves]
     if sum(is_vector) < 2:
         return leaves
@@ -263,19 +225,10 @@ def _grouped(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def _scaled_sums(leaves: list[jax.Array], group: bool = True
                  ) -> tuple[jax.Array, jax.Array]:
-    """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``,
-    ``total`` finite when every element is finite (unless the norm exceeds float32's range),
-    inf/nan otherwise.
-
-    One variadic reduction per leaf sums both ``g**2`` and ``(g * 2**-64)**2`` in float32: the
-    first is the norm whenever it is finite; when finite elements above ~1.8e19 overflow it,
-    the second stands in (``r = 2**-64``). One pass over each leaf and one reduction in the
-    compiled program, three elementwise ops more than a plain sum of squares (dividing by
-    ``max |g|`` first takes two reductions; measured on the bench GPT: the train step's compile
-    time 1.32x -> 1.69x the plain step's). A non-finite element makes both sums non-finite:
-    the finite check needs no pass of its own. With ``group``, the vector leaves share one
-    reduction (:func:`_grouped`); without, as on a mesh, where concatenating leaves sharded
-    apart would move them between devices, every leaf has its own.
+    """``(total, r)``: ``sqrt(total) / r`` is the global norm of the float32 ``leaves``;
+    ``total`` is inf/nan exactly when an element is (unless the norm exceeds float32's range).
+    One variadic reduction per leaf sums ``g**2`` and ``(g * 2**-64)**2``; the second stands
+    in (``r = 2**-64``) when the first overflows. ``group``: :func:`_grouped` (not on a mesh).
     """
     zero = jnp.zeros((), jnp.float32)
     down = PerShape(_DOWN)
@@ -303,19 +256,11 @@ def _is_float(x: Any) -> bool:
         or isinstance(x, float)
 
 
-def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_args: dict,
-               loss_finite: jax.Array | bool = True, group_vectors: bool = True
-               ) -> tuple[Any, AmpState, jax.Array]:
-    """The update of :func:`amp` without its checks (the train step calls it too).
-
-    Returns ``(updates, state, grads_finite)``: the inner optimizer's updates of this step,
-    ``-0.0`` on a skipped step (:func:`skip_updates`), the new :class:`AmpState`, whose
-    ``inner_state`` is the old one bit for bit on a skipped step (:func:`skip`), and whether
-    the gradients were finite. A step is
-    applied (``state.grads_finite``) when the gradients are finite and ``loss_finite``; the
-    loss scale follows the gradients alone (a non-finite loss with finite gradients is not an
-    overflow that a smaller scale would avoid). ``group_vectors``: see :func:`_scaled_sums`.
-    """
+def _update(inner_update, clip_norm, grads, state: AmpState, params, extra_args: dict,
+            loss_finite, group_vectors: bool) -> tuple[Any, AmpState]:
+    """:func:`amp`'s update: ``(updates, state)``; on a skipped step the updates are ``-0.0``
+    (:func:`skip_updates`) and ``inner_state`` is the old one bit for bit (:func:`skip`). The
+    loss scale follows the gradients alone (a non-finite loss is no overflow)."""
     ls = state.loss_scale
     scale = jnp.asarray(ls.loss_scale, jnp.float32)
     inv = (1.0 / ls.loss_scale).astype(jnp.float32)
@@ -343,22 +288,14 @@ def amp_update(inner_update, clip_norm, grads, state: AmpState, params, extra_ar
     return skip_updates(applied_by_shape, new_updates), AmpState(
         loss_scale=ls.adjust(grads_finite), inner_state=inner,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
-        grad_norm=grad_norm.astype(jnp.float32), grads_finite=applied), grads_finite
+        grad_norm=grad_norm.astype(jnp.float32), grads_finite=grads_finite)
 
 
 def _inner_update_selected(inner_update, applied, grads, inner_state, params,
                            extra_args: dict) -> tuple[Any, Any]:
     """``(updates, state)`` of ``inner_update``, the state's leaves selected: new where
-    ``applied``, else the old ones (bit for bit, counters included).
-
-    The updates are computed from the *selected* state: where the optimizer's update reads a
-    leaf of its new state (Adam's moments, its count), it reads ``where(applied, new, old)``
-    instead. That changes nothing where ``applied`` (the same bits) and only updates the caller
-    masks where not, and it lets XLA compute each new leaf once: with the updates reading the
-    unselected value, XLA:CPU fused the moment update into both the select and the param
-    update (twice the optimizer's instructions) and copied every donated moment buffer so the
-    param update could still read the old one.
-    """
+    ``applied``, else the old ones (bit for bit, counters included); the updates read the
+    selected state, so XLA computes each new leaf once (``docs/api/train.rst``)."""
     old_leaves, old_tree = jax.tree.flatten(inner_state)
     closed, out_shape = jax.make_jaxpr(
         lambda g, s, p: inner_update(g, s, p, **extra_args), return_shape=True)(
@@ -386,11 +323,8 @@ def _inner_update_selected(inner_update, applied, grads, inner_state, params,
     return updates, jax.tree.unflatten(old_tree, leaves)
 
 
-# The skip, the one implementation (jaxamp.amp's update and the train step both use it): state
-# keeps its old leaves bit for bit (a per-leaf select, no lax.cond: the selects fuse into the
-# loops that compute the new values), and updates become -0.0, the identity of IEEE addition
-# (p + -0.0 == p bit for bit, even p = -0.0), so optax.apply_updates leaves the params as they
-# were.
+# The skip, the one implementation (jaxamp.amp's update and the train step): per-leaf selects
+# of the state; updates -0.0, the identity of IEEE addition (p + -0.0 == p bit for bit).
 
 
 def skip(applied: PerShape, new: Any, old: Any) -> Any:
@@ -415,10 +349,8 @@ def _skip_leaf(applied: PerShape, new: Any, old: Any) -> Any:
 
 
 class PerShape:
-    """A scalar broadcast once per shape it is asked for. Multiplying or selecting leaf by leaf
-    with a scalar makes one ``broadcast`` per leaf in the HLO; this makes one per distinct
-    shape (a transformer's leaves have a dozen shapes whatever its depth): fewer instructions
-    for XLA to simplify before its CSE would merge them (the step's compile time)."""
+    """A scalar broadcast once per shape it is asked for (one ``broadcast`` per distinct
+    shape, not per leaf: fewer HLO instructions to compile)."""
 
     def __init__(self, x: jax.Array):
         self.x = x
@@ -441,16 +373,16 @@ def select(pred: jax.Array | PerShape, new: Any, old: Any) -> jax.Array:
     return jnp.where(pred.x if isinstance(pred, PerShape) else pred, new, old)
 
 
-def _check_state(tx, state, params) -> None:
+def _check_state(tx, state, params, where: str) -> None:
     """Trace-time checks: a foreign optimizer state gets a clear error, not an optax one."""
     if not isinstance(state, AmpState):
         raise TypeError(
-            f"jaxamp.amp: update expected the state made by this transformation's init (an "
+            f"{where}: update expected the state made by this transformation's init (an "
             f"AmpState), got {type(state).__name__}. Create it with tx.init(params) from the "
             "same jaxamp.amp(...) you pass to update.")
-    check_loss_scale(state.loss_scale, "jaxamp.amp")
+    check_loss_scale(state.loss_scale, where)
     if params is not None:
-        check_opt_state(tx, state.inner_state, params, "jaxamp.amp")
+        check_opt_state(tx, state.inner_state, params, where)
 
 
 def check_opt_state(tx, opt_state, params, where: str) -> None:

@@ -342,7 +342,7 @@ def measure_opt_state(name: str, optimizer: str, steps: int = 100) -> dict:
         row[f"val_{state_dtype}"] = float(np.mean([float(evaluate(state.params, b))
                                                    for b in val]))
         row[f"bytes_{state_dtype}"] = sum(
-            x.nbytes for x in jax.tree.leaves(state.opt_state)
+            x.nbytes for x in jax.tree.leaves(state.opt_state.inner_state)
             if x.ndim and jnp.issubdtype(x.dtype, jnp.floating))
         row[f"argument_{state_dtype}"] = memory.argument_size_in_bytes
         row[f"temp_{state_dtype}"] = memory.temp_size_in_bytes

@@ -413,7 +413,7 @@ def test_bfloat16_moments_train_as_well_in_half_the_bytes(runs):
     assert b["total"] == a["total"] - a["float32"] // 2 + 8
     # the key and the bfloat16 moments are what the checkpoint holds (a resume after kill -9
     # is bit-identical: tests/test_example_faults.py)
-    opt = restore_state(runs["bf16-opt"], STEPS)["opt_state"]  # StoredState
+    opt = restore_state(runs["bf16-opt"], STEPS)["opt_state"]["inner_state"]  # StoredState
     assert opt["rounding_key"].dtype == np.uint32 and opt["rounding_key"].shape == (2,)
     moments = jax.tree.leaves((opt["inner_state"][0]["mu"], opt["inner_state"][0]["nu"]))
     assert len(moments) > 20 and all(x.dtype == jax.numpy.bfloat16 for x in moments)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from test_example import (  # noqa: F401 - compilation_cache: the module's autouse fixture
     EXAMPLES,
@@ -361,7 +362,42 @@ def test_kill_9_with_bfloat16_moments_resumes_bit_identically(tmp_path):
     resumed = _kill_and_resume(tmp_path, [9], "--opt-state", "bfloat16")  # killed near step 14
     assert resumed == [True]  # from a checkpoint, not started again
     state = restore_state(tmp_path / "seed9", KILL_STEPS)
-    assert state["opt_state"]["rounding_key"].shape == (2,)
+    assert state["opt_state"]["inner_state"]["rounding_key"].shape == (2,)
+
+
+def test_a_checkpoint_of_the_old_layout_resumes_bit_identically(run, part):
+    """A checkpoint written before issue #41 (``loss_scale`` and ``skipped_steps`` beside
+    ``opt_state``, the optimizer's own state; ``lm_checkpoint.OldLayout`` has its key paths)
+    resumes into today's layout (the loss scale inside ``opt_state``), and the run continues
+    bit for bit: steps 11-20 and the step-20 state equal the uninterrupted run's."""
+    import lm_checkpoint
+
+    shutil.rmtree(part / "checkpoints" / "20")
+    s = train_lm.validate(train_lm.build_parser().parse_args(args(part, STEPS, "--resume")))
+    try:
+        abstract = train_lm.create_state(train_lm.build_model(s),
+                                         train_lm.make_optimizer(s.args), s, abstract=True)
+        folder = part / "checkpoints"
+        with lm_checkpoint.manager(folder, create=False) as mgr:
+            meta, integrity = lm_checkpoint.restore_meta(mgr, 10, folder / "10")
+            state = lm_checkpoint.restore_state(mgr, 10, folder / "10", abstract, integrity)
+            mgr.delete(10)
+            lm_checkpoint.save(mgr, 10, lm_checkpoint.old_layout(state), meta)
+    finally:
+        s.release()
+    old = restore_state(part, 10)
+    assert {"loss_scale", "skipped_steps"} <= set(old) and "inner_state" not in old["opt_state"]
+    with lm_checkpoint.manager(folder, create=False) as mgr:
+        _, integrity = lm_checkpoint.restore_meta(mgr, 10, folder / "10")
+        again = lm_checkpoint.restore_state(mgr, 10, folder / "10", abstract, integrity)
+    # all that the old layout holds (the last step's grad norm is not in it)
+    assert_same_state(*(jax.tree.map(np.asarray, lm_checkpoint.old_layout(x))
+                        for x in (again, state)))
+    assert train_lm.main(args(part, STEPS, "--resume")) == 0
+    assert_same_metrics(metrics(part), metrics(run))
+    new = restore_state(part, STEPS)
+    assert "loss_scale" in new["opt_state"] and "loss_scale" not in new
+    assert_same_state(new, restore_state(run, STEPS))
 
 
 def _kill_and_resume(tmp_path, seeds, *extra: str) -> list[bool]:

@@ -253,8 +253,8 @@ def nan_skip() -> dict:
     state, _ = step(state, clean)
     new, m = step(state, batch)
     same = all(np.array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))
-               for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
-                               jax.tree.leaves((new.params, new.opt_state))))
+               for a, b in zip(jax.tree.leaves((state.params, state.opt_state.inner_state)),
+                               jax.tree.leaves((new.params, new.opt_state.inner_state))))
     shards_same = all(
         all(np.array_equal(np.asarray(s.data), np.asarray(t.data))
             for s, t in zip(a.addressable_shards, b.addressable_shards))

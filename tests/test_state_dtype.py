@@ -348,14 +348,14 @@ def test_make_train_step_reads_opt_state_from_the_policy_and_equals_amp():
         return optax.apply_updates(params, updates), opt_state
 
     state = jaxamp.TrainState.create(model, params, inner, policy=BF16_STATE)
-    assert isinstance(state.opt_state, StoredState) and state.tx is inner
+    assert isinstance(state.opt_state.inner_state, StoredState) and state.tx is inner
     step = jaxamp.make_train_step(model, ce_loss, inner, clip_norm=1.0)
     p, o = params, tx.init(params)
     for i in range(6):
         b = batch if i != 3 else {**batch, "x": batch["x"].at[0, 0].set(jnp.inf)}
         p, o = train_step(p, o, b)
         state, m = step(state, b)
-        assert _bits_equal(state.params, p) and _bits_equal(state.opt_state, o.inner_state), i
+        assert _bits_equal(state.params, p) and _bits_equal(state.opt_state, o), i
         assert bool(m["skipped"]) == (i == 3)
     assert _adam(state.opt_state).mu["Dense_0"]["kernel"].dtype == jnp.bfloat16
     assert int(_adam(state.opt_state).count) == 5
@@ -397,9 +397,9 @@ def test_audit_step_accepts_the_rounded_state_and_flags_a_plain_bfloat16_one():
                if r["row"] == "Parameter update")
     assert row["backward"] == "float32" and row["ok"], row
     plain = state.replace(policy=jaxamp.get_policy(BF16_POLICY), tx=optax.adam(1e-3),
-                          opt_state=jax.tree.map(
+                          opt_state=state.opt_state._replace(inner_state=jax.tree.map(
                               lambda x: x.astype(jnp.bfloat16) if x.ndim else x,
-                              state.opt_state.inner_state))
+                              state.opt_state.inner_state.inner_state)))
     report = jaxamp.audit_step(jaxamp.make_train_step(model, ce_loss), plain, batch)
     found = [f for f in report.findings if f.kind == "opt_state_low_precision"]
     assert found and "opt_state=bfloat16" in found[0].detail
@@ -451,7 +451,8 @@ def script() -> dict:
             out["mu_spec"] = list(adam.mu["Dense_0"]["kernel"].value.sharding.spec)
             out["nu_spec"] = list(adam.nu["Dense_1"]["kernel"].value.sharding.spec)
             out["param_spec"] = list(state.params["Dense_0"]["kernel"].value.sharding.spec)
-            out["key_replicated"] = state.opt_state.rounding_key.sharding.is_fully_replicated
+            key = state.opt_state.inner_state.rounding_key
+            out["key_replicated"] = key.sharding.is_fully_replicated
             out["compiles"] = step._cache_size()  # after 4 steps
     unbox = nn.unbox
     one, mesh_state = _adam(unbox(runs["one"].opt_state)), _adam(unbox(runs["mesh"].opt_state))
@@ -468,8 +469,8 @@ def script() -> dict:
     out["params_rel"] = float(max(np.max(np.abs(np.asarray(p) - np.asarray(q)))
                                   for p, q in zip(jax.tree.leaves(unbox(runs["one"].params)),
                                                   jax.tree.leaves(unbox(runs["mesh"].params)))))
-    out["same_key"] = bool(np.array_equal(runs["one"].opt_state.rounding_key,
-                                          runs["mesh"].opt_state.rounding_key))
+    out["same_key"] = bool(np.array_equal(runs["one"].opt_state.inner_state.rounding_key,
+                                          runs["mesh"].opt_state.inner_state.rounding_key))
     return out
 
 

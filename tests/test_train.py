@@ -103,12 +103,13 @@ def test_nonfinite_step_is_skipped_bit_identically(poison):
     assert float(metrics["loss_scale"]) == 2.0**16  # the scale used in the skipped step
     assert float(state.loss_scale.loss_scale) == 2.0**15  # ... then backed off
     assert _bits_equal(state.params, params_before)
-    assert _bits_equal(state.opt_state, opt_before)  # adam count (schedule) did not advance
+    # adam's count (the schedule) did not advance
+    assert _bits_equal(state.opt_state.inner_state, opt_before.inner_state)
     assert int(state.step) == 2  # TrainState.step counts attempted steps
     state, metrics = step(state, batch)
     assert bool(metrics["grads_finite"]) and not bool(metrics["skipped"])
     assert not _bits_equal(state.params, params_before)
-    assert int(state.opt_state[0].count) == 2
+    assert int(state.opt_state.inner_state[0].count) == 2
 
 
 def test_injected_overflows_skip_exactly_those_steps_and_scale_follows_reference():
@@ -231,10 +232,10 @@ def test_low_precision_params_keep_their_optimizer_state_dtypes():
     policy = "params=bfloat16,compute=bfloat16,output=float32"
     state = jaxamp.TrainState.create(model, params, tx, policy=policy)
     step = jaxamp.make_train_step(model, ce_loss, tx, policy=policy)
-    dtypes = jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state))
+    dtypes = jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state.inner_state))
     for _ in range(2):
         state, m = step(state, batch)
-    assert jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state)) == dtypes
+    assert jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state.inner_state)) == dtypes
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     assert bool(m["grads_finite"])
 
@@ -750,12 +751,44 @@ def test_inf_loss_with_finite_gradients_is_a_skipped_step_with_its_reason():
     assert int(m["skip_reason"]) == jaxamp.train.SKIP_NONFINITE_LOSS
     assert int(m["skipped_steps"]) == 1 and np.isfinite(float(m["grad_norm"]))
     assert _bits_equal(state.params, before.params)
-    assert _bits_equal(state.opt_state, before.opt_state)  # the schedule count too
+    assert _bits_equal(state.opt_state.inner_state, before.opt_state.inner_state)  # count too
     assert float(state.loss_scale.loss_scale) == 2.0**10  # no back-off for a loss inf
     state, m = step(state, _poison(ok))  # inf input: gradients and loss, the scale backs off
     assert int(m["skip_reason"]) == (jaxamp.train.SKIP_NONFINITE_GRADS
                                      | jaxamp.train.SKIP_NONFINITE_LOSS) == 3
     assert float(state.loss_scale.loss_scale) == 2.0**9
     state, m = step(state, ok)
-    assert int(m["skip_reason"]) == 0 and int(state.opt_state[0].count) == 2
+    assert int(m["skip_reason"]) == 0 and int(state.opt_state.inner_state[0].count) == 2
 
+
+
+def test_the_loss_scale_and_the_count_live_once_in_opt_state():
+    """Issue #41: ``opt_state`` is ``jaxamp.amp(tx)``'s state, the one copy of the loss scale and
+    the skipped count; ``state.loss_scale``/``skipped_steps`` read it, ``replace`` writes it
+    (on a subclass too), and ``apply_gradients`` is still flax's plain update."""
+    model, params, batch = _setup()
+    tx = optax.adam(1e-2)
+    state = jaxamp.TrainState.create(model, params, tx, policy=F16,
+                                     loss_scale=jaxamp.StaticLossScale(8.0))
+    assert isinstance(state.opt_state, jaxamp.transform.AmpState)
+    assert state.loss_scale is state.opt_state.loss_scale
+    assert float(jaxamp.scale_loss(jnp.float32(2.0), state.opt_state)) == 16.0
+    assert jax.tree.structure(state.opt_state.inner_state) == jax.tree.structure(
+        tx.init(params))
+    moved = state.replace(loss_scale=jaxamp.StaticLossScale(4.0), skipped_steps=jnp.int32(3))
+    assert float(moved.opt_state.loss_scale.loss_scale) == 4.0
+    assert int(moved.opt_state.skipped_steps) == 3 and float(state.loss_scale.loss_scale) == 8.0
+    new, m = jaxamp.make_train_step(model, ce_loss, donate=False)(moved, batch)
+    assert float(m["loss_scale"]) == 4.0 and int(new.skipped_steps) == 3 == int(m["skipped_steps"])
+
+    class Sub(jaxamp.TrainState):
+        extra: int = 0
+
+    sub = Sub.create(model, params, tx, policy=F16, extra=1)
+    assert int(sub.replace(skipped_steps=jnp.int32(5)).skipped_steps) == 5
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    applied = state.apply_gradients(grads=grads)
+    updates, inner = tx.update(grads, state.opt_state.inner_state, state.params)
+    assert _bits_equal(applied.params, optax.apply_updates(state.params, updates))
+    assert _bits_equal(applied.opt_state.inner_state, inner) and int(applied.step) == 1
+    assert applied.loss_scale is state.loss_scale

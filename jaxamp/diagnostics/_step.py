@@ -1,12 +1,7 @@
-"""Auditing a whole train step: is the loss scale divided out before gradients are clipped?
-
-Loss scaling multiplies the loss (so the gradients) by a scale; the gradients must be divided
-by it again *before* anything reads their magnitude. Clipping (or logging) the global norm of
-still-scaled gradients shrinks the clip threshold by the scale and over-suppresses every
-update. :func:`audit_step` traces a user-written train step as is and looks for that order in
-its dataflow: :class:`_Graph` holds the data dependencies of the step's jaxpr (sub-programs
-included), :func:`_clip_findings` pairs global norms with loss-scale unscaling (the heuristic is
-documented in :func:`audit_step`).
+"""Auditing a whole train step (:func:`audit_step`): is the loss scale divided out before the
+gradients' global norm is taken (a clip of scaled gradients over-suppresses every update)?
+:class:`_Graph` holds the data dependencies of the step's jaxpr, :func:`_clip_findings` pairs
+global norms with loss-scale unscaling (``docs/api/train.rst``).
 """
 
 from __future__ import annotations
@@ -163,13 +158,9 @@ _NORM_OF_SCALED = (
 
 
 def _global_norms(g: _Graph, jaxpr: jcore.Jaxpr) -> list:
-    """``(eqn, name stack, ancestors)`` of each global norm, a scalar sqrt of a sum, that is
-    read by more than a finite check.
-
-    A norm read only by a finite check (``isfinite(sqrt(total))`` gating the step) does not
-    depend on the scale: scaled or not, it is finite exactly when the gradients are. Readers
-    are followed through g.preds (into sub-jaxprs and out of them); a program output (a logged
-    norm) is a reader that is no finite check."""
+    """``(eqn, name stack, ancestors)`` of each global norm (a scalar sqrt of a sum) read by
+    more than a finite check (which does not depend on the scale); a program output counts
+    as a reader."""
     norms = []
     for eqn, stack in g.leaves:
         if eqn.primitive.name == "sqrt" and _shape(eqn.outvars[0]) == () \
@@ -276,41 +267,20 @@ def _accounted(g: _Graph, scalar_mul: set) -> Callable:
 
 def audit_step(step_fn: Callable, *args: Any, params: Any = None,
                opt_state: Any = None) -> AuditReport:
-    """Audits a whole user-written train step (traced as is, e.g. ``step(state, batch)``):
-    the order of loss-scale unscaling and gradient clipping, plus the precision table of the
-    step and low-precision ``params=``/``opt_state=`` if given.
+    """Audits a whole train step (traced as is, e.g. ``step(state, batch)``): the order of
+    loss-scale unscaling and gradient clipping, the step's precision table, and low-precision
+    ``params=``/``opt_state=`` storage.
 
-    The check (``clip_before_unscale``) is a dataflow heuristic on the step's jaxpr:
+    ``clip_before_unscale`` is a dataflow heuristic on the step's jaxpr: a global norm (a scalar
+    ``sqrt`` of a ``reduce_sum``) read by more than a finite check, computed from gradients no
+    loss-scale division has reached, while an unscaling depends on it (a norm no unscaling
+    depends on is ``grad_norm_of_scaled_grads``). A loss scale is a scalar that multiplies a
+    scalar and divides a tensor (``g / s`` or ``g * (1 / s)``); a norm that meets ``1 / scale``
+    as a scalar (:func:`jaxamp.amp`'s unscaled norm) is fine. What it detects and cannot:
+    ``docs/api/train.rst``.
 
-    1. a *global norm* is a scalar ``sqrt`` whose input is computed from a ``reduce_sum``
-       (``optax.global_norm``, ``optax.clip_by_global_norm``, ``jnp.linalg.norm`` of a leaf);
-    2. a *loss scale* is a scalar (a traced value, or a literal like ``1024.0``) that is both
-       multiplied with another scalar (the loss, or the backward's cotangent seed) and divides
-       a non-scalar value, directly (``g / scale``) or through a reciprocal
-       (``g * (1 / scale)``, as ``jaxamp`` loss scales do); values derived from a global norm
-       are never taken for a loss scale (they are clip factors);
-    3. a norm read only by a finite check (``isfinite``) is left out: it is finite exactly
-       when the gradients are, scaled or not;
-    4. a norm whose inputs include no unscaled value, while some unscaling is computed from
-       that norm, is ``clip_before_unscale``, unless the norm itself meets ``1 / scale`` as a
-       scalar (``norm * inv``, ``min(inv, clip / norm)``: the unscaled norm and clip factor
-       computed from scaled gradients, as :func:`jaxamp.amp` does); a norm of scaled gradients
-       that no unscaling depends on is ``grad_norm_of_scaled_grads`` (e.g. a logged grad norm
-       off by the scale).
-
-    What it cannot detect: a loss scale that is never divided back out (nothing to pair the
-    scaling with), an unscale written as a multiplication by a precomputed reciprocal passed
-    in as an input, clipping without a ``sqrt`` (per-value ``clip_by_value``, or a norm
-    compared squared), and steps whose clipping happens inside ``custom_vjp`` functions or
-    host callbacks. It assumes no unrelated scalar both multiplies a scalar and divides
-    tensors after the backward pass (a false positive would name a norm that is then divided
-    by such a scalar).
-
-    ``audit_step(step, state, batch)`` with a step from :func:`jaxamp.make_train_step` traces
-    that step and checks the state's params and optimizer state; module paths are printed as
-    ``overrides=`` takes them (the root module by its class name). A user's step wrapped in
-    ``jax.jit`` and already traced for these shapes may come from JAX's cache without running
-    the model's Python: its rows then keep the raw name-stack paths.
+    With a step from :func:`jaxamp.make_train_step` it traces that step and checks the state's
+    params and optimizer state; module paths print as ``overrides=`` takes them.
 
     Args:
       step_fn: the train step; traced with ``jax.make_jaxpr`` (never run).

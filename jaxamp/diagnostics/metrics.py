@@ -261,7 +261,7 @@ def _show(v: Any) -> str:
 def array_bytes(arrays: Iterable[Any]) -> dict[str, int]:
     """``{"<dtype name>": bytes, ..., "total": bytes}`` of ``arrays`` (anything with ``shape``
     and ``dtype``: JAX or NumPy arrays, ``jax.ShapeDtypeStruct``), the record of
-    ``summary.json``'s ``opt_state_bytes``: pass ``jax.tree.leaves(state.opt_state)``.
+    ``summary.json``'s ``opt_state_bytes``: pass ``jax.tree.leaves(state.opt_state.inner_state)``.
 
     Example:
         >>> import numpy as np
