@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 import threading
 from typing import Any
 
@@ -42,8 +41,13 @@ from jaxamp._engine.compat import target_platform
 
 ORIGINAL = jax.nn.dot_product_attention
 _SIGNATURE = inspect.signature(ORIGINAL)
-#: The name of the recorded call: ``jaxamp_attention_<autocast call>_<index>``.
-CALL_NAME = re.compile(r"jaxamp_attention_(\d+)_(\d+)")
+
+
+def jit_name(call: int, index: int) -> str:
+    """The jit name of recorded call ``index`` of autocast call ``call`` (looked up, not parsed)."""
+    return f"jaxamp_attention_{call}_{index}"
+
+
 #: Array arguments cast to the compute dtype (masks and sequence lengths are not floats).
 CAST_ARGUMENTS = frozenset({"query", "key", "value", "bias"})
 
@@ -89,7 +93,7 @@ def _wrapper(previous):
             finally:
                 _local.busy = False
 
-        attention.__name__ = f"jaxamp_attention_{recorder.call}_{len(recorder.calls)}"
+        attention.__name__ = jit_name(recorder.call, len(recorder.calls))
         recorder.calls.append((names, static, previous))
         return jax.jit(attention)(*arrays.values())
 
