@@ -54,8 +54,16 @@ def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array
 
 
 def _int_at_least(value, low: int) -> bool:
-    """``value`` is an int (not a bool) >= ``low``: the check of ``margin`` and ``shards``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_scaling(where: str, margin, shards) -> None:
+    if not _int_at_least(margin, 0):
+        raise ValueError(f"{where}: margin must be an int >= 0, got {margin!r} (headroom "
+                         "2**margin below the FP8 maximum).")
+    if not _int_at_least(shards, 1):
+        raise ValueError(f"{where}: shards must be an int >= 1 (the devices of the data axis; "
+                         f"1: per-tensor scales), got {shards!r}.")
 
 
 def _dims(dimension_numbers) -> tuple:
@@ -160,12 +168,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
       >>> y.dtype, float(y[0, 0])
       (dtype(bfloat16), 16.0)
     """
-    if not _int_at_least(margin, 0):
-        raise ValueError(f"fp8_dot_general: margin must be an int >= 0 (headroom 2**margin), "
-                         f"got {margin!r}.")
-    if not _int_at_least(shards, 1):
-        raise ValueError(f"fp8_dot_general: shards must be an int >= 1 (the devices of the "
-                         f"data axis; 1: per-tensor scales), got {shards!r}.")
+    _check_scaling("fp8_dot_general", margin, shards)
     if activation not in (0, 1):
         raise ValueError(f"fp8_dot_general: activation must be 0 (lhs) or 1 (rhs), got "
                          f"{activation!r}.")
@@ -244,11 +247,7 @@ class FP8Matmuls:
             raise ValueError(f"FP8Matmuls: small must be a tuple (K, N) of ints >= 0, got "
                              f"{self.small!r}. Example: FP8Matmuls(small=(0, 0)) runs every "
                              "aligned matmul in FP8.")
-        if not _int_at_least(self.margin, 0):
-            raise ValueError(f"FP8Matmuls: margin must be an int >= 0, got {self.margin!r}.")
-        if not _int_at_least(self.shards, 1):
-            raise ValueError(f"FP8Matmuls: shards must be an int >= 1 (the devices of the data "
-                             f"axis; 1: per-tensor scales), got {self.shards!r}.")
+        _check_scaling("FP8Matmuls", self.margin, self.shards)
 
     def decide(self, call) -> str:
         """``"float8"``, or why ``call``'s matmul stays in the compute dtype."""
