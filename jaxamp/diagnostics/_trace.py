@@ -134,7 +134,6 @@ class Recorder:
     def __init__(self, rules: ModuleRules):
         self.rules = rules
         self.modules: dict[str, ModuleInfo] = {}
-        self.order: list[str] = []  # module paths in order of completion
         self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
 
     def interceptor(self, next_fun, args, kwargs, context):
@@ -164,7 +163,6 @@ class Recorder:
             return next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
-            self.order.append(path)
 
 
 # ---- walking the jaxpr ---------------------------------------------------------------------------
