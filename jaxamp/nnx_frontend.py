@@ -1,27 +1,10 @@
-"""The Flax NNX front end: where NNX modules begin and end while autocast traces.
+"""The Flax NNX front end: which NNX module runs, and its path, while autocast traces.
 
-linen has a method interceptor (``nn.intercept_methods``); NNX has none, and no name scopes of
-its own. This module gives autocast and the diagnostics the same two facts for NNX modules:
-
-* *which module is running*: while :func:`intercept_calls` is active in a thread, every
-  ``nnx.Module`` subclass's ``__call__`` goes through a wrapper that calls the interceptors
-  with a :class:`Call` (the module, its path, its class), linen-interceptor style, and runs the
-  call under ``jax.named_scope`` of its path (the root under its class name, like linen), so
-  the audit and the overflow locator read NNX paths from the name stack as they read linen's.
-  The wrapper is installed on the classes (Python looks dunders up on the type) while at least
-  one thread intercepts, wrapping whatever ``__call__`` each class had (its own, or another
-  library's wrapper of it); in a thread that is not intercepting it calls that and nothing
-  else. When the last thread stops, each class gets back what it had, unless someone replaced
-  the wrapper meanwhile: their function stays (it may call ours, which passes calls through),
-  so no one's patch is clobbered. Only ``__call__`` is seen
-  (other methods, e.g. ``Embed.attend``, run in their caller's region).
-* *its path*, as NNX names it (``blocks/3/attn``): a module passed to autocast (or merged by
-  :class:`Apply`) is registered with its whole graph; a module first met in a call is a root
-  (path ``()``). NNX transforms (``nnx.scan``, ``nnx.remat``, ``nnx.vmap``) rebuild modules
-  inside their traces, so registration also writes each Variable's full path into its metadata
-  (key :data:`PATH_KEY`), which those transforms carry along; a rebuilt module takes its path
-  from the first Variable it holds. The key is removed again from the Variables of modules
-  that exist outside the trace.
+NNX has no method interceptor (linen's) and no name scopes: while :func:`intercept_calls` is
+active in a thread, every NNX class's ``__call__`` is wrapped (a ``_engine.patching.Patch``),
+calls the interceptors with a :class:`Call` and runs under ``jax.named_scope`` of its NNX path
+(``blocks/3/attn``), so the audit reads NNX paths as it reads linen's. How paths survive NNX
+transforms (:data:`PATH_KEY`): ``jaxamp/_engine/README.md``.
 """
 
 from __future__ import annotations
@@ -29,23 +12,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from flax import nnx
 
+from jaxamp._engine.patching import Patch
+
 __all__ = ["PATH_KEY", "Apply", "Call", "ModuleArgs", "intercept_calls", "is_module",
            "register"]
 
 #: The Variable metadata key that carries its path through NNX transforms.
 PATH_KEY = "jaxamp_path"
-
-_lock = threading.Lock()
-_local = threading.local()
-_active = 0  # threads intercepting (the wrappers are installed while > 0)
-_originals: dict[type, tuple[Callable, Callable]] = {}  # class -> (what it had, our wrapper)
 
 
 def is_module(x: Any) -> bool:
@@ -74,26 +53,19 @@ class _Session:
         self.calls: list[nnx.Module] = []  # the modules whose __call__ runs, innermost last
 
 
-def _session() -> _Session | None:
-    return getattr(_local, "session", None)
-
-
-def _parts(path) -> tuple[str, ...]:
-    return tuple(str(p) for p in path)
-
-
 def _graph(node) -> Iterator[tuple[tuple[str, ...], Any]]:
     for path, value in nnx.iter_graph(node):
         if isinstance(value, nnx.Module | nnx.Variable):
-            yield _parts(path), value
+            yield tuple(str(p) for p in path), value
 
 
 def register(module: nnx.Module, prefix: tuple[str, ...] = ()) -> None:
     """Registers ``module`` and its graph at ``prefix`` for the calls this thread intercepts
     (nothing if it intercepts none)."""
-    session = _session()
-    if session is None:
+    stack = _PATCH.stack()
+    if not stack:
         return
+    session = stack[-1]
     for rel, node in _graph(module):
         path = prefix + rel
         if isinstance(node, nnx.Module):
@@ -110,18 +82,15 @@ def _path_of(session: _Session, module: nnx.Module) -> tuple[str, ...]:
     known = session.paths.get(id(module))
     if known is not None:
         return known[1]
-    path = None
     for rel, node in _graph(module):  # a module rebuilt inside an NNX transform
         if isinstance(node, nnx.Variable) and node.has_metadata(PATH_KEY):
             full = tuple(node.get_metadata(PATH_KEY))
             if len(full) >= len(rel) and full[len(full) - len(rel):] == rel:
                 path = full[:len(full) - len(rel)]
-                break
-    if path is None:  # first met here: a root
-        register(module)
-        return ()
-    session.paths[id(module)] = (module, path)  # (keeps the module alive: ids stay unique)
-    return path
+                session.paths[id(module)] = (module, path)  # (keeps it alive: ids stay unique)
+                return path
+    register(module)  # first met here: a root
+    return ()
 
 
 def _scope_name(session: _Session, module: nnx.Module, path: tuple[str, ...]) -> str:
@@ -137,33 +106,22 @@ def _scope_name(session: _Session, module: nnx.Module, path: tuple[str, ...]) ->
     return "/".join(path)
 
 
-def _wrap(cls: type, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def __call__(self, *args, **kwargs):
-        session = _session()
-        if session is None or not session.interceptors:
-            return original(self, *args, **kwargs)
-        if session.calls and session.calls[-1] is self:  # super().__call__: the same call
-            return original(self, *args, **kwargs)
-        path = _path_of(session, self)
-        context = Call(self, path)
-
-        def run(*a, **k):
-            return original(self, *a, **k)
-
-        fun = run
-        for interceptor in reversed(session.interceptors):  # the first one outermost
-            fun = functools.partial(_intercepted, interceptor, fun, context)
-        scope = _scope_name(session, self, path)
-        session.calls.append(self)
-        try:
-            with jax.named_scope(scope):
-                return fun(*args, **kwargs)
-        finally:
-            session.calls.pop()
-
-    __call__.__jaxamp_nnx__ = True
-    return __call__
+def _call(session: _Session, original: Callable, module: nnx.Module, *args, **kwargs):
+    """A module's ``__call__`` in an intercepting thread (the patch's handler)."""
+    if session.calls and session.calls[-1] is module:  # super().__call__: the same call
+        return original(module, *args, **kwargs)
+    path = _path_of(session, module)
+    context = Call(module, path)
+    fun = functools.partial(original, module)
+    for interceptor in reversed(session.interceptors):  # the first one outermost
+        fun = functools.partial(_intercepted, interceptor, fun, context)
+    scope = _scope_name(session, module, path)
+    session.calls.append(module)
+    try:
+        with jax.named_scope(scope):
+            return fun(*args, **kwargs)
+    finally:
+        session.calls.pop()
 
 
 def _intercepted(interceptor, next_fun, context, *args, **kwargs):
@@ -171,77 +129,49 @@ def _intercepted(interceptor, next_fun, context, *args, **kwargs):
 
 
 def _subclasses(cls: type) -> Iterator[type]:
-    seen = set()
-    todo = [cls]
+    seen, todo = set(), [cls]
     while todo:
-        c = todo.pop()
-        for sub in c.__subclasses__():
+        for sub in todo.pop().__subclasses__():
             if sub not in seen:
                 seen.add(sub)
                 todo.append(sub)
                 yield sub
 
 
-def _install() -> None:
-    """Wraps ``__call__`` of every ``nnx.Module`` subclass that defines one (under _lock); a
-    class whose wrapper someone replaced since is wrapped again (around their function)."""
+def _targets() -> Iterator[tuple[type, str]]:
+    """Every ``nnx.Module`` class that defines its own ``__call__`` (dunders are looked up on
+    the type, so the classes are patched)."""
     for cls in [nnx.Module, *_subclasses(nnx.Module)]:
         own = cls.__dict__.get("__call__")
-        if own is None or not callable(own) or isinstance(own, staticmethod | classmethod):
-            continue
-        if cls in _originals and _originals[cls][1] is own:
-            continue
-        wrapper = _wrap(cls, own)
-        _originals[cls] = (own, wrapper)
-        type.__setattr__(cls, "__call__", wrapper)
+        if callable(own) and not isinstance(own, staticmethod | classmethod):
+            yield cls, "__call__"
 
 
-def _uninstall() -> None:
-    """Gives each class back what it had, where our wrapper is still the one in place."""
-    for cls, (own, wrapper) in _originals.items():
-        if cls.__dict__.get("__call__") is wrapper:
-            type.__setattr__(cls, "__call__", own)
-    _originals.clear()
+_PATCH = Patch(_targets, _call)
+installed = _PATCH.installed
 
 
 @contextlib.contextmanager
 def intercept_calls(interceptor: Callable):
     """Calls ``interceptor(next_fun, args, kwargs, context: Call)`` around every NNX module
     ``__call__`` this thread makes inside the block (the first interceptor entered is the
-    outermost). Classes are restored when the last intercepting thread leaves."""
-    global _active
-    session = _session()
-    outermost = session is None
-    if outermost:
-        session = _local.session = _Session()
-    with _lock:
-        _install()  # also wraps classes defined since the last install
-        _active += 1
+    outermost)."""
+    stack = _PATCH.stack()
+    outermost = not stack
+    session = _Session() if outermost else stack[-1]
     session.interceptors.append(interceptor)
     try:
-        yield session
+        with _PATCH.active(session):
+            yield session
     finally:
         session.interceptors.pop()
         if outermost:
             for var in session.annotated:
                 with contextlib.suppress(Exception):
                     var.del_metadata(PATH_KEY)
-            del _local.session
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                _uninstall()
 
 
-def installed() -> bool:
-    """Whether the class wrappers are installed now (for tests)."""
-    return any(cls.__dict__.get("__call__") is wrapper
-               for cls, (_, wrapper) in _originals.items())
-
-
-# ---------------------------------------------------------------------------------------------
-# NNX models as autocast arguments: split before tracing, merged as a copy inside it
-# ---------------------------------------------------------------------------------------------
+# ---- NNX models as autocast arguments: split before tracing, merged as copies inside it ----
 
 
 _SLOT = type("_Slot", (), {"__repr__": lambda self: "<nnx module>"})()
@@ -256,19 +186,17 @@ class ModuleArgs:
     """
 
     def __init__(self, args: tuple, kwargs: dict):
-        tree, self.treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_module)
-        self.slots = [i for i, x in enumerate(tree) if is_module(x)]
-        self.leaves = tree
-        self.modules = [tree[i] for i in self.slots]
+        self.leaves, self.treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_module)
+        self.modules = [x for x in self.leaves if is_module(x)]
         self.graphdef, self.state = nnx.split(self.modules)
 
     def __bool__(self) -> bool:
-        return bool(self.slots)
+        return bool(self.modules)
 
     def split(self) -> tuple[tuple, dict]:
         """``((state, args), kwargs)``: the arguments with each module replaced by a slot
         marker, the modules' state first (what autocast traces)."""
-        full = [_SLOT if i in self.slots else x for i, x in enumerate(self.leaves)]
+        full = [_SLOT if is_module(x) else x for x in self.leaves]
         args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
         return (self.state, args), kwargs
 
@@ -279,9 +207,8 @@ class ModuleArgs:
         copies = nnx.merge(self.graphdef, state, copy=True)
         for module in copies:
             register(module)
-        full = jax.tree_util.tree_leaves((args, kwargs))
         it = iter(copies)
-        full = [next(it) if x is _SLOT else x for x in full]
+        full = [next(it) if x is _SLOT else x for x in jax.tree_util.tree_leaves((args, kwargs))]
         a, k = jax.tree_util.tree_unflatten(self.treedef, full)
         return copies, a, k
 
@@ -294,14 +221,14 @@ class ModuleArgs:
     def write_back(self, values: dict) -> None:
         for path, node in _graph(self.modules):
             if isinstance(node, nnx.Variable) and path in values:
-                new = values[path]
-                if new is not node.get_value():
-                    node.set_value(new)
+                if values[path] is not node.get_value():
+                    node.set_value(values[path])
 
 
-# ---------------------------------------------------------------------------------------------
-# NNX models as (params, collections) for the functional train step and the diagnostics
-# ---------------------------------------------------------------------------------------------
+# ---- NNX models as (params, collections) for the functional train step and diagnostics ----
+
+#: The collection that holds an NNX model's non-parameter state (BatchNorm statistics).
+COLLECTION = "nnx_state"
 
 
 class Apply:
@@ -311,20 +238,16 @@ class Apply:
     ``{"nnx_state": new values}`` (the BatchNorm statistics the call updated)."""
 
     def __init__(self, model: nnx.Module):
-        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self.params_template = params
-        self.rest_template = rest
+        self.graphdef, self.params_template, self.rest_template = nnx.split(
+            model, nnx.Param, ...)
 
     @staticmethod
     def variables(model: nnx.Module) -> dict:
         """``{"params": ..., "nnx_state": ...}`` of ``model`` as pure dicts (what a linen
-        ``model.init`` returns: plain nested dicts of arrays)."""
+        ``model.init`` returns)."""
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        out = {"params": nnx.to_pure_dict(params)}
         rest = nnx.to_pure_dict(rest)
-        if rest:
-            out[COLLECTION] = rest
-        return out
+        return {"params": nnx.to_pure_dict(params), **({COLLECTION: rest} if rest else {})}
 
     def model(self, params, rest=None) -> nnx.Module:
         """The model merged from pure-dict params and state (inside a trace: a new object)."""
@@ -343,35 +266,28 @@ class Apply:
         return out, {COLLECTION: nnx.to_pure_dict(rest)}
 
 
-#: The collection that holds an NNX model's non-parameter state (BatchNorm statistics).
-COLLECTION = "nnx_state"
+def _lookup(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def _from_pure(template, pure) -> Any:
-    flat = []
-    for path, var in nnx.to_flat_state(template):
-        value = pure
-        for key in path:
-            value = value[key]
-        flat.append((path, jax.tree.unflatten(jax.tree.structure(var), [value])))
-    return nnx.from_flat_state(flat)
+    return nnx.from_flat_state([
+        (path, jax.tree.unflatten(jax.tree.structure(var), [_lookup(pure, path)]))
+        for path, var in nnx.to_flat_state(template)])
 
 
 def update(model: nnx.Module, variables: dict) -> None:
     """Sets ``model``'s Variables from ``{"params": pure dict, "nnx_state": pure dict}``."""
-    params = variables.get("params", {})
-    rest = variables.get(COLLECTION, {})
     for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Variable):
-            continue
-        tree = params if isinstance(var, nnx.Param) else rest
-        value = tree
-        try:
-            for key in path:
-                value = value[key]
-        except (KeyError, IndexError, TypeError):
-            continue
-        var.set_value(value)
+        if isinstance(var, nnx.Variable):
+            tree = variables.get("params" if isinstance(var, nnx.Param) else COLLECTION, {})
+            try:
+                value = _lookup(tree, path)
+            except (KeyError, IndexError, TypeError):
+                continue
+            var.set_value(value)
 
 
 def functional(fn: Callable, args: tuple) -> tuple[Callable, tuple]:

@@ -36,12 +36,9 @@ def check_axis_rules(axis_rules: Any, where: str) -> tuple | None:
     """``axis_rules`` as a tuple of ``(logical name, mesh axis or axes or None)`` pairs."""
     if axis_rules is None:
         return None
-    ok = isinstance(axis_rules, Sequence) and not isinstance(axis_rules, str)
-    if ok:
-        for rule in axis_rules:
-            ok = ok and isinstance(rule, Sequence) and len(rule) == 2 \
-                and isinstance(rule[0], str)
-    if not ok:
+    if not (isinstance(axis_rules, Sequence) and not isinstance(axis_rules, str) and all(
+            isinstance(r, Sequence) and len(r) == 2 and isinstance(r[0], str)
+            for r in axis_rules)):
         raise TypeError(f"{where}: axis_rules must be a sequence of (logical axis, mesh axis) "
                         f"pairs as for flax.linen.logical_axis_rules, got {axis_rules!r}. "
                         "Example: axis_rules=[('batch', 'data'), ('mlp', 'model'), "
@@ -86,76 +83,57 @@ def _check_spec(spec: PartitionSpec, shape, mesh: Mesh, path: str, where: str) -
 
 def state_shardings(tree: Any, mesh: Mesh, *, axis_rules: Any = None,
                     params: Any = None, where: str = "shard_state") -> Any:
-    """The :class:`NamedSharding` of every array leaf of ``tree`` on ``mesh`` (see the module
-    docstring for the order of the sources). ``params`` (default: ``tree.params`` if any)
-    are the leaves optimizer-state leaves may mirror. Raises ``ValueError`` naming the leaf
-    for an axis the mesh lacks or a dimension the mesh does not divide."""
+    """The :class:`NamedSharding` of every array leaf of ``tree`` on ``mesh`` (the sources in
+    the module docstring's order). ``params`` (default: ``tree.params`` if any) are the leaves
+    optimizer-state leaves may mirror. Raises ``ValueError`` naming the leaf for an axis the
+    mesh lacks or a dimension the mesh does not divide."""
     axis_rules = check_axis_rules(axis_rules, where)
-    replicated = NamedSharding(mesh, PartitionSpec())
     params = getattr(tree, "params", None) if params is None else params
 
     def own(leaf):
         s = getattr(leaf, "sharding", None)
         return s if isinstance(s, NamedSharding) and s.mesh == mesh else None
 
-    by_path: dict[str, tuple[tuple, NamedSharding]] = {}
-
-    def of_leaf(path, leaf, box=None):
-        key = jax.tree_util.keystr(path)
+    def given(path, x):
+        """Its own sharding, or for a box (when that is replicated) its metadata's."""
+        if not _is_box(x):
+            return own(x)
+        (leaf,) = jax.tree.leaves(x)
         s = own(leaf)
-        if box is not None and (s is None or s.is_fully_replicated):
-            spec = _spec_of_box(box, axis_rules, key, where)
+        if s is None or s.is_fully_replicated:
+            key = jax.tree_util.keystr(path)
+            spec = _spec_of_box(x, axis_rules, key, where)
             _check_spec(spec, np.shape(leaf), mesh, key, where)
             s = NamedSharding(mesh, spec)
         return s
 
-    def walk(sub, record: bool):
-        def one(path, x):
-            if _is_box(x):
-                (leaf,) = jax.tree.leaves(x)
-                s = of_leaf(path, leaf, x)
-                out = jax.tree.map(lambda _: s, x)
-            else:
-                s = of_leaf(path, x)
-                out = s
-            if record and s is not None:
-                by_path[jax.tree_util.keystr(path).replace(".value", "")] = (np.shape(
-                    jax.tree.leaves(x)[0]), s)
-            return out
-        return jax.tree_util.tree_map_with_path(one, sub, is_leaf=_is_box)
+    def key(path):
+        return jax.tree_util.keystr(path).replace(".value", "")
 
-    if params is not None:
-        walk(params, True)
-
-    def mirror(path, leaf):
-        key = jax.tree_util.keystr(path).replace(".value", "")
-        for pkey, (shape, s) in by_path.items():
-            if key.endswith(pkey) and np.shape(leaf) == shape:
-                return s
-        return None
+    by_path: dict[str, tuple[tuple, NamedSharding]] = {}  # params' shardings, to mirror
+    for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]:
+        s = given(path, x)
+        if s is not None:
+            by_path[key(path)] = (np.shape(jax.tree.leaves(x)[0]), s)
 
     def final(path, x):
         if _is_box(x):
-            (leaf,) = jax.tree.leaves(x)
-            s = of_leaf(path, leaf, x)
+            s = given(path, x)
             return jax.tree.map(lambda _: s, x)
         if not hasattr(x, "shape"):
-            return replicated
+            return NamedSharding(mesh, PartitionSpec())
         s = own(x)
-        if s is None or s.is_fully_replicated:
-            s = mirror(path, x) or s
-        return s or replicated
+        if s is None or s.is_fully_replicated:  # mirrors a param (same path suffix and shape)?
+            s = next((ps for pkey, (shape, ps) in by_path.items()
+                      if key(path).endswith(pkey) and np.shape(x) == shape), None) or s
+        return s or NamedSharding(mesh, PartitionSpec())
 
     return jax.tree_util.tree_map_with_path(final, tree, is_leaf=_is_box)
 
 
 def shard_state(state: Any, mesh: Mesh, *, axis_rules: Any = None) -> Any:
-    """Places every array of ``state`` on ``mesh`` with the sharding the user gave it.
-
-    Params sharded by their Flax partitioning metadata (``nn.with_partitioning``, or
-    ``nn.with_logical_partitioning`` with ``axis_rules``) or by their own
-    ``NamedSharding``; the optimizer-state leaves that mirror a param sharded like it (FSDP
-    shards the optimizer state with the params); everything else replicated.
+    """Places every array of ``state`` on ``mesh`` with the sharding the user gave it (the
+    sources in the module docstring's order: own, Flax metadata, a mirrored param, replicated).
 
     Args:
       state: a :class:`jaxamp.TrainState` (or any pytree of arrays).

@@ -1,21 +1,7 @@
-"""The optimizer state stored in bfloat16: the optimizer computes in float32, its state is written
-back with stochastic rounding.
-
-With float32 master weights, Adam keeps two more float32 copies of the model: 12 bytes per
-parameter. :func:`with_state_dtype` wraps any optax optimizer so that its floating state is
-*stored* in bfloat16 (half the optimizer memory) while every update is *computed* in float32:
-``update`` upcasts the stored state, runs the optimizer, and rounds the new state back.
-
-Rounding to nearest would stall: an update smaller than half a bfloat16 ulp of the stored
-value (Adam's second moment with ``b2=0.999`` moves by ``1e-3`` of the gap to ``g**2`` per step,
-a bfloat16 ulp is ``2**-7`` of the value) is rounded away every step, and the moment never
-moves. Stochastic rounding (:func:`stochastic_round`) rounds up with probability equal to the
-distance from the lower neighbour in ulps, so the stored value is right in expectation and
-the small updates add up. Its random bits come from a PRNG key carried in the state
-(:class:`StoredState`), so a run is reproducible and a resumed run continues bit for bit.
-
-:func:`jaxamp.amp` (``state_dtype=``) and the train step (the policy's ``opt_state=``) use it:
-a skipped step keeps the whole stored state, key included.
+"""The optimizer state stored in bfloat16, computed in float32 and written back with
+stochastic rounding, its random bits from a key carried in the state (README "Optimizer state
+in bfloat16"; ``docs/api/state_dtype.rst``). :func:`jaxamp.amp` (``state_dtype=``) and the
+train step (``opt_state=``) use it; a skipped step keeps the whole stored state, key included.
 
 Example:
     >>> import optax
@@ -54,13 +40,11 @@ class StoredState(NamedTuple):
     """The state of :func:`with_state_dtype`.
 
     Attributes:
-      inner_state: the wrapped optimizer's state, its floating leaves of at least one
-        dimension (moments, accumulated gradients) in the storage dtype; scalars (counts,
-        injected hyperparameters) and integer leaves as the optimizer made them.
-      rounding_key: uint32 key data of a :data:`RNG_IMPL` PRNG key (``jax.random.key_data``;
-        plain integers, so it checkpoints like any array); each update splits it, keeps one
-        half and draws the rounding bits from the other (:func:`rounding_bits`). None when the
-        storage dtype is float32 (nothing to round).
+      inner_state: the wrapped optimizer's state, its :func:`is_stored` leaves (moments,
+        accumulated gradients) in the storage dtype, the others as the optimizer made them.
+      rounding_key: uint32 key data of a :data:`RNG_IMPL` PRNG key (plain integers, so it
+        checkpoints like any array); each update splits it, keeps one half and draws the
+        rounding bits from the other. None when the storage dtype is float32.
     """
 
     inner_state: Any
@@ -69,9 +53,8 @@ class StoredState(NamedTuple):
 
 def is_stored(leaf: Any) -> bool:
     """Whether ``leaf`` of an optimizer state is stored in the storage dtype: a floating array
-    of at least one dimension (a moment is shaped like its parameter). Scalars stay as they
-    are: an injected learning rate rounded to bfloat16 would change the schedule, and they
-    cost a few bytes."""
+    of at least one dimension. Scalars (counts, an injected learning rate that rounding would
+    change) keep their dtype."""
     return hasattr(leaf, "dtype") and np.ndim(leaf) > 0 \
         and jnp.issubdtype(leaf.dtype, jnp.floating)
 
@@ -80,35 +63,22 @@ _LOW_BITS, _HIGH_BITS = np.uint32(0xFFFF), np.uint32(0xFFFF0000)
 _MIX = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
 _SHIFTS = (np.uint32(16), np.uint32(15))
 
-# lax, not jnp, below: scalar operands stay literals (no broadcast per leaf to trace, lower
-# and compile), and no jnp wrapper to trace per call.
+# lax, not jnp, below: scalar operands stay literals (docs/api/state_dtype.rst)
 
 
 def _mix(x: jax.Array) -> jax.Array:
     """Wellons' ``lowbias32`` integer hash: a bijection of uint32 whose output bits each flip
     with probability ~1/2 when any input bit does."""
-    x = lax.bitwise_xor(x, lax.shift_right_logical(x, _SHIFTS[0]))
-    x = lax.mul(x, _MIX[0])
-    x = lax.bitwise_xor(x, lax.shift_right_logical(x, _SHIFTS[1]))
-    x = lax.mul(x, _MIX[1])
+    for shift, factor in zip(_SHIFTS, _MIX):
+        x = lax.mul(lax.bitwise_xor(x, lax.shift_right_logical(x, shift)), factor)
     return lax.bitwise_xor(x, lax.shift_right_logical(x, _SHIFTS[0]))
 
 
 def rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 random bits for an array of ``shape``: the element's row-major index (modulo
-    2**32) through a hash keyed by ``key`` (``uint32[2]``, a fresh JAX PRNG key per leaf and
-    update), ``mix(mix(index + key[0]) ^ key[1])``.
-
-    Why not ``jax.random.bits``: its bits must be computed where the rounding is, or they
-    are stored (2-4 bytes per parameter, the saving itself). JAX's default, threefry2x32, runs
-    as a loop on XLA:CPU (24 bytes of temporaries per parameter in the compiled step);
-    threefry4x32 fuses but its 20 unrolled rounds per leaf made the step compile 3.5x as long
-    (a 2-layer Llama with AdamW); philox2x32's ``mulhi`` does not compile under SPMD
-    partitioning on JAX 0.10. This is ten integer operations per element, fused into the
-    rounding, computed from the global index (so the same on one device as sharded over a
-    mesh). Stochastic rounding needs each element's 16 bits uniform and unrelated to its
-    value, which a keyed hash of a distinct index gives; the key changes every update.
-    """
+    """uint32 random bits for an array of ``shape``: ``mix(mix(index + key[0]) ^ key[1])`` of
+    each element's row-major index (mod 2**32), ``key`` a fresh ``uint32[2]`` per leaf and
+    update. Ten integer ops per element, fused into the rounding and the same sharded or not
+    (why not ``jax.random.bits``: ``docs/api/state_dtype.rst``)."""
     index = lax.full(shape, np.uint32(0), jnp.uint32)
     stride = 1
     for d in reversed(range(len(shape))):
@@ -122,12 +92,11 @@ def stochastic_round(x: jax.Array, bits: jax.Array) -> jax.Array:
     """``x`` (float32) rounded to bfloat16, stochastically.
 
     A float32 is a bfloat16 followed by 16 more bits of mantissa. Adding 16 uniform random
-    ``bits`` to those and truncating rounds the magnitude up exactly when the carry reaches
-    the bfloat16 part: with probability ``low / 2**16``, the distance from the lower neighbour
-    in ulps. So ``E[stochastic_round(x)] == x`` for every finite ``x`` (subnormals included),
-    the error is below one ulp, and a value bfloat16 holds exactly is returned unchanged, as
-    are ``inf`` and ``-0.0``. NaN stays NaN. A value within one ulp of bfloat16's largest
-    finite value may round to ``inf``, as rounding to nearest does above it.
+    ``bits`` to those and truncating rounds the magnitude up with probability ``low / 2**16``,
+    the distance from the lower neighbour in ulps: ``E[stochastic_round(x)] == x`` for every
+    finite ``x`` (subnormals included), the error is below one ulp, and values bfloat16 holds
+    exactly, ``inf`` and ``-0.0`` are unchanged. NaN stays NaN. A value within one ulp of
+    bfloat16's largest finite value may round to ``inf``, as rounding to nearest does above it.
 
     Args:
       x: float32 array.
@@ -146,14 +115,11 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype: Any, *,
                      where: str = "with_state_dtype") -> optax.GradientTransformationExtraArgs:
     """Wraps ``tx`` so that its floating state is stored in ``dtype`` and updated in float32.
 
-    ``init`` casts the state's floating arrays (:func:`is_stored`) to ``dtype`` (to nearest:
-    an optimizer's initial state is zeros or the params). ``update`` upcasts them to float32,
-    runs ``tx.update`` and writes them back in ``dtype``: with :func:`stochastic_round` for
-    bfloat16 (16 fresh random bits per element, :func:`rounding_bits`, from the key in the
-    state), plainly
-    for float32. The updates it returns are ``tx``'s, computed from its new state as stored
-    (Adam's step reads the rounded moments, upcast: unbiased, within one bfloat16 ulp of the
-    float32 values), so the compiled step updates the state in place.
+    ``init`` casts the state's :func:`is_stored` leaves to ``dtype`` (to nearest: zeros or the
+    params). ``update`` upcasts them, runs ``tx.update`` and writes them back in ``dtype``:
+    with :func:`stochastic_round` for bfloat16 (bits from the key in the state), plainly for
+    float32. The updates returned are computed from the new state as stored (Adam reads its
+    rounded moments, upcast), so the compiled step updates the state in place.
 
     Args:
       tx: any optax transformation (a ``chain``, ``MultiSteps``, ``inject_hyperparams``, ...).
@@ -193,13 +159,11 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype: Any, *,
         targets = [x for x, o in zip(upcast, old) if is_stored(o)]
         keys = jax.random.key_data(jax.random.split(now, max(len(targets), 1)))
         bits = iter([rounding_bits(keys[i], x.shape) for i, x in enumerate(targets)])
-        # The new state is rounded where the optimizer computes it, and what the optimizer
-        # reads of it afterwards (Adam's update reads its new moments) is the rounded value,
-        # behind a barrier: XLA then computes the update from the buffer the new state is
-        # written to (in place), not again from the old state, which it would first have to
-        # copy (4 bytes of temporaries per parameter: the whole saving). jaxamp.amp's skip
-        # selects on these bfloat16 values, so the update reads the selected state, as for
-        # a float32 state (transform._inner_update_selected).
+        # The new state is rounded where the optimizer computes it, and what it reads of it
+        # afterwards is the rounded value behind a barrier: XLA then computes the update from
+        # the new state's buffer (in place), not from the old state, which it would have to
+        # copy (4 bytes per parameter: the whole saving). jaxamp.amp's skip selects on these
+        # values, as for a float32 state (transform._inner_update_selected).
         closed, out_shape = jax.make_jaxpr(
             lambda *a: inner_update(*a, **extra_args), return_shape=True)(*args)
         if jax.tree.structure(out_shape[1]) != tree:

@@ -54,6 +54,15 @@ def rich_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]
     return t
 
 
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]],
+                   align: Sequence[str] | None = None) -> list[str]:
+    """The lines of a Markdown table: a header of ``columns`` (``align``: each column's
+    separator, default ``---``), then one line per row of cells."""
+    return ["| " + " | ".join(columns) + " |",
+            "|" + "|".join(align or ["---"] * len(columns)) + "|",
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+
+
 def escape(text: str) -> str:
     """``text`` with rich markup escaped."""
     from rich.markup import escape as rich_escape

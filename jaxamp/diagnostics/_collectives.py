@@ -1,13 +1,5 @@
-"""What crosses the wire: every collective of a partitioned program, with its dtype and bytes.
-
-:func:`collectives` compiles a jitted function (or a :func:`jaxamp.make_train_step` step) for
-its arguments and reads the HLO module right after XLA's SPMD partitioner, the program every
-device runs, before backend passes rewrite it (XLA:CPU turns bfloat16 collectives into float32
-ones later; a GPU runs them as partitioned). Each collective is reported with its kind, dtype,
-shape, the bytes of the buffer it moves per device, a ring-algorithm estimate of the bytes each
-device sends, the mesh axes its device groups span, and the operation it came from (the JAX
-name stack, e.g. ``transpose(jvp(Block))/mlp/fc/dot_general`` for a weight gradient).
-"""
+"""What crosses the wire: every collective of a partitioned program (read after XLA's SPMD
+partitioner), with its kind, dtype, bytes, mesh axes and origin (docs/api/diagnostics.rst)."""
 
 from __future__ import annotations
 
@@ -21,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._base import markdown_table
 from ._hlo import Instr, array_bytes, arrays, hlo_modules, op_name, operand_name, parse_hlo
 
 __all__ = ["collectives", "format_collectives", "hlo_collectives", "total_bytes"]
@@ -187,15 +180,10 @@ def total_bytes(rows: Sequence[dict[str, Any]], key: str = "wire_bytes") -> dict
 
 def format_collectives(rows: Sequence[dict[str, Any]]) -> str:
     """A markdown table of :func:`collectives` rows, with the totals per dtype."""
-    lines = ["| kind | dtype | shape | axes | bytes | wire bytes | from |",
-             "|---|---|---|---|---:|---:|---|"]
-    for r in rows:
-        axes = ",".join(r["axes"]) if r["axes"] is not None else "?"
-        shape = "x".join(str(s) for s in r["shape"]) or "scalar"
-        lines.append(f"| {r['kind']} | {r['dtype']} | {shape} | {axes} | {r['bytes']} | "
-                     f"{r['wire_bytes']} | {r['op_name']} |")
-    totals = total_bytes(rows)
-    lines.append("")
-    lines.append("wire bytes per device and step: " + ", ".join(
-        f"{k} {v}" for k, v in totals.items()))
-    return "\n".join(lines)
+    lines = markdown_table(
+        ("kind", "dtype", "shape", "axes", "bytes", "wire bytes", "from"),
+        [(r["kind"], r["dtype"], "x".join(str(s) for s in r["shape"]) or "scalar",
+          ",".join(r["axes"]) if r["axes"] is not None else "?", r["bytes"], r["wire_bytes"],
+          r["op_name"]) for r in rows], ("---",) * 4 + ("---:",) * 2 + ("---",))
+    return "\n".join([*lines, "", "wire bytes per device and step: " + ", ".join(
+        f"{k} {v}" for k, v in total_bytes(rows).items())])

@@ -1,33 +1,13 @@
-"""The one reader of compiled XLA:GPU HLO text: the kernels a GPU will launch (what each
-reads and writes, the matmul FLOPs it does, how often it runs), which library runs each matmul
-with which operand dtypes, and whether anything leaves the device.
-
-Pure text functions (no JAX), so they are unit-tested on CPU with handwritten XLA:GPU samples
-(``tests/test_gpu_hlo.py``), and read the program :func:`jaxamp.gpu_program` compiles (for a GPU
-or on one) and the example's compiled train step on a GPU (``tests/test_gpu.py``).
-
-What XLA:GPU emits for a matmul (target names as in XLA's ``xla/service/gpu/cublas_cudnn.h``):
-
-* a ``custom-call`` to cuBLAS, ``custom_call_target="__cublas$gemm"``, or to cuBLASLt,
-  ``"__cublas$lt$matmul"`` (``"__cublas$lt$matmul$f8"`` for float8); its result is a tuple
-  ``(out, s8[workspace])``;
-* a ``custom-call`` to cuDNN, ``"__cudnn$..."``: convolutions (``$convForward``,
-  ``$convBackwardInput``, ``$convBackwardFilter``, ``$convBiasActivationForward``) and fused
-  attention (``$fmha...``);
-* a ``fusion`` with ``kind=kCustom`` whose backend config names ``"__triton_gemm"`` or, in
-  newer XLA, ``"__triton_nested_gemm_fusion"`` (XLA's Triton GEMM emitter, chosen by
-  autotuning; on Hopper it issues wgmma, i.e. Tensor Cores, when its operands are f16/bf16), or
-  ``"__cudnn$fusion"`` (a cuDNN graph); the ``dot`` is inside the called computation, often
-  behind a ``convert`` fused into it (nested: inside a "block" fusion feeding the dot, which
-  then reads that fusion's result type);
-* a plain ``dot``/``convolution`` left in the program (not rewritten to any library): XLA's own
-  loop emitter, no Tensor Cores. :func:`tensor_core_violations` always reports these.
+"""The one reader of compiled XLA:GPU HLO text (no JAX): the kernels a GPU will launch, what each
+reads, writes and multiplies, the library that runs each matmul, and host traffic. What XLA:GPU
+emits, and how it is read: docs/api/diagnostics.rst, "The GPU program".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections import Counter
 
@@ -45,7 +25,7 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-$]+)\s*(?:\(.*\)\s*->.*)?\{\s*$
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-$]+)\s*=\s*(.*)$")
 _ARRAY_TYPE = re.compile(r"^([a-z]\w*)\[([\d,\s]*)\]")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_CONFIG = re.compile(r'"fusion_backend_config"\s*:\s*\{')
+_FUSION_CONFIG = re.compile(r'"fusion_backend_config"\s*:\s*')
 _CALLS = re.compile(r"\bcalls=%?([\w.\-$]+)")
 # An instruction starts "name = TYPE": an array type or a tuple (not "attr=value").
 _INSTR_START = re.compile(r"^(ROOT\s+)?%?[\w.\-$]+\s*=\s*(\(|[a-z]\w*\[)")
@@ -96,17 +76,20 @@ def gemm_signature(operand_elements, out_elements) -> tuple:
 
 def first_array(type_text: str) -> tuple[str | None, int | None]:
     """(dtype, element count) of an array type, or of a tuple type's first element."""
-    t = type_text.strip()
-    while t.startswith("("):
-        t = t[1:].lstrip()
-    m = _ARRAY_TYPE.match(t)
+    m = _ARRAY_TYPE.match(type_text.strip().lstrip("( "))
     if not m:
         return None, None
-    dims = [int(d) for d in m.group(2).replace(" ", "").split(",") if d]
-    n = 1
-    for d in dims:
-        n *= d
-    return m.group(1), n
+    return m.group(1), math.prod(int(d) for d in m.group(2).replace(" ", "").split(",") if d)
+
+
+def _close(text: str, i: int) -> int:
+    """The index after the bracket that closes the one at ``text[i]`` (counting that kind)."""
+    open_, close, depth = text[i], {"(": ")", "{": "}"}[text[i]], 0
+    for k in range(i, len(text)):
+        depth += (text[k] == open_) - (text[k] == close)
+        if depth == 0:
+            return k + 1
+    return len(text)
 
 
 def _split_top(text: str) -> list[str]:
@@ -130,30 +113,14 @@ def _split_top(text: str) -> list[str]:
 def _parse_rhs(rhs: str) -> tuple[str, str, list[str], str] | None:
     """``TYPE opcode(operands), attrs`` -> (type, opcode, operands, attrs)."""
     rhs = rhs.strip()
-    i = 0
-    if rhs.startswith("("):  # tuple type: up to its matching parenthesis
-        depth = 0
-        while i < len(rhs):
-            depth += rhs[i] == "("
-            depth -= rhs[i] == ")"
-            i += 1
-            if depth == 0:
-                break
-    else:
-        m = re.match(r"\S+", rhs)
-        i = m.end() if m else 0
+    m = re.match(r"\S+", rhs)
+    i = _close(rhs, 0) if rhs.startswith("(") else m.end() if m else 0
     type_text, rest = rhs[:i], rhs[i:].lstrip()
     m = re.match(r"([a-z][\w\-]*)\(", rest)
     if not m:
         return None
-    opcode, j, depth = m.group(1), m.end(), 1
-    k = j
-    while k < len(rest) and depth:
-        depth += rest[k] == "("
-        depth -= rest[k] == ")"
-        k += 1
-    operands = _split_top(rest[j:k - 1])
-    return type_text, opcode, operands, rest[k:]
+    k = _close(rest, m.end() - 1)
+    return type_text, m.group(1), _split_top(rest[m.end():k - 1]), rest[k:]
 
 
 def _balance(text: str) -> int:
@@ -208,67 +175,54 @@ def parse_hlo(text: str) -> dict[str, list[Instr]]:
     return out
 
 
+def _json_after(attrs: str, key: re.Pattern) -> dict:
+    """The JSON object right after ``key`` in ``attrs`` ({} if absent or unreadable)."""
+    m = key.search(attrs)
+    if not m or not attrs.startswith("{", m.end()):
+        return {}
+    try:
+        found = json.loads(attrs[m.end():_close(attrs, m.end())])
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def fusion_kind(attrs: str) -> str | None:
-    """The ``"kind"`` of a fusion's ``fusion_backend_config`` (None if it has none). Read from
-    the config's own braces: XLA writes its fields in name order, so on the H200's XLA (jax
-    0.11.2) ``"kind"`` comes after a nested ``"block_level_fusion_config": {...}``."""
-    m = _FUSION_CONFIG.search(attrs)
-    if not m:
-        return None
-    depth, i = 0, m.end() - 1
-    for j in range(i, len(attrs)):
-        depth += {"{": 1, "}": -1}.get(attrs[j], 0)
-        if depth == 0:
-            try:
-                kind = json.loads(attrs[i:j + 1]).get("kind")
-            except ValueError:
-                return None
-            return kind if isinstance(kind, str) else None
-    return None
+    """The ``"kind"`` of a fusion's ``fusion_backend_config`` (None if it has none), read from
+    the config's own braces (on the H200's XLA it follows a nested object)."""
+    kind = _json_after(attrs, _FUSION_CONFIG).get("kind")
+    return kind if isinstance(kind, str) else None
 
 
 def find_gemms(text: str) -> list[Gemm]:
-    """Every matmul/convolution of a compiled XLA:GPU module, with the library that runs it."""
+    """Every matmul, convolution and cuDNN call the compiled module's kernels (:func:`kernels`)
+    run, with the library that runs it; a plain dot inside a fusion is listed on its own."""
     prog = _Program(text)
-    comps = prog.comps
-    gemms: list[Gemm] = []
-    inside_gemm_fusion: set[str] = set()
+    return [g for ins, _ in _launches(prog) for g in _gemms(prog, ins)]
 
-    def make(instr: Instr, library: str, target: str, operands_of: Instr) -> Gemm:
-        infos = [first_array(t) for t in prog.operand_types(operands_of)[:2]]
-        out_dt, out_n = first_array(instr.type)
-        return Gemm(instr.name, instr.computation, library, target,
-                    tuple(d for d, _ in infos), out_dt, tuple(n for _, n in infos), out_n)
 
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "custom-call":
-                m = _TARGET.search(ins.attrs)
-                target = m.group(1) if m else ""
-                if target.startswith(CUBLAS_PREFIX):
-                    lib = "cublaslt" if target.startswith("__cublas$lt$") else "cublas"
-                    gemms.append(make(ins, lib, target, ins))
-                elif target.startswith(CUDNN_PREFIX):
-                    gemms.append(make(ins, "cudnn", target, ins))
-            elif ins.opcode == "fusion":
-                kind = fusion_kind(ins.attrs)
-                called = _CALLS.search(ins.attrs)
-                if kind in GEMM_FUSION_KINDS and called and called.group(1) in comps:
-                    body = called.group(1)
-                    inside_gemm_fusion.add(body)
-                    dots = [i for i in comps[body] if i.opcode in ("dot", "convolution")]
-                    for dot in dots or []:
-                        g = make(ins, GEMM_FUSION_KINDS[kind], kind, dot)
-                        gemms.append(dataclasses.replace(
-                            g, out_dtype=first_array(dot.type)[0] or g.out_dtype,
-                            out_elements=first_array(dot.type)[1]))
-    for comp, instrs in comps.items():
-        if comp in inside_gemm_fusion:
-            continue
-        for ins in instrs:
-            if ins.opcode in ("dot", "convolution"):
-                gemms.append(make(ins, "none", ins.opcode, ins))
-    return gemms
+def _gemms(prog: _Program, ins: Instr) -> list[Gemm]:
+    """The matmuls kernel ``ins`` runs: a cuBLAS/cuDNN call, a GEMM fusion's dots (named by
+    the fusion), a plain dot or convolution, or one inside an XLA fusion (named by itself)."""
+    if ins.opcode == "custom-call":
+        target = _target(ins)
+        library = _library(target)
+        return [] if library == "xla" else [_gemm(prog, ins, library.removesuffix("-fp8"),
+                                                  target, ins)]
+    if ins.opcode in ("dot", "convolution"):
+        return [_gemm(prog, ins, "none", ins.opcode, ins)]
+    kind, dots = fusion_kind(ins.attrs), _fusion_dots(prog, ins)
+    if kind in GEMM_FUSION_KINDS:
+        return [_gemm(prog, ins, GEMM_FUSION_KINDS[kind], kind, d) for d in dots]
+    return [_gemm(prog, d, "none", d.opcode, d) for d in dots]
+
+
+def _gemm(prog: _Program, ins: Instr, library: str, target: str, dot: Instr) -> Gemm:
+    """``ins`` as a :class:`Gemm` whose operands and result are those of ``dot``."""
+    infos = [first_array(t) for t in prog.operand_types(dot)[:2]]
+    out_dt, out_n = first_array(dot.type)
+    return Gemm(ins.name, ins.computation, library, target, tuple(d for d, _ in infos),
+                out_dt or first_array(ins.type)[0], tuple(n for _, n in infos), out_n)
 
 
 def tensor_core_violations(gemms: list[Gemm], allowed_f32: Counter | None = None,
@@ -306,11 +260,9 @@ def host_traffic(text: str) -> list[str]:
         for ins in instrs:
             if ins.opcode in HOST_TRANSFER_OPS:
                 out.append(f"{ins.name}: {ins.opcode}")
-            elif ins.opcode == "custom-call":
-                m = _TARGET.search(ins.attrs)
-                target = m.group(1) if m else ""
-                if any(k in target.lower() for k in HOST_CALLBACK_MARKERS):
-                    out.append(f"{ins.name}: custom-call {target}")
+            elif ins.opcode == "custom-call" and any(
+                    k in _target(ins).lower() for k in HOST_CALLBACK_MARKERS):
+                out.append(f"{ins.name}: custom-call {_target(ins)}")
     return out
 
 
@@ -344,8 +296,6 @@ def f32_dot_signatures(closed_jaxpr) -> Counter:
     return out
 
 
-# ---- FP8 dots planned in the lowered (StableHLO) program ----------------------------------
-
 _F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([^>]*)xf8E\w+>, "
                      r"tensor<[^>]*xf8E\w+>\) -> tensor<([^>]*)x\w+>")
 _CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
@@ -362,17 +312,10 @@ def planned_fp8_dots(stablehlo: str) -> list[int]:
         lhs = [int(d) for d in m.group(1).split("x") if d]
         res = [int(d) for d in m.group(2).split("x") if d]
         c = _CONTRACTING.search(line)
-        k = 1
-        for d in (int(x) for x in c.group(1).split(",") if x.strip()) if c else ():
-            k *= lhs[d] if d < len(lhs) else 1
-        n = 1
-        for d in res:
-            n *= d
-        out.append(2 * n * k)
+        dims = [int(x) for x in c.group(1).split(",") if x.strip()] if c else []
+        out.append(2 * math.prod(res) * math.prod(lhs[d] if d < len(lhs) else 1 for d in dims))
     return out
 
-
-# ---- kernels: what a GPU launches, and the bytes and FLOPs of each --------------------------
 
 #: Bits per element of each HLO element type (``pred`` is stored in a byte).
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,
@@ -392,8 +335,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w
                        r"false_computation=%?([\w.\-$]+)")
 _TO_APPLY = re.compile(r"\bto_apply=%?([\w.\-$]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_DIMS = {key: re.compile(key + r"=\{([\d,\s]*)\}")
-         for key in ("lhs_contracting_dims", "lhs_batch_dims")}
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _BACKEND_CONFIG = re.compile(r"backend_config=")
 _SLICING = {"slice", "dynamic-slice", "gather"}  # a parameter read only through these: rows
@@ -413,30 +355,12 @@ def type_bytes(type_text: str) -> int:
 
 def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
     """Bytes of one array of HLO element type ``dtype`` (``"bf16"``) and shape ``dims``."""
-    return (_elements(dims) * _BITS[dtype] + 7) // 8
-
-
-def _elements(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
+    return (math.prod(dims) * _BITS[dtype] + 7) // 8
 
 
 def backend_config(attrs: str) -> dict:
     """The JSON ``backend_config`` of an instruction ({} if absent or unreadable)."""
-    m = _BACKEND_CONFIG.search(attrs)
-    if not m or m.end() >= len(attrs) or attrs[m.end()] != "{":
-        return {}
-    depth = 0
-    for j in range(m.end(), len(attrs)):
-        depth += {"{": 1, "}": -1}.get(attrs[j], 0)
-        if depth == 0:
-            try:
-                return json.loads(attrs[m.end():j + 1])
-            except ValueError:
-                return {}
-    return {}
+    return _json_after(attrs, _BACKEND_CONFIG)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,7 +446,7 @@ def _entry_name(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _read_bytes(prog: _Program, comp: str, param: Instr, users: dict) -> int:
+def _read_bytes(param: Instr, users: dict) -> int:
     """Bytes a fused computation reads of one parameter: all of it, or only the rows its
     slices and gathers take when those are its only readers (a layer's slice of stacked
     weights, an embedding's rows), or nothing when it is the buffer an in-place
@@ -570,12 +494,7 @@ def _written_bytes(prog: _Program, comp: str, result_type: str) -> int:
     return total
 
 
-def _dims(attrs: str, key: str) -> tuple[int, ...]:
-    m = _DIMS[key].search(attrs)
-    return tuple(int(d) for d in m.group(1).replace(" ", "").split(",") if d) if m else ()
-
-
-def _dot_flops(lhs_type: str, out_type: str, contracting: tuple[int, ...]) -> int:
+def _flops(lhs_type: str, out_type: str, contracting: tuple[int, ...]) -> int:
     lhs = arrays(lhs_type)
     out = arrays(out_type)
     if not lhs or not out:
@@ -584,48 +503,50 @@ def _dot_flops(lhs_type: str, out_type: str, contracting: tuple[int, ...]) -> in
     for d in contracting:
         if d < len(lhs[0][1]):
             k *= lhs[0][1][d]
-    return 2 * _elements(out[0][1]) * k
+    return 2 * math.prod(out[0][1]) * k
 
 
-def _gemm_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple, str]:
-    """(flops, operand dtypes, precision) of a cuBLAS / cuBLASLt custom call."""
+def _dot_flops(prog: _Program, dot: Instr) -> int:
+    types = prog.operand_types(dot)
+    m = _LHS_CONTRACTING.search(dot.attrs)
+    dims = tuple(int(d) for d in m.group(1).replace(" ", "").split(",") if d) if m else ()
+    return _flops(types[0] if types else "", dot.type, dims)
+
+
+def _gemm_call(prog: _Program, ins: Instr, target: str) -> tuple[int, str]:
+    """(flops, precision) of a cuBLAS / cuBLASLt custom call."""
     cfg = backend_config(ins.attrs).get("gemm_backend_config", {})
     dnums = cfg.get("dot_dimension_numbers", {})
     contracting = tuple(int(d) for d in dnums.get("lhs_contracting_dimensions", []))
     types = prog.operand_types(ins)
-    dtypes = tuple(first_array(t)[0] for t in types[:2])
     precision = "HIGHEST" if "HIGHEST" in cfg.get("precision_config", {}).get(
         "operand_precision", []) else "DEFAULT"
-    return _dot_flops(types[0] if types else "", ins.type, contracting), dtypes, precision
+    return _flops(types[0] if types else "", ins.type, contracting), precision
 
 
-def _attention_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
-    """(flops, operand dtypes) of a cuDNN fused-attention call: the two GEMMs of the forward
-    (Q K^T and P V), five in the backward (S again, dP, dV, dQ, dK), half of each under a
-    causal mask. The score shape is the config's ``intermediate_tensor_shape`` and the head
-    size the query's last dimension (JAX passes cuDNN ``[batch, seq, heads, head]`` or
-    ``[batch, heads, seq, head]``)."""
+def _attention_call(prog: _Program, ins: Instr, target: str) -> int:
+    """FLOPs of a cuDNN fused-attention call: 2 GEMMs forward (Q K^T, P V), 5 backward, half
+    under a causal mask; scores of the config's ``intermediate_tensor_shape``, the head size
+    the query's last dimension."""
     cfg = backend_config(ins.attrs).get("cudnn_fmha_backend_config", {})
     scores = tuple(int(d) for d in cfg.get("intermediate_tensor_shape", {})
                    .get("dimensions", []))
     types = prog.operand_types(ins)
     q = arrays(types[0]) if types else []
     if not scores or not q or not q[0][1]:
-        return 0, ()
-    gemms = 5 if "Backward" in target else 2
-    flops = 2 * gemms * _elements(scores) * q[0][1][-1]
-    causal = "CAUSAL" in str(cfg.get("mask_type", ""))
-    return (flops // 2 if causal else flops), tuple(first_array(t)[0] for t in types[:2])
+        return 0
+    flops = 2 * (5 if "Backward" in target else 2) * math.prod(scores) * q[0][1][-1]
+    return flops // 2 if "CAUSAL" in str(cfg.get("mask_type", "")) else flops
 
 
-def _conv_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
-    """(flops, operand dtypes) of a cuDNN convolution: 2 x the output activation's elements x
-    the kernel's elements per output feature (forward, input and filter gradients alike)."""
+def _conv_call(prog: _Program, ins: Instr, target: str) -> int:
+    """FLOPs of a cuDNN convolution: 2 x the output activation's elements x the kernel's
+    elements per output feature (forward, input and filter gradients alike)."""
     m = _DIM_LABELS.search(ins.attrs)
     types = prog.operand_types(ins)
     result = ins.type
     if not m or len(types) < 2:
-        return 0, ()
+        return 0
     kernel_labels = m.group(2)
     if "BackwardFilter" in target:
         activation, kernel = types[1], result
@@ -635,40 +556,57 @@ def _conv_call(prog: _Program, ins: Instr, target: str) -> tuple[int, tuple]:
         activation, kernel = result, types[1]
     act, ker = arrays(activation), arrays(kernel)
     if not act or not ker or "o" not in kernel_labels:
-        return 0, ()
+        return 0
     dims = ker[0][1]
     out_features = dims[kernel_labels.index("o")] if len(dims) == len(kernel_labels) else 1
-    flops = 2 * _elements(act[0][1]) * (_elements(dims) // max(out_features, 1))
-    return flops, tuple(first_array(t)[0] for t in types[:2])
+    return 2 * math.prod(act[0][1]) * (math.prod(dims) // max(out_features, 1))
+
+
+def _target(ins: Instr) -> str:
+    m = _TARGET.search(ins.attrs)
+    return m.group(1) if m else ""
+
+
+def _library(target: str) -> str:
+    """The library a custom-call target runs in (``xla``: none of cuBLAS/cuBLASLt/cuDNN)."""
+    if target.startswith(CUBLAS_PREFIX):
+        return ("cublaslt-fp8" if target in FP8_GEMM_TARGETS else
+                "cublaslt" if target.startswith("__cublas$lt$") else "cublas")
+    return "cudnn" if target.startswith(CUDNN_PREFIX) else "xla"
+
+
+def _kernel(target: str, read: int, written: int, kind: str, library: str = "xla",
+            flops: int = 0, dtypes: tuple = (), precision: str = "DEFAULT") -> dict:
+    return dict(target=target, bytes_read=read, bytes_written=written, flops=flops,
+                dtypes=dtypes, precision=precision, kind=kind, library=library)
 
 
 def _custom_call_kernel(prog: _Program, ins: Instr) -> dict:
-    m = _TARGET.search(ins.attrs)
-    target = m.group(1) if m else ""
+    target = _target(ins)
+    library = _library(target)
     # A library call returns (outputs..., s8/u8 workspace): the workspace is scratch.
     outs = arrays(ins.type)
+    written = type_bytes(ins.type)
     if ins.type.lstrip().startswith("(") and outs and outs[-1][0] in ("s8", "u8"):
-        scratch = outs[-1]
-        written = type_bytes(ins.type) - (_elements(scratch[1]) * _BITS[scratch[0]]) // 8
-    else:
-        written = type_bytes(ins.type)
-    read = sum(type_bytes(t) for t in prog.operand_types(ins))
-    out = dict(target=target, bytes_read=read, bytes_written=written, flops=0, dtypes=(),
-               precision="DEFAULT", kind="other", library="xla")
-    if target.startswith(CUBLAS_PREFIX):
-        flops, dtypes, precision = _gemm_call(prog, ins, target)
-        library = ("cublaslt-fp8" if target in FP8_GEMM_TARGETS else
-                   "cublaslt" if target.startswith("__cublas$lt$") else "cublas")
-        out.update(kind="gemm", library=library, flops=flops, dtypes=dtypes, precision=precision)
-    elif target.startswith(CUDNN_PREFIX) and "fmha" in target:
-        flops, dtypes = _attention_call(prog, ins, target)
-        out.update(kind="attention", library="cudnn", flops=flops, dtypes=dtypes)
-    elif target.startswith(CUDNN_PREFIX) and "conv" in target:
-        flops, dtypes = _conv_call(prog, ins, target)
-        out.update(kind="convolution", library="cudnn", flops=flops, dtypes=dtypes)
-    elif target.startswith(CUDNN_PREFIX):
-        out.update(library="cudnn")
+        written -= array_bytes(*outs[-1])
+    out = _kernel(target, sum(type_bytes(t) for t in prog.operand_types(ins)), written,
+                  "other", library)
+    dtypes = _gemms(prog, ins)[0].operand_dtypes if library != "xla" else ()
+    if library.startswith("cublas"):
+        flops, precision = _gemm_call(prog, ins, target)
+        out.update(kind="gemm", flops=flops, dtypes=dtypes, precision=precision)
+    elif library == "cudnn" and "fmha" in target:
+        out.update(kind="attention", flops=_attention_call(prog, ins, target), dtypes=dtypes)
+    elif library == "cudnn" and "conv" in target:
+        out.update(kind="convolution", flops=_conv_call(prog, ins, target), dtypes=dtypes)
     return out
+
+
+def _fusion_dots(prog: _Program, ins: Instr) -> list[Instr]:
+    """The dots and convolutions in the computation fusion ``ins`` calls."""
+    called = _CALLS.search(ins.attrs) if ins.opcode == "fusion" else None
+    body = prog.comps.get(called.group(1), []) if called else []
+    return [i for i in body if i.opcode in ("dot", "convolution")]
 
 
 def _fusion_kernel(prog: _Program, ins: Instr) -> dict:
@@ -676,46 +614,33 @@ def _fusion_kernel(prog: _Program, ins: Instr) -> dict:
     comp = called.group(1) if called else None
     kind = fusion_kind(ins.attrs)
     m = re.search(r"\bkind=(\w+)", ins.attrs)
-    fusion_type = m.group(1) if m else "fusion"
+    target = kind or (m.group(1) if m else "fusion")
     types = prog.operand_types(ins)
     if comp not in prog.comps:
-        return dict(target=kind or fusion_type, bytes_read=sum(map(type_bytes, types)),
-                    bytes_written=type_bytes(ins.type), flops=0, dtypes=(),
-                    precision="DEFAULT", kind="fusion", library="xla")
+        return _kernel(target, sum(map(type_bytes, types)), type_bytes(ins.type), "fusion")
     users = prog.users(comp)
     params = {int(p.operands[0]): p for p in prog.comps[comp]
               if p.opcode == "parameter" and p.operands and p.operands[0].isdigit()}
-    read = 0
-    for k, t in enumerate(types):
-        p = params.get(k)
-        read += _read_bytes(prog, comp, p, users) if p is not None else type_bytes(t)
-    written = _written_bytes(prog, comp, ins.type)
-    out = dict(target=kind or fusion_type, bytes_read=read, bytes_written=written, flops=0,
-               dtypes=(), precision="DEFAULT", kind="fusion", library="xla")
+    read = sum(_read_bytes(params[k], users) if k in params else type_bytes(t)
+               for k, t in enumerate(types))
+    out = _kernel(target, read, _written_bytes(prog, comp, ins.type), "fusion")
     if kind in GEMM_FUSION_KINDS:
-        dots = [i for i in prog.comps[comp] if i.opcode in ("dot", "convolution")]
-        flops, dtypes = 0, ()
-        for d in dots:
-            d_types = prog.operand_types(d)
-            flops += _dot_flops(d_types[0] if d_types else "", d.type,
-                                _dims(d.attrs, "lhs_contracting_dims"))
-            dtypes = dtypes or tuple(first_array(t)[0] for t in d_types[:2])
+        dots = _fusion_dots(prog, ins)
+        gemms = _gemms(prog, ins)
+        flops = sum(_dot_flops(prog, d) for d in dots)
         precision = "HIGHEST" if any("HIGHEST" in d.attrs for d in dots) else "DEFAULT"
-        out.update(kind="gemm", library=GEMM_FUSION_KINDS[kind], flops=flops, dtypes=dtypes,
-                   precision=precision)
+        out.update(kind="gemm", library=GEMM_FUSION_KINDS[kind], flops=flops,
+                   dtypes=gemms[0].operand_dtypes if gemms else (), precision=precision)
     return out
 
 
 def _plain_kernel(prog: _Program, ins: Instr) -> dict:
     types = prog.operand_types(ins)
-    out = dict(target=ins.opcode, bytes_read=sum(map(type_bytes, types)),
-               bytes_written=type_bytes(ins.type), flops=0, dtypes=(), precision="DEFAULT",
-               kind="copy" if ins.opcode == "copy" else "other", library="xla")
+    out = _kernel(ins.opcode, sum(map(type_bytes, types)), type_bytes(ins.type),
+                  "copy" if ins.opcode == "copy" else "other")
     if ins.opcode == "dot":
-        out.update(kind="gemm", library="none", dtypes=tuple(first_array(t)[0]
-                                                              for t in types[:2]),
-                   flops=_dot_flops(types[0] if types else "", ins.type,
-                                    _dims(ins.attrs, "lhs_contracting_dims")))
+        out.update(kind="gemm", library="none", flops=_dot_flops(prog, ins),
+                   dtypes=_gemms(prog, ins)[0].operand_dtypes)
     return out
 
 
@@ -757,14 +682,11 @@ def _reads_f8(prog: _Program, ins: Instr) -> bool:
     return any(_made_from_f8(prog, ins.computation, operand_name(o)) for o in ins.operands)
 
 
-def kernels(text: str) -> list[Kernel]:
-    """Every kernel the compiled module launches, walked from its entry computation through
-    loops (each body's kernels run its known trip count times; a loop without one counts
-    once), conditionals (every branch is listed, as if each ran) and calls."""
-    prog = _Program(text)
-    out: list[Kernel] = []
-
-    def walk(comp: str, times: int, depth: int) -> None:
+def _launches(prog: _Program):
+    """``(instruction, times)`` of every kernel launch, walked from the entry computation
+    through loops (a body runs its known trip count times; a loop without one once),
+    conditionals (every branch, as if each ran) and calls."""
+    def walk(comp: str, times: int, depth: int):
         if depth > 32 or comp not in prog.comps:
             return
         for ins in prog.comps[comp]:
@@ -774,35 +696,36 @@ def kernels(text: str) -> list[Kernel]:
                 n = int(trip.group(1)) if trip else 1
                 body, cond = _BODY.search(ins.attrs), _CONDITION.search(ins.attrs)
                 if cond:
-                    walk(cond.group(1), times * (n + 1), depth + 1)
+                    yield from walk(cond.group(1), times * (n + 1), depth + 1)
                 if body:
-                    walk(body.group(1), times * n, depth + 1)
-                continue
-            if op == "conditional":
+                    yield from walk(body.group(1), times * n, depth + 1)
+            elif op == "conditional":
                 for m in _BRANCHES.finditer(ins.attrs):
                     names = m.group(1).split(",") if m.group(1) else [m.group(2) or m.group(3)]
                     for name in names:
-                        walk(name.strip().lstrip("%"), times, depth + 1)
-                continue
-            if op in ("call", "async-start"):
+                        yield from walk(name.strip().lstrip("%"), times, depth + 1)
+            elif op in ("call", "async-start"):
                 called = _TO_APPLY.search(ins.attrs) or _CALLS.search(ins.attrs)
                 if called:
-                    walk(called.group(1), times, depth + 1)
-                continue
-            if op in _NO_KERNEL or op.endswith("-done") or op.endswith("-update"):
-                continue
-            if op == "custom-call":
-                info = _custom_call_kernel(prog, ins)
-            elif op == "fusion":
-                info = _fusion_kernel(prog, ins)
-            else:
-                info = _plain_kernel(prog, ins)
-            f8 = info["kind"] == "gemm" and _reads_f8(prog, ins)
-            out.append(Kernel(ins.name, comp, info["kind"], info["library"], info["target"],
-                              info["bytes_read"], info["bytes_written"], info["flops"],
-                              info["dtypes"], info["precision"], times,
-                              op_name(ins.attrs), f8))
+                    yield from walk(called.group(1), times, depth + 1)
+            elif not (op in _NO_KERNEL or op.endswith("-done") or op.endswith("-update")):
+                yield ins, times
 
     if prog.entry is not None:
-        walk(prog.entry, 1, 0)
+        yield from walk(prog.entry, 1, 0)
+
+
+def kernels(text: str) -> list[Kernel]:
+    """Every kernel the compiled module launches (loop bodies' ``times`` their trip count,
+    every branch of a conditional listed, as if each ran)."""
+    prog = _Program(text)
+    out: list[Kernel] = []
+    for ins, times in _launches(prog):
+        read = {"custom-call": _custom_call_kernel, "fusion": _fusion_kernel}.get(
+            ins.opcode, _plain_kernel)
+        k = read(prog, ins)
+        out.append(Kernel(ins.name, ins.computation, k["kind"], k["library"], k["target"],
+                          k["bytes_read"], k["bytes_written"], k["flops"], k["dtypes"],
+                          k["precision"], times, op_name(ins.attrs),
+                          k["kind"] == "gemm" and _reads_f8(prog, ins)))
     return out

@@ -1,16 +1,6 @@
-"""The mixed-precision reference table, reproduced from a traced program.
-
-The table lists, for a GPT-style model, which dtype each part should run in
-(embedding lookup, Q/K/V projections, attention scores, softmax, LayerNorm, FFN, loss,
-parameter update). :meth:`jaxamp.AuditReport.reference_table` rebuilds that table from the
-:class:`~jaxamp.diagnostics._trace.Eqn` records of a trace; its docstring documents the mapping.
-
-The mapping is a heuristic: it recognises a module's role by its class (a normalisation layer
-only by the engine's own rule, :data:`jaxamp.FP32_MODULES`; ``nn.Embed``, a class with
-``Attention`` in its name) or, failing that, by the names common in
-GPT-style code (``ln_1``, ``wte``, ``attn``, ``q_proj``, ``mlp``, ``c_fc``, ...). The same
-predicates (:func:`is_norm` in particular) classify rows and findings in :mod:`jaxamp.audit`.
-"""
+"""The mixed-precision reference table (which dtype each part of a GPT-style model should run in),
+rebuilt from a trace's records; how: docs/api/diagnostics.rst, "The reference table". The same
+role predicates (:func:`is_norm` in particular) classify the audit's findings."""
 
 from __future__ import annotations
 
@@ -36,10 +26,6 @@ from ._trace import (
     join_dtypes,
     loss_records,
 )
-
-# ---------------------------------------------------------------------------------------------
-# Classifying modules
-# ---------------------------------------------------------------------------------------------
 
 _EMBED_NAME = re.compile(r"embed|wte|tok_?emb|word_?emb", re.I)
 _ATTN_NAME = re.compile(r"attn|attention|mha", re.I)
@@ -101,10 +87,6 @@ def _is_ffn(key: str, modules) -> bool:
         return False
     return any(_FFN_NAME.search(seg.split(".")[0]) for seg in key.split("/")[1:])
 
-
-# ---------------------------------------------------------------------------------------------
-# The table
-# ---------------------------------------------------------------------------------------------
 
 _ROWS = ("Embedding lookup", "Q/K/V Linear", "Attention scores", "Softmax", "LayerNorm",
          "Convolution", "FFN Linear", "CrossEntropy loss", "Parameter update")

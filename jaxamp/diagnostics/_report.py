@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from ..state_dtype import StoredState
-from ._base import Report, escape, rich_table
+from ._base import Report, escape, markdown_table, rich_table
 from ._reference import reference_rows
 from ._trace import Trace, is_low, low_leaves, matmul_rows
 
@@ -102,11 +102,20 @@ def storage_findings(params: Any, opt_state: Any) -> list[tuple[str, str, str, s
     return raw
 
 
+_TABLE_COLUMNS = ("module", "op", "forward", "backward")
+_REFERENCE_COLUMNS = ("module / op", "forward", "backward", "expected", "ok")
+
+
+def _reference_cells(rows: list[dict[str, Any]], marks: dict) -> list[tuple]:
+    return [(r["row"], r["forward"], r["backward"],
+             f"{r['expected_forward']} / {r['expected_backward']}", marks[r["ok"]])
+            for r in rows]
+
+
 def format_precision_table(rows: list[dict[str, str]]) -> str:
     """The rows as a Markdown table."""
-    lines = ["| module | op | forward | backward |", "|---|---|---|---|"]
-    lines += [f"| {r['module']} | {r['op']} | {r['forward']} | {r['backward']} |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(_TABLE_COLUMNS, [[r[c] for c in _TABLE_COLUMNS]
+                                                   for r in rows]))
 
 
 class PrecisionTable(Report, list):
@@ -132,9 +141,6 @@ class PrecisionTable(Report, list):
         return [rich_table(f"precision table ({self.policy})", _TABLE_COLUMNS,
                            [(escape(r["module"]), r["op"], r["forward"], r["backward"])
                             for r in self])]
-
-
-_TABLE_COLUMNS = ("module", "op", "forward", "backward")
 
 
 @dataclasses.dataclass
@@ -174,7 +180,6 @@ class AuditReport(Report):
         """The set of finding kinds."""
         return {f.kind for f in self.findings}
 
-    # ---- the reference table -------------------------------------------------------------
     def seed_rows(self) -> list[dict[str, Any]]:
         """Deprecated name of :meth:`reference_table`."""
         warnings.warn("AuditReport.seed_rows() is deprecated; use reference_table()",
@@ -194,43 +199,11 @@ class AuditReport(Report):
         the policy's compute dtype for FP16), ``ok`` (``True``/``False``), ``modules`` (the
         module paths that make up the row) and ``note``.
 
-        The mapping from module paths and op classes to rows is a heuristic for GPT-style
-        models; it only counts equations that round (data movement, max/min, selections and
-        casts are exact and left out):
-
-        * **Embedding lookup**: the ``gather`` in an embedding module (``nn.Embed`` or a module
-          named like ``embed``/``wte``); forward ``"<table dtype> -> <output dtype>"``, the
-          output dtype being the dtype the gathered rows are cast to before their first use;
-          backward: the dtype of the gradient arriving at the lookup's output (JAX gives a
-          cotangent its primal's dtype). A tied output head (``embed.attend``) is not part of
-          this row.
-        * **Q/K/V Linear**: matmuls in modules named ``q``/``k``/``v``/``qkv``/``query``/
-          ``key``/``value`` (also ``q_proj``, ``wq``, ``c_attn``, ``in_proj``, ...), and
-          matmuls with a parameter operand written directly in an attention module.
-        * **Attention scores**: matmuls in an attention module itself (class name containing
-          ``Attention`` or a path segment like ``attn``/``attention``/``mha``), not in its
-          Dense children, without a parameter operand (scores and weights @ V).
-        * **Softmax**: exp/log and sums in an attention module itself; backward: its sums and
-          exp/log (the softmax's backward reduction).
-        * cuDNN's fused attention (``jax.nn.dot_product_attention`` traced for a GPU, op
-          ``attention`` in the precision table) is both rows, wherever it is called: its
-          query/key/value, output and gradients make the **Attention scores**, the softmax
-          statistics it keeps for the backward (float32) the **Softmax**.
-        * **LayerNorm**: every rounding op of normalisation modules (the classes of
-          :data:`jaxamp.FP32_MODULES`, the engine's own float32 rule, and their subclasses);
-          the cast of the result to the compute dtype on the way out is not counted. The row
-          is named after the classes when they are not LayerNorm (``"BatchNorm"``).
-        * **Convolution**: ``conv`` ops outside attention modules.
-        * **FFN Linear**: matmuls in modules whose path has a segment like ``mlp``/``ffn``/
-          ``fc``/``fc1``/``c_fc``/``w1``/``up_proj``/``Dense_<n>``, outside attention.
-        * **CrossEntropy loss**: exp/log and sums outside every module (the loss function);
-          backward: every rounding op outside modules.
-        * **Parameter update**: the dtypes of the parameters (``args[argnums]``) and of
-          ``opt_state`` if given; forward ``-``.
+        How module paths and op classes map to rows: docs/api/diagnostics.rst, "The
+        reference table".
         """
         return reference_rows(self._trace, self._param_dtypes, self._opt_dtypes)
 
-    # ---- output --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "rows": self.rows,
                 "findings": [f.to_dict() for f in self.findings], "matmuls": self.matmuls,
@@ -247,17 +220,14 @@ class AuditReport(Report):
             out.append("No findings.")
         seed = self.reference_table()
         if seed:
-            out += ["", "### Mixed-precision reference table", "",
-                    "| module / op | forward | backward | expected | ok |", "|---|---|---|---|---|"]
-            for r in seed:
-                ok = {True: "yes", False: "**NO**", None: "n/a"}[r["ok"]]
-                out.append(f"| {r['row']} | {r['forward']} | {r['backward']} | "
-                           f"{r['expected_forward']} / {r['expected_backward']} | {ok} |")
+            out += ["", "### Mixed-precision reference table", "", *markdown_table(
+                _REFERENCE_COLUMNS, _reference_cells(seed, {True: "yes", False: "**NO**",
+                                                            None: "n/a"}))]
         if "matmul=" in self.policy or any(m["fp8"] == "yes" for m in self.matmuls):
-            out += ["", "### Matmuls", "", "| module | shapes | dtypes | fp8 | why not |",
-                    "|---|---|---|---|---|"]
-            out += [f"| {m['module']} | {m['shapes']} | {m['dtypes']} | {m['fp8']} | "
-                    f"{m['reason']} |" for m in self.matmuls]
+            out += ["", "### Matmuls", "", *markdown_table(
+                ("module", "shapes", "dtypes", "fp8", "why not"),
+                [[m[k] for k in ("module", "shapes", "dtypes", "fp8", "reason")]
+                 for m in self.matmuls])]
         out += ["", "### Precision table", "", format_precision_table(self.rows)]
         return "\n".join(out)
 
@@ -269,12 +239,8 @@ class AuditReport(Report):
         if seed:
             marks = {True: "[green]ok[/green]", False: "[bold red]MISMATCH[/bold red]",
                      None: "[dim]n/a[/dim]"}
-            out.append(rich_table(
-                f"mixed-precision reference table ({self.policy})",
-                ("module / op", "forward", "backward", "expected", "ok"),
-                [(r["row"], r["forward"], r["backward"],
-                  f"{r['expected_forward']} / {r['expected_backward']}", marks[r["ok"]])
-                 for r in seed]))
+            out.append(rich_table(f"mixed-precision reference table ({self.policy})",
+                                  _REFERENCE_COLUMNS, _reference_cells(seed, marks)))
         rows = [r for r in self.rows if r.get("category") not in ("cast", "elementwise",
                                                                   "max/min")]
         styles = ["red" if is_low(r["forward"].split(",") + r["backward"].split(",")) and

@@ -1,12 +1,5 @@
-"""Did each planned FP8 GEMM become one? Reads the lowered and the compiled program.
-
-XLA's GPU compiler turns the pattern :mod:`jaxamp.fp8` emits (FP8 operands, a scalar dequant
-multiply) into a cuBLASLt FP8 GEMM, a ``custom-call`` to ``__cublas$lt$matmul$f8``; anything it
-cannot match (unaligned or odd layouts, E5M2 x E5M2, an older GPU) silently becomes an f16 dot
-(``TurnF8DotIntoF16Dot``): no error, no speed-up. :func:`fp8_gemms` counts the FP8
-``dot_general`` s of the lowered program (what jaxamp planned: forward, dgrad and wgrad) and the
-FP8 GEMM custom calls of the compiled one, and warns when fewer became one. On CPU (which runs
-FP8 dots by upcasting) there is nothing to fuse: the count is reported, the check is not made.
+"""Did each planned FP8 GEMM become one? Compares the FP8 dots of the lowered program with the
+FP8 GEMMs of the compiled one (docs/api/diagnostics.rst, "FP8 GEMMs").
 
 Example:
     >>> import jax.numpy as jnp
@@ -55,9 +48,8 @@ def fp8_gemms(fn: Callable, *args: Any, warn: bool = True, target: Any = None) -
     :func:`jaxamp.gpu_program`, which needs JAX's CUDA plugin) it is compiled for that GPU, on
     any machine.
 
-    Planned and formed are compared by FLOPs: XLA merges two FP8 dots that share an operand
-    (SwiGLU's gate and up projections read the same quantised input) into one GEMM, so a
-    program may form fewer FP8 GEMMs than it planned dots with none lost.
+    Planned and formed are compared by FLOPs (XLA may merge two FP8 dots that share an
+    operand into one GEMM).
 
     Returns ``{"backend", "planned", "fused", "checked", "fallback"}`` (plus
     ``"planned_flops"`` and ``"fused_flops"`` when compiled for a GPU): ``fused`` the number of

@@ -1,33 +1,7 @@
 """The GPU program, seen from any machine: :func:`gpu_program` compiles a train step (or any
-function) for an NVIDIA GPU, with no GPU present, and reports what the GPU will run.
-
-XLA's GPU compiler runs on a CPU: given JAX's CUDA plugin and a description of the card (a
-``GpuTargetConfigProto``: SM count, clock, memory bandwidth, compute capability, CUDA and cuDNN
-versions), ``jax.jit(f).lower(...)`` on compile-only devices and ``.compile()`` give the optimized
-GPU program, exactly as a GPU would compile it except for autotuning (no GPU to time candidate
-kernels on). The report reads that program (:mod:`jaxamp.diagnostics._hlo`):
-
-* every kernel it launches, with its kind and library (cuBLAS, cuBLASLt, cuBLASLt FP8, Triton,
-  cuDNN, XLA's own fusions), the bytes it reads and writes and the matmul FLOPs it does;
-* the GEMMs by library and operand dtypes, the cuDNN fused-attention calls, and the FP8 dots
-  jaxamp planned (the lowered program) against the FP8 GEMMs XLA formed, naming every GEMM fed
-  FP8 data that is not one (XLA's silent ``TurnF8DotIntoF16Dot`` fallback);
-* XLA's temp, argument and output bytes (``memory_analysis()``, what the GPU allocates);
-* a roofline estimate: each kernel takes max(bytes / HBM bandwidth, FLOPs / peak), its peak
-  the card's dense Tensor Core rate for its operand dtypes (float32 GEMMs at DEFAULT precision
-  as TF32, at HIGHEST on the CUDA cores), summed over kernels and loop trips.
-
-What the estimate ignores: kernel launch latency and the gaps between kernels, L2 cache hits
-(every kernel is charged its operand and result bytes from HBM), the efficiency a kernel
-reaches below the peaks (small or skinny GEMMs, tile quantization, an untuned Triton tile),
-elementwise FLOPs (a fusion is charged its bytes only), overlap of kernels, and collectives.
-It ranks programs by the bytes and FLOPs they move; how far its ratios agreed with step times
-measured on an H200 is in BENCHMARKS.md's History.
-
-Without a GPU, JAX needs the CUDA plugin (``pip install "jaxamp-flax[gpu-compile]"``, about
-3 GB) and, on a machine with no GPU, ``JAX_PLATFORMS=cpu`` set before it starts (the plugin
-registers its compiler only then). On a GPU, ``target=jax.devices()[0]`` compiles on the card
-itself, with autotuning.
+function) for an NVIDIA GPU, with no GPU present, and reports its kernels, GEMM libraries,
+fused attention, FP8 GEMMs, memory and a roofline estimate (how, and what the estimate ignores:
+docs/api/diagnostics.rst, "The GPU program").
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -58,7 +32,7 @@ import jax
 import numpy as np
 
 from .._engine.compat import compile_only_gpu, device_target_config
-from ._base import Report
+from ._base import Report, markdown_table
 from ._hlo import Kernel, kernels, planned_fp8_dots
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
@@ -413,17 +387,16 @@ class GpuProgram(Report):
     def to_markdown(self, top: int = 10) -> str:
         out = [f"## GPU program ({self.target.name})", "", "| | |", "|---|---|"]
         out += [f"| {k} | {v} |" for k, v in self._lines()]
-        out += ["", "| kind | launches | GB | TFLOP | est. ms |", "|---|---|---|---|---|"]
-        for kind, r in sorted(self.by_kind().items(), key=lambda kv: -kv[1]["seconds"]):
-            out.append(f"| {kind} | {r['launches']} | {r['bytes'] / 1e9:.3f} | "
-                       f"{r['flops'] / 1e12:.3f} | {1e3 * r['seconds']:.3f} |")
-        out += ["", f"Top {top} kernels by estimated time:", "",
-                "| kernel | kind | library | dtypes | x | MB | est. ms | op |",
-                "|---|---|---|---|---|---|---|---|"]
-        for k, sec in self.top(top):
-            out.append(f"| {k.name} | {k.kind} | {k.library} | {' x '.join(map(str, k.dtypes))}"
-                       f" | {k.times} | {k.bytes / 1e6:.1f} | {1e3 * sec:.3f} | "
-                       f"{k.op_name[-60:]} |")
+        out += ["", *markdown_table(
+            ("kind", "launches", "GB", "TFLOP", "est. ms"),
+            [(kind, r["launches"], f"{r['bytes'] / 1e9:.3f}", f"{r['flops'] / 1e12:.3f}",
+              f"{1e3 * r['seconds']:.3f}")
+             for kind, r in sorted(self.by_kind().items(), key=lambda kv: -kv[1]["seconds"])])]
+        out += ["", f"Top {top} kernels by estimated time:", "", *markdown_table(
+            ("kernel", "kind", "library", "dtypes", "x", "MB", "est. ms", "op"),
+            [(k.name, k.kind, k.library, " x ".join(map(str, k.dtypes)), k.times,
+              f"{k.bytes / 1e6:.1f}", f"{1e3 * sec:.3f}", k.op_name[-60:])
+             for k, sec in self.top(top)])]
         return "\n".join(out)
 
     def print(self, file=None) -> None:
@@ -446,8 +419,6 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
     XLA's GPU compiler.
 
     Args:
-      fn: the step or function.
-      *args: its arguments (``state, batch`` for a step).
       target: ``"h100"`` or ``"h200"`` (built-in descriptions), a path to a
         ``GpuTargetConfigProto`` text file, ``jax.devices()[0]`` on a GPU (compiled on it, with
         autotuning), or a :class:`GpuTarget`.
@@ -456,9 +427,6 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
         untuned default tile splits K into float32 partials a tuned program does not have),
         XLA's autotuner on a real GPU.
       compiler_options: more XLA options for ``compile()``.
-
-    Returns:
-      A :class:`GpuProgram`.
 
     Raises:
       ModuleNotFoundError: JAX's CUDA plugin is not installed (the message names the install).

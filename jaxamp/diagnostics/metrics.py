@@ -1,45 +1,5 @@
-"""The run-log format jaxamp writes and ``python -m jaxamp.review`` reads. Imports no JAX.
-
-A run directory holds :data:`METRICS_FILE` (``metrics.jsonl``: one JSON object per step) and
-:data:`SUMMARY_FILE` (``summary.json``: one object for the run). Both are strict JSON: a
-non-finite float is written as ``null``. The keys, what they mean and who reads them:
-
-``metrics.jsonl`` (:data:`STEP_KEYS`; :func:`step_record` builds a line from the metrics
-:func:`jaxamp.make_train_step` returns)
-
-- ``step``: the step number (whole number >= 1; the last line of a repeated step wins)
-- ``loss``: the unscaled training loss (``null``: inf/nan)
-- ``loss_scale``: the loss scale the step used
-- ``grad_norm``: global norm of the unscaled float32 gradients (``null``: inf/nan)
-- ``grads_finite``: whether every gradient was finite
-- ``skipped``: whether the update was skipped (non-finite gradients or loss)
-- ``loss_finite``: whether the loss was finite (optional)
-- ``skip_reason``: why it was skipped, int bits: 1 non-finite gradients, 2 non-finite loss
-  (0: applied; optional)
-- ``skipped_steps``: skipped steps so far
-- ``loss_scale_at_min``: whether the dynamic scale sits at its floor (optional)
-- ``tokens_per_s``: throughput of this step (optional)
-- ``val_loss``: validation loss, on the steps that evaluate (optional)
-
-``summary.json`` (:data:`SUMMARY_KEYS`, all optional for the reader)
-
-- ``policy``: the policy string (any form :func:`jaxamp.policy_spec.parse` reads)
-- ``loss_scale_mode``: ``"dynamic"``, ``"static"`` or ``"none"``
-- ``clip_norm``: the gradient clipping threshold, or ``null``
-- ``min_loss_scale``: the dynamic scale's floor, or ``null``
-- ``final_val_loss``: the last validation loss (``null``: non-finite)
-- ``memory_bytes``: compiled step memory ``{"temp", "argument", "output", "total"}`` in bytes
-- ``memory_bytes_f32``: the same for the float32 step (to see what the policy saved)
-- ``largest_f32_buffers``: optional, ``[{"name", "shape", "dtype", "bytes"}]``, named when
-  memory did not drop
-- ``backend``: the JAX backend the step was compiled for (``jax.default_backend()``: ``"cpu"``,
-  ``"gpu"``, ``"tpu"``); on ``"cpu"`` low-precision memory cannot drop (XLA:CPU upcasts)
-- ``opt_state_bytes``: the optimizer state's arrays, ``{"<dtype name>": bytes, ...,
-  "total": bytes}`` (:func:`array_bytes`; global sizes, however a mesh shards them); with
-  the policy's ``opt_state=bfloat16`` its moments are the ``"bfloat16"`` bytes
-
-Writers add other keys freely (``examples/train_lm.py`` records its configuration); readers
-ignore keys they do not know.
+"""The run-log format jaxamp writes and ``python -m jaxamp.review`` reads (its keys:
+docs/api/diagnostics.rst, "The run-log format"). Imports no JAX.
 
 Example:
     >>> import tempfile, pathlib

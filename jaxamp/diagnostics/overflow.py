@@ -1,23 +1,6 @@
-"""Overflow and underflow locator: run one forward and backward under a policy and say where the
-low-precision values leave their dtype's range.
-
-:func:`locate_overflow` traces ``jax.value_and_grad`` of the (scaled) loss under
-:func:`jaxamp.autocast` and then *re-evaluates that program equation by equation* (inside one
-``jax.jit``: a single compilation; ``scan`` bodies unrolled) keeping every float value it
-computes, so it sees what the policy really computes -- inside ``nn.scan`` bodies and in the
-backward pass too, in the dtype each value has there (float16 matmul outputs, float16
-activation gradients). Flax's ``capture_intermediates`` cannot: it drops the intermediates of
-scanned modules and only shows module outputs. Each equation's values are attributed to the
-module whose name scope it runs in (its own ops, not its children's), like
-:func:`jaxamp.audit`'s rows; their statistics are computed on the host.
-
-It then runs the same loss once more in float32, unscaled, for the *true* gradients, and
-reports the fraction of them that float16 would flush to zero (``0 < |g| < 2**-24``) without
-the loss scale and with it (``|g * scale| < 2**-24``): the gradient histogram of Micikevicius
-et al. ("Mixed Precision Training", 2018), in numbers.
-
-float16 limits used: largest finite 65504, smallest normal 2**-14 (~6.1e-5), smallest subnormal
-2**-24 (~6e-8).
+"""Overflow and underflow locator: one forward and backward under a policy, every float value
+recorded, and where low-precision values leave their dtype's range (float16: largest finite
+65504, smallest normal 2**-14, smallest subnormal 2**-24). How: docs/api/diagnostics.rst.
 """
 
 from __future__ import annotations
@@ -29,7 +12,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -41,12 +23,13 @@ from ..nnx_frontend import functional, is_module
 from ..policy import get_policy, policy_to_str
 from ..rules import ModuleRules, OpRules
 from ..transform import default_loss_scale
-from ._base import Report, escape, rich_table
+from ._base import Report, escape, markdown_table, rich_table
 from ._trace import (
     LOW,
     SCAFFOLD,
     TOP_LEVEL,
     Recorder,
+    _module_key,
     canonical_path,
     clean_path,
     dce,
@@ -55,6 +38,7 @@ from ._trace import (
     recording,
     resolve_call,
 )
+from .metrics import strict
 
 __all__ = ["F16_MAX", "F16_MIN_NORMAL", "F16_MIN_SUBNORMAL", "NEAR_OVERFLOW_BITS",
            "UNDERFLOW_FRACTION", "OverflowReport", "locate_overflow"]
@@ -70,20 +54,12 @@ NEAR_OVERFLOW_BITS = 2.0
 UNDERFLOW_FRACTION = 0.01
 
 
-
-# ---------------------------------------------------------------------------------------------
-# Statistics of one value
-# ---------------------------------------------------------------------------------------------
-
-
 def _device_summary(x, scale: float):
-    """[max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24), #(0<|x*scale|<2^-24),
-    #(0<|x|<tiny(dtype)), #values, #saturated] of each ``x[i]`` (a ``[k, 8]`` result for a
-    ``[k, ...]`` stack of same-shaped arrays), computed on the devices that hold ``x``: a
-    global array is reduced where it lives, then only these numbers leave them.
-
-    Values exactly at the dtype's largest finite magnitude (``finfo.min`` masks, autocast's
-    saturated constants) are *saturated*: counted apart and left out of the max."""
+    """The ``[k, 8]`` statistics of a ``[k, ...]`` stack of same-shaped arrays, reduced on the
+    devices that hold it: [max finite |x|, #non-finite, #nonzero finite, #(0<|x|<2^-24),
+    #(0<|x*scale|<2^-24), #(0<|x|<tiny(dtype)), #values, #saturated]. Values exactly at the
+    dtype's largest magnitude (``finfo.min`` masks, autocast's saturated constants) are
+    *saturated*: counted apart and left out of the max."""
     info = jnp.finfo(x.dtype)
     a = jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], math.prod(x.shape[1:]))
     fin = jnp.isfinite(a)
@@ -101,11 +77,8 @@ def _device_summary(x, scale: float):
 
 
 def _device_summaries(xs, scale: float):
-    """:func:`_device_summary` of every array in ``xs`` (in a jit), as one ``[n, 8]`` array in
-    the order of ``xs``. Arrays of one shape and dtype are stacked and reduced together: one
-    reduction per kind of value instead of one per value keeps the program small (its
-    compile time grows with the number of reductions), at the price of keeping those values
-    alive until the end of the program."""
+    """:func:`_device_summary` of every array in ``xs``, one ``[n, 8]`` array in their order;
+    arrays of one shape and dtype are stacked and reduced together (a smaller program)."""
     if not xs:
         return jnp.zeros((0, 8), jnp.float32)
     groups: dict[tuple, list[int]] = {}
@@ -171,98 +144,87 @@ class _Acc:
                                              math.log2(float(jnp.finfo(dtype).max) / mx))
 
 
-# ---------------------------------------------------------------------------------------------
-# An evaluator of a jaxpr that records every value's statistics (run under one jax.jit)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Evaluator:
-    """Re-evaluates a jaxpr equation by equation (sub-programs inlined, ``scan`` unrolled) and
-    keeps every float value it computes, with the equation that made it.
-
-    It runs inside a single ``jax.jit`` trace (one compilation; eager evaluation would compile
-    every primitive separately) whose extra outputs are all those values; their statistics are
-    computed on the host. ``while`` loops and ``cond`` s run as one operation (not stepped
-    into; their inner values are not inspected)."""
+class _Values:
+    """Every float value one evaluation of a jaxpr makes (traced, inside one ``jax.jit``),
+    with its ``(module, backward)`` and dtype, and per equation that makes one: where it ran,
+    its inputs (value indices, or whether a constant is finite) and its outputs' indices."""
 
     def __init__(self, modules):
         self.modules = modules
-        self.values: list = []  # every float value produced (traced)
-        self.keys: list[tuple[str, bool]] = []  # (module, backward) of each value
-        self.dtypes: list[str] = []  # the dtype of each value
+        self.values: list = []
+        self.keys: list[tuple[str, bool]] = []
+        self.dtypes: list[str] = []
         self.ids: dict[int, int] = {}  # id(traced value) -> index in values
-        self.events: list[tuple[dict[str, Any], list, list[int]]] = []  # (eqn, ins, outs)
+        self.events: list[tuple[dict[str, Any], list, list[int]]] = []
 
-    def _record(self, eqn, full: str, vals, outs) -> None:
-        _, backward = clean_path(full)
-        module = module_of(full, self.modules)[1]
-        out_idx = []
-        for o in outs:
-            if _is_float(o):
-                self.ids[id(o)] = len(self.values)
-                out_idx.append(len(self.values))
-                self.values.append(o)
-                self.keys.append((module, backward))
-                self.dtypes.append(np.dtype(o.dtype).name)
-        if not out_idx:
-            return
-        ins = []
-        for v in vals:
-            if id(v) in self.ids:
-                ins.append(self.ids[id(v)])
-            elif not isinstance(v, Tracer) and _is_float(np.asarray(v)):
-                ins.append(bool(np.all(np.isfinite(np.asarray(v, np.float32)))))
-        where = {"module": module, "pass": "backward" if backward else "forward",
-                 "primitive": eqn.primitive.name,
-                 "dtype": ",".join(sorted({np.dtype(o.dtype).name for o in outs
-                                           if _is_float(o)}))}
-        self.events.append((where, ins, out_idx))
-
-    def run(self, jaxpr: jcore.Jaxpr, consts, args, prefix: str = ""):
+    def run(self, jaxpr, consts, args, prefix: str = ""):
+        """Evaluates ``jaxpr``: calls inlined, ``scan`` unrolled, ``while``/``cond`` run as one
+        operation (their inner values are not seen)."""
         return evaluate(jaxpr, consts, args,
-                        lambda eqn, vals: self.eqn(eqn, vals, name_stack(eqn, prefix)))
+                        lambda eqn, vals: self._eqn(eqn, vals, name_stack(eqn, prefix)))
 
-    def eqn(self, eqn, vals, full):
+    def _eqn(self, eqn, vals, full):
         name = eqn.primitive.name
         if SCAFFOLD in full:
-            return self.bind(eqn, vals)
+            return _bind(eqn, vals)
         if name == "scan":
-            return self.scan(eqn, vals, full)
+            return self._scan(eqn, vals, full)
         if name not in ("while", "cond", "custom_lin"):
-            # a call (jit, remat, custom_jvp/vjp: its primal body): inlined, so its values
-            # are recorded; while/cond run as one operation
             inline = [s for s in sub_programs(eqn) if None not in s.ins]
-            if len(inline) == 1:
+            if len(inline) == 1:  # a call (jit, remat, custom_jvp/vjp: its primal body)
                 return self.run(inline[0].jaxpr, inline[0].consts, vals, full)
-        outs = self.bind(eqn, vals)
-        self._record(eqn, full, vals, outs)
+        outs = _bind(eqn, vals)
+        floats = [o for o in outs if _is_float(o)]
+        if floats:
+            self._record(eqn.primitive.name, full, vals, floats)
         return outs
 
-    def bind(self, eqn, vals):
-        out = bind_with_params(eqn, vals)
-        return list(out) if eqn.primitive.multiple_results else [out]
+    def _record(self, primitive: str, full: str, vals, floats) -> None:
+        key = (module_of(full, self.modules)[1], clean_path(full)[1])
+        ins = [self.ids[id(v)] if id(v) in self.ids
+               else bool(np.all(np.isfinite(np.asarray(v, np.float32)))) for v in vals
+               if id(v) in self.ids or (not isinstance(v, Tracer) and _is_float(np.asarray(v)))]
+        out_idx = list(range(len(self.values), len(self.values) + len(floats)))
+        self.ids.update((id(o), i) for o, i in zip(floats, out_idx))
+        self.values += floats
+        self.keys += [key] * len(floats)
+        dtypes = [np.dtype(o.dtype).name for o in floats]
+        self.dtypes += dtypes
+        self.events.append(({"module": key[0], "pass": "backward" if key[1] else "forward",
+                             "primitive": primitive, "dtype": ",".join(sorted(set(dtypes)))},
+                            ins, out_idx))
 
-    def scan(self, eqn, vals, full):
+    def _scan(self, eqn, vals, full):
         p = scan_params(eqn)
         nc, nk = p.num_consts, p.num_carry
         consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
         ys = []
-        steps = range(p.length - 1, -1, -1) if p.reverse else range(p.length)
-        for i in steps:
+        for i in range(p.length - 1, -1, -1) if p.reverse else range(p.length):
             outs = self.run(p.jaxpr, None, consts + carry + [x[i] for x in xs], full)
             carry = outs[:nk]
             ys.append(outs[nk:])
-        if p.reverse:
-            ys = ys[::-1]
-        n_y = len(eqn.outvars) - nk
-        if ys:
-            stacked = [jnp.stack([y[j] for y in ys]) for j in range(n_y)]
-        else:
-            stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
-        return carry + stacked
+        if not ys:
+            return carry + [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
+        return carry + [jnp.stack(y) for y in zip(*(ys[::-1] if p.reverse else ys))]
+
+
+def _bind(eqn, vals) -> list:
+    out = bind_with_params(eqn, vals)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compile(lowered):
+    """On CPU without LLVM's expensive passes: a program with hundreds of outputs compiles
+    several times faster, and runs once."""
+    if jax.default_backend() == "cpu":
+        try:
+            return lowered.compile(_FAST_COMPILE)
+        except Exception:  # noqa: BLE001 - an XLA without these options
+            pass
+    return lowered.compile()
 
 
 def _interpret(closed, flat_args, modules, scale: float):
@@ -271,49 +233,27 @@ def _interpret(closed, flat_args, modules, scale: float):
     non-finite values out of finite inputs (in execution order)."""
     jaxpr, used = dce(closed.jaxpr)
     args = [x for x, u in zip(flat_args, used) if u]
-    ev = _Evaluator(modules)
+    rec = _Values(modules)
 
     def program(consts, args):
-        ev.values.clear(), ev.keys.clear(), ev.ids.clear(), ev.events.clear()
-        ev.dtypes.clear()
-        outs = ev.run(jaxpr, consts, args)
-        # every value's statistics reduced here, on the devices that hold it: only the
-        # small [n, 8] table leaves them
-        stats = _device_summaries(ev.values, scale)
-        ev.values.clear(), ev.ids.clear()  # the tracers die with the trace
+        nonlocal rec
+        rec = _Values(modules)
+        outs = rec.run(jaxpr, consts, args)
+        stats = _device_summaries(rec.values, scale)  # only the [n, 8] table leaves the devices
+        rec.values, rec.ids = [], {}  # the tracers die with the trace
         return outs, stats
 
-    lowered = jax.jit(program).lower(list(closed.consts), args)
-    compiled = None
-    if jax.default_backend() == "cpu":
-        # a program with hundreds of outputs compiles several times faster without LLVM's
-        # expensive passes, and runs once
-        try:
-            compiled = lowered.compile(_FAST_COMPILE)
-        except Exception:  # noqa: BLE001 - an XLA without these options
-            compiled = None
-    if compiled is None:
-        compiled = lowered.compile()
-    outs, stats = compiled(list(closed.consts), args)
+    outs, stats = _compile(jax.jit(program).lower(list(closed.consts), args))(
+        list(closed.consts), args)
     stats = _to_host(stats)
     acc: dict[tuple[str, bool], _Acc] = {}
-    finite = []
-    for key, s, dtype in zip(ev.keys, stats, ev.dtypes):
-        finite.append(s[1] == 0)
-        if key not in acc:
-            acc[key] = _Acc()
-        acc[key].add(s, dtype)
-    origins = []
-    for where, ins, outs_idx in ev.events:
-        ins_ok = all(finite[i] if not isinstance(i, bool) else i for i in ins)
-        if ins_ok and not all(finite[i] for i in outs_idx):
-            origins.append(where)
+    for key, s, dtype in zip(rec.keys, stats, rec.dtypes):
+        acc.setdefault(key, _Acc()).add(s, dtype)
+    finite = stats[:, 1] == 0
+    origins = [where for where, ins, out_idx in rec.events
+               if all(i if isinstance(i, bool) else finite[i] for i in ins)
+               and not all(finite[i] for i in out_idx)]
     return outs, acc, origins
-
-
-# ---------------------------------------------------------------------------------------------
-# The report
-# ---------------------------------------------------------------------------------------------
 
 
 def _fmt(x: float | None) -> str:
@@ -330,8 +270,12 @@ def _frac(n: int, d: int) -> float | None:
     return n / d if d else None
 
 
-def _bits(a: _Acc) -> float | None:
-    return None if math.isinf(a.low_headroom_bits) else a.low_headroom_bits
+def _pass_stats(name: str, a: _Acc) -> dict[str, Any]:
+    return {f"{name}_dtypes": ",".join(sorted(a.dtypes)) or "-",
+            f"{name}_max_abs": a.max_abs if a.count else None,
+            f"{name}_nonfinite": a.nonfinite,
+            f"{name}_headroom_bits": None if math.isinf(a.low_headroom_bits)
+            else a.low_headroom_bits}
 
 
 @dataclasses.dataclass
@@ -339,29 +283,10 @@ class OverflowReport(Report):
     """What :func:`locate_overflow` found.
 
     Attributes:
-      rows: one dict per module path (execution order), keys:
-
-        * ``module``; ``status``: ``overflow`` (non-finite values originate here: made from
-          finite inputs), ``nonfinite`` (non-finite values arrived from elsewhere),
-          ``near_overflow`` (float16/bfloat16 values within :data:`NEAR_OVERFLOW_BITS` of the
-          dtype's largest value), ``underflow`` (more than :data:`UNDERFLOW_FRACTION` of the
-          module's true gradients flush to zero in float16 even with the loss scale) or ``ok``;
-        * ``forward_dtypes``, ``forward_max_abs`` (max ``|value|`` the module's own ops produced:
-          its activations and internal values), ``forward_nonfinite`` (count),
-          ``forward_headroom_bits`` (log2 of the dtype's max over the max ``|value|``, minimum
-          over the float16/bfloat16 values; None if the module has none),
-          ``forward_subnormal`` (fraction of nonzero float16/bfloat16 values below the
-          smallest normal: precision lost), ``forward_saturated`` (values exactly at the
-          dtype's max, e.g. ``finfo.min`` masks: left out of the max);
-        * ``backward_dtypes``, ``backward_max_abs``, ``backward_nonfinite``,
-          ``backward_headroom_bits``: the same for the values the module's backward produced
-          (activation gradients, *scaled* by the loss scale);
-        * ``param_grad_max_abs``, ``param_grad_nonfinite``: the module's parameter gradients as
-          the mixed-precision backward returns them (scaled);
-        * ``true_grad_max_abs``: max ``|float32 parameter gradient|`` (unscaled);
-        * ``underflow_unscaled`` / ``underflow_scaled``: the fraction of the module's nonzero
-          float32 gradients -- parameter gradients and activation gradients together -- with
-          ``|g| < 2**-24`` resp. ``|g * scale| < 2**-24`` (None: no gradients).
+      rows: one dict per module path (execution order), ``module``, ``status``
+        (``overflow``, ``nonfinite``, ``near_overflow``, ``underflow`` or ``ok``) and the
+        statistics of its forward, backward and gradients (the keys: docs/api/diagnostics.rst,
+        "Overflow report rows").
       first_nonfinite: the first equation in execution order (forward, then backward) that
         made a non-finite value out of finite inputs: ``{"module", "pass", "primitive",
         "dtype"}``, or None.
@@ -391,14 +316,10 @@ class OverflowReport(Report):
                        f"{[r['module'] for r in self.rows]}")
 
     def to_dict(self) -> dict[str, Any]:
-        def clean(v):
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            return v
-        return {"policy": self.policy, "loss_scale": self.loss_scale, "loss": clean(self.loss),
-                "first_nonfinite": self.first_nonfinite, "overflowing": self.overflowing,
-                "underflow": self.underflow,
-                "rows": [{k: clean(v) for k, v in r.items()} for r in self.rows]}
+        return strict({"policy": self.policy, "loss_scale": self.loss_scale, "loss": self.loss,
+                       "first_nonfinite": self.first_nonfinite,
+                       "overflowing": self.overflowing, "underflow": self.underflow,
+                       "rows": self.rows})
 
     def summary(self) -> str:
         """A few sentences: where it overflows, how much underflows."""
@@ -418,18 +339,19 @@ class OverflowReport(Report):
                              f"with loss scale {self.loss_scale:g}")
         return "\n".join(lines)
 
+    def _cells(self) -> list[tuple]:
+        return [(r["module"], r["status"], _fmt(r["forward_max_abs"]),
+                 r["forward_dtypes"], _fmt(r["backward_max_abs"]),
+                 _fmt(r["param_grad_max_abs"]), _pct(r["underflow_unscaled"]),
+                 _pct(r["underflow_scaled"])) for r in self.rows]
+
     def to_markdown(self) -> str:
-        out = [f"## Overflow report ({self.policy}, loss scale {self.loss_scale:g})", "",
-               self.summary().replace("\n", "  \n"), "",
-               "| module | status | fwd max | fwd dtypes | bwd max (scaled) | param grad max "
-               "| underflow unscaled | underflow scaled |", "|---|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            out.append(
-                f"| {r['module']} | {r['status']} | {_fmt(r['forward_max_abs'])} | "
-                f"{r['forward_dtypes']} | {_fmt(r['backward_max_abs'])} | "
-                f"{_fmt(r['param_grad_max_abs'])} | {_pct(r['underflow_unscaled'])} | "
-                f"{_pct(r['underflow_scaled'])} |")
-        return "\n".join(out)
+        return "\n".join([
+            f"## Overflow report ({self.policy}, loss scale {self.loss_scale:g})", "",
+            self.summary().replace("\n", "  \n"), "",
+            *markdown_table(("module", "status", "fwd max", "fwd dtypes", "bwd max (scaled)",
+                             "param grad max", "underflow unscaled", "underflow scaled"),
+                            self._cells())])
 
     def _rich(self) -> list[Any]:
         """The rows as a table, then the summary."""
@@ -443,19 +365,12 @@ class OverflowReport(Report):
             f"overflow / underflow per module ({self.policy}, loss scale {self.loss_scale:g})",
             ("module", "status", "fwd max |x|", "fwd dtypes", "bwd max |g| (scaled)",
              "param grad max", "underflow unscaled", "underflow scaled"),
-            [(escape(r["module"]), status(r["status"]), _fmt(r["forward_max_abs"]),
-              r["forward_dtypes"], _fmt(r["backward_max_abs"]), _fmt(r["param_grad_max_abs"]),
-              _pct(r["underflow_unscaled"]), _pct(r["underflow_scaled"])) for r in self.rows])
+            [(escape(m), status(st), *rest) for m, st, *rest in self._cells()])
         return [table, escape(self.summary())]
 
 
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
-
-
-# ---------------------------------------------------------------------------------------------
-# The locator
-# ---------------------------------------------------------------------------------------------
 
 
 def _scale_value(loss_scale, policy: jmp.Policy) -> float:
@@ -475,17 +390,13 @@ def _param_module(path, root: str | None) -> str:
     return "/".join(([root] if root else []) + head) if head or root else "(params)"
 
 
-def _called(path: str, modules) -> str:
-    """``path``, or its nearest ancestor that was called, where the module holding a param
-    was not (an NNX module used through another method, tunix's ``Embedder.encode``: only
-    ``__call__`` marks a module, so its ops ran in the caller's region); ``(top level)`` for a
-    model without Flax modules (an Equinox model's params are no module paths)."""
-    if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
+def _param_owner(path: str, modules) -> str:
+    """The module a param's gradient is reported at: its own, or its nearest called ancestor
+    (an NNX module used through another method, tunix's ``Embedder.encode``, ran in its
+    caller's region); ``(top level)`` without Flax modules (Equinox, plain JAX)."""
+    if not modules:
         return TOP_LEVEL
-    segs = path.split("/")
-    while len(segs) > 1 and "/".join(segs) not in modules:
-        segs.pop()
-    return "/".join(segs) if "/".join(segs) in modules else path
+    return display_path(_module_key(path, modules) or canonical_path(path, modules), modules)
 
 
 def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
@@ -520,16 +431,9 @@ def locate_overflow(fn: Callable | nn.Module, variables: Any, *args: Any,
       An :class:`OverflowReport`: ``.rows`` per module, ``.first_nonfinite``,
       ``.overflowing``, ``.underflow``, ``.to_json()``, ``.print()``.
 
-    Every float value of the forward and backward pass is kept and copied to the host, and the
-    program is compiled twice (mixed precision, float32 reference): use a small batch. Inner
-    values of ``while`` loops and ``cond`` branches are not inspected (they run as one
-    operation). Values are attributed to the innermost module whose name scope an equation
-    runs in; a cast made where a value *enters* another module (autocast's boundary casts) is
-    labelled with the consuming side, so a float32 -> float16 cast that overflows is reported
-    at the consumer (a float32 weight too large for float16 is reported at its own module,
-    where it is cast for use).
-    Non-finite values that a program creates on purpose from finite inputs (e.g. ``log(0)``)
-    count as origins too; ``-inf`` written as a constant (masks) does not.
+    Every float value is kept and the program compiled twice (mixed precision, float32
+    reference): use a small batch. What it does not see, and where it attributes values:
+    docs/api/diagnostics.rst, "Overflow locator".
 
     Example:
       >>> import flax.linen as nn
@@ -664,8 +568,7 @@ def _param_grad_accs(amp_grads, true_grads, modules, scale: float
     g_stats = _summaries([g for _, g, _ in pairs], 1.0)
     t_stats = _summaries([t for _, _, t in pairs], scale)
     for (path, g, t), gs, ts in zip(pairs, g_stats, t_stats):
-        mod = display_path(_called(canonical_path(_param_module(path, root), modules),
-                                   modules), modules)
+        mod = _param_owner(_param_module(path, root), modules)
         pg.setdefault(mod, _Acc()).add(gs, np.dtype(g.dtype).name)
         tg.setdefault(mod, _Acc()).add(ts, np.dtype(t.dtype).name)
     return pg, tg
@@ -682,17 +585,9 @@ def _module_row(m: str, acc: dict, p: _Acc | None, t: _Acc | None, a: _Acc | Non
     under = (t.under if t else 0) + (a.under if a else 0)
     under_s = (t.under_scaled if t else 0) + (a.under_scaled if a else 0)
     row = {
-        "module": m,
-        "forward_dtypes": ",".join(sorted(f.dtypes)) or "-",
-        "forward_max_abs": f.max_abs if f.count else None,
-        "forward_nonfinite": f.nonfinite,
-        "forward_headroom_bits": _bits(f),
+        "module": m, **_pass_stats("forward", f),
         "forward_subnormal": _frac(f.subnormal, f.low_nonzero),
-        "forward_saturated": f.saturated,
-        "backward_dtypes": ",".join(sorted(b.dtypes)) or "-",
-        "backward_max_abs": b.max_abs if b.count else None,
-        "backward_nonfinite": b.nonfinite,
-        "backward_headroom_bits": _bits(b),
+        "forward_saturated": f.saturated, **_pass_stats("backward", b),
         "param_grad_max_abs": p.max_abs if p else None,
         "param_grad_nonfinite": p.nonfinite if p else 0,
         "true_grad_max_abs": t.max_abs if t else None,

@@ -1,40 +1,7 @@
-"""Review a finished (or running) mixed-precision run from its logs: the mixed-precision
-review checklist (loss scale, gradients, memory).
-
-A run directory holds ``metrics.jsonl`` and optionally ``summary.json``, in the format
-:mod:`jaxamp.diagnostics.metrics` documents and writes (``examples/train_lm.py`` uses it).
-:func:`review_run` reads them and reports :class:`RunFinding` s:
-
-=============================== =================================================================
-code                            what it means
-=============================== =================================================================
-``loss_spike_at_scale_change``  (a) loss spikes within a few steps of loss-scale changes
-``scale_at_floor``              (b) the dynamic loss scale stuck at its minimum
-``consecutive_skips``           (b) a long run of skipped (overflowing) steps
-``grad_norm_tiny``              (c) gradient norm implausibly small (or == clip / loss scale)
-``grad_norm_at_clip``           (c) gradient norm equal to the clip threshold at nearly every step
-``memory_not_reduced``          (d) compiled step memory not smaller than the float32 step's
-``loss_diverged``               the loss went non-finite and stayed so, or a validation loss did
-=============================== =================================================================
-
-Besides findings it writes notes: what it could not judge (memory on the CPU backend), and the
-optimizer state's bytes by dtype (``summary.json``'s ``opt_state_bytes``), with what the
-policy's ``opt_state=bfloat16`` saves or would save.
-
-Non-finite numbers are read as ``null`` (strict JSON: what jaxamp and ``train_lm.py`` write) or
-as the non-standard ``NaN``/``Infinity`` tokens of older files. The file is read one line at a
-time and only the keys the review uses are kept (memory grows with the number of steps, not
-with the file's size). A line that is not a JSON object with a whole-number ``step``, a value of
-the wrong type (``"skipped": "false"``, a string loss) and any line that does not parse (bad
-UTF-8, nesting too deep, a number too long) is an error (exit 2, naming the line and key).
-
-Command line::
-
-    python -m jaxamp.review RUN_DIR [--clip-norm 1.0] [--json]
-
-prints the findings (or ``no problems found``) and exits 0 when healthy, 1 when there are
-findings, 2 with a one-line ``error: ...`` when the run directory is missing or its files are
-unreadable.
+"""Review a finished (or running) mixed-precision run from its logs (``metrics.jsonl``,
+``summary.json``): loss scale, gradients, memory. Its findings, the format it reads and its
+command line (``python -m jaxamp.review RUN_DIR [--clip-norm 1.0] [--json]``; exit 0 healthy,
+1 findings, 2 error): docs/api/diagnostics.rst, "Reviewing a run". Imports no JAX.
 """
 
 from __future__ import annotations
@@ -49,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..policy_spec import parse as parse_policy
-from ._base import Report, escape
+from ._base import Report, escape, markdown_table
 from .metrics import (
     METRICS_FILE,
     STEP_KEYS,
@@ -139,9 +106,8 @@ class RunReview(Report):
     def to_markdown(self) -> str:
         if self.ok:
             return f"No problems found ({self.num_steps} steps reviewed)."
-        out = ["| code | steps | explanation |", "|---|---|---|"]
-        out += [f"| {f.code} | {_steps_text(f.steps)} | {f.explanation} |" for f in self.findings]
-        return "\n".join(out)
+        return "\n".join(markdown_table(("code", "steps", "explanation"), [
+            (f.code, _steps_text(f.steps), f.explanation) for f in self.findings]))
 
     def _rich(self) -> list[Any]:
         out = [f"[green]no problems found[/green] ({self.num_steps} steps reviewed)"] \
@@ -153,24 +119,15 @@ class RunReview(Report):
 
 
 def _steps_text(steps: Sequence[int], limit: int = 12) -> str:
-    if not steps:
-        return "-"
-    # compress runs: 3,4,5,6 -> 3-6
-    parts, start, prev = [], steps[0], steps[0]
-    for s in list(steps[1:]) + [None]:
-        if s is not None and s == prev + 1:
-            prev = s
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
-        if s is not None:
-            start = prev = s
-    text = ", ".join(parts[:limit])
+    """``steps`` with runs compressed (3,4,5,6 -> 3-6), at most ``limit`` parts."""
+    parts: list[list[int]] = []
+    for s in steps:
+        if parts and s == parts[-1][1] + 1:
+            parts[-1][1] = s
+        else:
+            parts.append([s, s])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in parts[:limit]) or "-"
     return text + (f", ... ({len(steps)} steps)" if len(parts) > limit else "")
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------------
 
 
 def _num(x) -> float:
@@ -207,11 +164,6 @@ def read_run(run_dir: str | Path, notes: list[str] | None = None) -> tuple[list[
     if not rows:
         raise ReviewError(f"{d / METRICS_FILE}: no steps logged")
     return rows, summary
-
-
-# ---------------------------------------------------------------------------------------------
-# Detectors
-# ---------------------------------------------------------------------------------------------
 
 
 def _runs(flags: Sequence[bool], steps: Sequence[int]) -> list[list[int]]:
@@ -381,25 +333,7 @@ def review_metrics(rows: Sequence[Mapping], summary: Mapping | None = None, *,
       clip_norm: the clip threshold (overrides the summary's).
       **thresholds: overrides of :data:`DEFAULTS`.
 
-    Heuristics and their limits:
-
-    * spikes: a finite loss above the median of the 5 previous losses by ``spike_sigmas``
-      robust standard deviations of the step-to-step noise (MAD of the first differences over
-      ``spike_window`` steps) *and* by ``spike_rel`` of that median, or a non-finite loss on an
-      applied step; they count when within ``coincide_steps`` of a
-      change of the logged loss scale, and ``min_coincident`` of them make a finding. Slow
-      drifts, and spikes in runs too short for a history (< 5 steps), are not seen.
-    * the scale floor is ``summary['min_loss_scale']`` or 1.0 (jaxamp's default), or the
-      ``loss_scale_at_min`` metric; runs whose scale never changes (no or static loss
-      scaling, ``loss_scale_mode`` none/static) are not checked for it.
-    * grad norm: the median finite grad norm of applied steps below ``tiny_grad_norm``, or
-      within 1% of ``clip_norm / loss_scale`` at most steps (clipped while scaled, then
-      unscaled), or zero at more than 10% of steps; "at the clip": within ``clip_rel_tol``
-      of the clip threshold at ``clip_fraction`` of the steps; without a known threshold, a
-      grad norm constant to 1e-4 at that fraction of the steps. jaxamp logs the norm before
-      clipping, so with jaxamp's step this only fires for a hand-written step.
-    * memory: the ``temp`` bytes (activations; ``total`` if absent) of the mixed-precision step
-      at least ``memory_ratio`` times the float32 step's; skipped for float32 policies.
+    The heuristics and their limits: docs/api/diagnostics.rst, "Reviewing a run".
     """
     cfg = dict(DEFAULTS)
     for k, v in thresholds.items():
