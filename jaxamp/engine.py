@@ -1,87 +1,12 @@
 """``autocast``: run an unmodified JAX/Flax function under mixed-precision policies.
 
-How it works, in one paragraph: the function is traced once in its own (float32) dtypes to a
-jaxpr, with every Flax module call (linen, or NNX through :mod:`jaxamp.nnx_frontend`) wrapped in
-a named scope ``jaxamp<call.k>`` (a *marker*; the module rules, matched once per call, give the
-region's policy). The jaxpr is then re-evaluated equation by equation, each primitive re-bound in
-the dtype its op rule and its region's policy ask for (see :mod:`jaxamp.rules`).
-Because the result is ordinary JAX code, ``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with
-it, and the backward pass follows the forward's dtypes (a float16 matmul has float16 gradient
-matmuls; the cast of a float32 parameter transposes into a float32 gradient).
-
-The re-evaluation is a table of rules, as JAX's own interpreters are:
-
-* :mod:`jaxamp._engine.op_rules`: one rule per op class of first-order primitives (structural,
-  matmul, float32, promote, as traced, convert), chosen by :class:`jaxamp.rules.OpRules`; a
-  user's handler for one primitive (``OpRules.extend(handlers=...)``) runs first and may defer;
-* :mod:`jaxamp._engine.control`: one rule per higher-order primitive (jit, remat, scan, while, cond,
-  custom_jvp, custom_vjp, shard_map, fused attention); each body is evaluated once per (input
-  dtypes, region) as a cached sub-program (asking a loop body for its carry dtypes and then
-  running it is one evaluation), so the cost is linear in the program's size at any depth;
-* :mod:`jaxamp._engine.evaluator`: regions, crossings and the walk;
-  :mod:`jaxamp._engine.sharing`: module calls with the same structure, inputs and region (a
-  Transformer's layers) are evaluated once and the result re-bound per call under the call's own
-  name stack (``SHARE_REPEATED_CALLS``);
-* :mod:`jaxamp._engine.values`: a value and what is known of it (stored or computed, its casts);
-* :mod:`jaxamp._engine.context`: what a rule or a planner sees
-  (:class:`jaxamp._engine.context.Context`: the call's facts, regions, sub-programs), never the
-  interpreter; autocast builds the rule table (:func:`jaxamp._engine.control.rule_table`) and
-  hands it to the interpreter, as JAX's ``ad.py``;
-* :mod:`jaxamp._engine.primitives`: every fact kept about primitives by name.
-
-Nothing is patched for good: the NNX ``__call__`` hook and the ``jax.nn.dot_product_attention``
-recorder are wrappers installed for the trace only, each closing over whatever function it
-replaced (another library's wrapper included) and restoring it only if it is still the one in
-place; which policy a call sees is read from the trace that is running in this thread.
-
-Value bookkeeping that keeps casts minimal:
-
-* *stored* values (the function's float inputs, e.g. params, and constants) are not cast up
-  front; they are cast where an arithmetic op first uses them, after any gather/slice/reshape,
-  so an embedding table larger than the rows read from it is never cast whole and scanned
-  stacked params are cast per layer (a smaller table, positions or a small vocabulary read at
-  every position, is cast whole and its rows gathered from that copy: the same numbers, and
-  XLA makes them again where they are read instead of keeping them; the gradient is the
-  float32 gather's, scattered in float32: ``jaxamp._engine.op_rules.gather_low``);
-* every value is cast at most once per dtype (a cache on the value);
-* constants cast down saturate (an f32 ``finfo.min`` mask becomes -65504 in f16, not -inf);
-* float -> float casts written in the traced function are hints: upcasts are honoured by the
-  ops that follow, except matmuls, which always run in their region's compute dtype (ask for
-  a float32 matmul with a module rule); downcasts are dropped (they are autocast's to make).
-  A cast of a value that is already float32 when traced leaves no trace to honour;
-* leaving a matched module's region casts to its ``output_dtype``; entering one casts
-  activations to its ``compute_dtype``; the function's own float outputs get the default
-  policy's ``output_dtype``; the updated collections of a linen ``apply(..., mutable=...)``
-  (a decode cache, batch statistics, sown values) come back in their stored dtype;
-* float64 values (``jax_enable_x64``) are left alone, as torch autocast leaves them; a matmul
-  of a float16/bfloat16/FP8 region left in float64 that way is warned about (once per trace),
-  naming the function's float64 inputs (:func:`float64_inputs`) and the cast that fixes it.
-
-Where a batch contraction may be a sum across devices (traced under ``jax.set_mesh``, as
-``make_train_step(mesh=...)`` does, or with more than one device visible, as for plain
-``jax.jit`` of ``NamedSharding``-placed inputs), a matmul or convolution with a param operand
-computes that param's gradient with a float32 output (same low-precision operands), so XLA's
-SPMD partitioner sums it across devices in float32, not in the compute dtype (see
-:mod:`jaxamp._engine.wgrad`); ``autocast(..., f32_weight_grads=True/False)`` decides it explicitly.
-The matmul is a ``jax.custom_jvp`` function (forward mode works); the convolution a
-``jax.custom_vjp`` one (reverse mode only: ``jax.jvp`` through it fails, unless
-``f32_weight_grads=False``). One device keeps JAX's own transposes.
-
-Control flow keeps its structure: ``jit`` bodies are inlined, ``checkpoint``/``remat`` is
-re-applied with its policy, ``scan``/``while`` carries keep a fixed dtype (the widest of the
-initial value and what the body returns, so float32 accumulators stay float32), ``cond``
-branches agree on the widest output dtype, ``shard_map`` bodies run per device under the
-region's policy (a hand-written tensor-parallel matmul in the compute dtype, its ``psum`` in
-float32) and are bound again with the same mesh and specs, ``custom_jvp`` and ``custom_vjp``
-functions keep their custom rules (both halves of a ``custom_vjp`` re-evaluated under the
-region's policy; ``OpRules.custom_vjp_as_traced`` opts functions out). Unknown higher-order
-primitives run exactly as traced (float32): correct, not accelerated.
-
-Trace cost: the re-evaluation binds every primitive through a cached, inlined ``jax.jit`` of
-that primitive (:mod:`jaxamp._engine.values`), as ``jnp``'s own operators are, so that under
-``jax.grad`` JAX linearizes each (primitive, params, input types) once instead of once per
-equation; the walk itself is :func:`jaxamp._engine.jaxpr.evaluate`, shared with the diagnostics.
-``bench/trace_cost.py`` measures it against plain float32 (BENCHMARKS.md).
+The function is traced once in its own (float32) dtypes, each Flax module call (linen, or NNX
+through :mod:`jaxamp.nnx_frontend`) marked as a region with its policy; the jaxpr is then
+re-evaluated equation by equation, each primitive bound in the dtype its op rule
+(:mod:`jaxamp.rules`) and its region's policy ask for. The result is ordinary JAX code:
+``jax.grad``, ``jax.jit`` and ``jax.vmap`` compose with it, and the backward pass follows the
+forward's dtypes. The design (regions, casts, control flow, weight gradients across devices,
+trace cost) is jaxamp/_engine/README.md.
 """
 
 from __future__ import annotations
@@ -93,6 +18,7 @@ import functools
 import inspect
 import itertools
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -106,16 +32,27 @@ import numpy as np
 from jaxamp import nnx_frontend
 from jaxamp._engine import attention
 from jaxamp._engine.compat import Tracer, mesh_is_set
+from jaxamp._engine.context import Marks
 from jaxamp._engine.control import rule_table
-from jaxamp._engine.evaluator import COUNTERS, REGION_MARKER, Evaluator
+from jaxamp._engine.evaluator import COUNTERS, Evaluator
 from jaxamp._engine.jaxpr import param_matmuls
 from jaxamp._engine.primitives import PARAM_READS
 from jaxamp._engine.values import F64, Value, cast, dtype_of
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
-__all__ = ["REGION_MARKER", "autocast", "check_options", "counting_evaluations",
-           "float64_cause", "float64_inputs"]
+__all__ = ["autocast", "check_options", "counting_evaluations", "float64_cause",
+           "float64_inputs"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REGION_MARKER":  # deprecated: jaxamp reads marks from a table, never a name
+        warnings.warn("jaxamp.engine.REGION_MARKER is deprecated and will be removed: the "
+                      "scopes autocast puts in the name stack are opaque names, looked up in "
+                      "a table, not parsed.", DeprecationWarning, stacklevel=2)
+        return re.compile(r"jaxamp<(\d+)\.(\d+)>")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _CALLS = itertools.count(1)
 #: Evaluate module calls whose structure repeats (a Transformer's layers) once and replay them
@@ -142,8 +79,8 @@ def counting_evaluations():
 class _Regions:
     """The region table filled while tracing: region id -> policy (id 0: the default; None:
     a module call that no rule matched, which inherits its caller's policy). Every module call
-    gets an id and a ``jaxamp<call.id>`` name scope, so the evaluator sees where each call
-    begins and ends (repeated calls of one structure share one evaluation)."""
+    gets an id and a scope from the call's :class:`Marks`, so the evaluator sees where each
+    call begins and ends."""
 
     def __init__(self, rules: ModuleRules):
         self.rules = rules
@@ -152,8 +89,8 @@ class _Regions:
         self.seen_paths: list[str] = []  # every module path met, in order (for warnings)
         self.stack: list[tuple[Any, jmp.Policy]] = []  # (module, effective policy)
         self.matches: dict = {}  # (class, path, inherited) -> rules.match(...)
-        self.call = next(_CALLS)  # this call's number in its region markers
-        self.attention = attention.Recorder(self.call)  # its fused-attention calls
+        self.marks = Marks(next(_CALLS))  # the scopes of its module calls
+        self.attention = attention.Recorder(self.marks.call)  # its fused-attention calls
 
     def interceptor(self, next_fun, args, kwargs, context):
         """A linen method interceptor, and an NNX one (:func:`jaxamp.nnx_frontend.intercept_calls`,
@@ -176,7 +113,7 @@ class _Regions:
         self.policies.append(policy)
         self.stack.append((module, inherited if policy is None else policy))
         try:
-            with jax.named_scope(f"jaxamp<{self.call}.{len(self.policies) - 1}>"):
+            with self.marks.region(len(self.policies) - 1):
                 return next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
@@ -308,8 +245,10 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
                           for p in regions.policies)
         if sets_matmul:
             _warn_no_fp8_rule(regions.policies, op_rules)
-        evaluator = Evaluator(regions.policies, op_rules, regions.call,
-                              regions.attention.calls, _sums_across_devices()
+        calls = {attention.jit_name(regions.marks.call, i): c
+                 for i, c in enumerate(regions.attention.calls)}
+        evaluator = Evaluator(regions.policies, op_rules, regions.marks, calls,
+                              _sums_across_devices()
                               if f32_weight_grads is None else f32_weight_grads,
                               share=SHARE_REPEATED_CALLS,
                               matmul_ends=_matmul_ends(closed.jaxpr) if sets_matmul else None,
@@ -317,8 +256,8 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
         consts = [Value(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [Value(leaves[i], True, False, ()) for i in dyn]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))
-        _warn_unknown(evaluator.unknown)
-        _warn_float64(evaluator.float64_matmuls, fn, args, kwargs)
+        _warn_unknown(evaluator.ctx.unknown)
+        _warn_float64(evaluator.ctx.float64_matmuls, fn, args, kwargs)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         n_result = len(out_leaves)
         if (apply_module is not None and kwargs.get("mutable")) or modules is not None:

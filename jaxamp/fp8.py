@@ -1,39 +1,13 @@
 """FP8 matmuls: the quantise -> FP8 dot -> dequantise pattern, and the engine rule that uses it.
 
-A policy with ``matmul=float8`` (``"params=float32,compute=bfloat16,output=float32,
-matmul=float8"``, or an override ``{"blocks_*/mlp/*": "matmul=float8"}``) runs each *eligible*
-``dot_general`` of its modules as :func:`fp8_dot_general`; the others run in the compute dtype
-and :func:`jaxamp.audit` says why (:attr:`jaxamp.diagnostics.AuditReport.matmuls`).
-
-The recipe (Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format, torchao's
+A ``matmul=float8`` policy runs each eligible ``dot_general`` of its modules as
+:func:`fp8_dot_general` (the recipe, eligibility and the mesh: README.md, "FP8 matmuls"):
+Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format (torchao's
 ``tensorwise``), written as the pattern XLA's GPU compiler fuses into one cuBLASLt FP8 GEMM
-(``__cublas$lt$matmul$f8``):
-
-* **per-tensor current scaling**: each operand's scale is the amax of *this step's* tensor,
-  ``scale = amax * 2**margin / FP8_MAX`` (``FP8_MAX`` = 448 for E4M3, 57344 for E5M2) rounded
-  up to a power of two, so that the division rounds nothing (at most one binade of FP8 range
-  is left unused); the quantised tensor is ``clip(x / scale, -FP8_MAX, FP8_MAX)``. No state:
-  nothing to checkpoint, accumulate across micro-batches or restore, no amax history to go
-  stale.
-  ``margin`` (default 0) leaves ``2**margin`` of headroom.
-* a zero tensor (amax 0) or a non-finite amax uses scale 1: zeros stay zeros, an infinite
-  element saturates to +-FP8_MAX (finite), and a NaN stays NaN, so the loss and gradients are
-  NaN and the train step's finite check skips the step (the params are not touched; the next
-  finite step is normal).
-* forward operands in E4M3 (``float8_e4m3fn``), the output gradient in E5M2 (``float8_e5m2``,
-  wider range); ``preferred_element_type`` is the output dtype (the compute dtype forward, the
-  operand's dtype for its gradient: a float32 param gets a float32 weight gradient), and the
-  dequantisation is one scalar multiply by ``scale_lhs * scale_rhs``.
-* the forward dot at DEFAULT precision (fast accumulation), dgrad and wgrad at HIGHEST (split
-  accumulator, TE's default); the FP8 operands and their scalar scales are the residuals saved
-  for the backward pass (1 byte per element instead of 2 or 4).
-
-No loss scale is needed with bfloat16 (or float32) compute: the output gradient is scaled per
-tensor before it is cast to E5M2, and bfloat16 has float32's range; float16 compute with FP8
-matmuls is refused by :func:`jaxamp.get_policy`.
-
-On CPU, XLA runs FP8 dots by upcasting (correct numbers, no speed); only a Hopper GPU runs the
-fused FP8 GEMM (``bench/gpu.sh`` checks the compiled HLO: :func:`jaxamp.fp8_gemms`).
+(``__cublas$lt$matmul$f8``). Scales are powers of two, so dividing by one rounds nothing (at
+most one binade of FP8 range is unused; ``margin`` leaves ``2**margin`` more headroom).
+float16 compute with FP8 matmuls is refused by :func:`jaxamp.get_policy`: only bfloat16
+(float32's range) needs no loss scale. On CPU XLA upcasts FP8 dots (right numbers, no speed).
 """
 
 from __future__ import annotations
@@ -58,11 +32,10 @@ _F32 = np.dtype(np.float32)
 
 
 def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array]:
-    """``x`` quantised to FP8 ``dtype`` with a per-tensor current scale.
+    """``(q, scale)``: ``x`` quantised to FP8 ``dtype`` with a per-tensor current scale.
 
-    Returns ``(q, scale)``: ``q = clip(x / scale, -max, max)`` in ``dtype`` and ``scale`` a
-    float32 scalar (``x ~= q * scale``): ``amax(|x|) * 2**margin / finfo(dtype).max`` rounded
-    up to a power of two (so dividing by it, in ``x``'s dtype, rounds nothing and the largest
+    ``q = clip(x / scale, -max, max)`` and ``scale`` a float32 scalar (``x ~= q * scale``):
+    ``amax(|x|) * 2**margin / finfo(dtype).max`` rounded up to a power of two (the largest
     element lands in ``[max / 2**(margin+1), max / 2**margin]``); 1 when the amax is zero or
     not finite.
 
@@ -81,8 +54,16 @@ def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array
 
 
 def _int_at_least(value, low: int) -> bool:
-    """``value`` is an int (not a bool) >= ``low``: the check of ``margin`` and ``shards``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_scaling(where: str, margin, shards) -> None:
+    if not _int_at_least(margin, 0):
+        raise ValueError(f"{where}: margin must be an int >= 0, got {margin!r} (headroom "
+                         "2**margin below the FP8 maximum).")
+    if not _int_at_least(shards, 1):
+        raise ValueError(f"{where}: shards must be an int >= 1 (the devices of the data axis; "
+                         f"1: per-tensor scales), got {shards!r}.")
 
 
 def _dims(dimension_numbers) -> tuple:
@@ -96,10 +77,9 @@ def _remaining(n: int, *taken: Sequence[int]) -> list[int]:
 
 
 def _transpose_lhs(g, lhs_ndim: int, rhs, dims, out_dtype, scale, *, swap=False):
-    """The cotangent of a dot_general's lhs: ``dot_general(g, rhs) * scale`` with the axes put
-    back (the transpose rule of ``lax.dot_general``, here with FP8 operands, HIGHEST precision
-    and the caller's output dtype, which ``jax.vjp`` of the FP8 dot could not take). The scale
-    multiplies the dot's own output, before the transpose: the pattern XLA fuses."""
+    """The cotangent of a dot_general's lhs, ``dot_general(g, rhs) * scale`` with the axes put
+    back: ``lax.dot_general``'s transpose with FP8 operands, HIGHEST precision and the caller's
+    output dtype; the scale multiplies the dot's output before the transpose (what XLA fuses)."""
     (lc, rc), (lb, rb) = dims
     l_kept = _remaining(lhs_ndim, lc, lb)
     r_kept = _remaining(rhs.ndim, rc, rb)
@@ -147,12 +127,9 @@ _fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 def _chunked(lhs, rhs, dims, out_dtype, margin, shards, side):
-    """The FP8 dot with one scale per chunk of operand ``side``'s leading dimension (see
-    :func:`fp8_dot_general`): the scalar-scale dot vmapped over the chunks, the other operand
-    shared. Forward and dgrad dequantise each chunk's rows by its own scale; the wgrad is one
-    FP8 dot per chunk (a batch dimension), dequantised per chunk and summed by vmap's transpose
-    of the shared operand: the sum over the batch the weight gradient takes anyway (the
-    data-parallel gradient all-reduce on a mesh)."""
+    """The FP8 dot with one scale per chunk of operand ``side``'s leading dimension: the
+    scalar-scale dot vmapped over the chunks; the wgrad's per-chunk dots are summed by vmap's
+    transpose of the shared operand (the sum over the batch the weight gradient takes anyway)."""
     x = (lhs, rhs)[side]
     rows = x.shape[0]
     chunks = x.reshape(shards, rows // shards, *x.shape[1:])
@@ -167,11 +144,10 @@ def _chunked(lhs, rhs, dims, out_dtype, margin, shards, side):
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, compute_dtype,
                     margin: int = 0, shards: int = 1, activation: int = 0) -> jax.Array:
-    """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 operands, as a
-    ``jax.custom_vjp``: E4M3 operands with per-tensor current scales forward (DEFAULT
-    precision), the output gradient in E5M2 for dgrad and wgrad (HIGHEST precision); the
-    result in ``compute_dtype``, each operand's gradient in its own dtype. See the module
-    docstring for the recipe.
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 operands, a ``jax.custom_vjp``:
+    E4M3 operands with per-tensor current scales forward (DEFAULT precision), the output
+    gradient in E5M2 for dgrad and wgrad (HIGHEST); the result in ``compute_dtype``, each
+    operand's gradient in its own dtype.
 
     Args:
       lhs, rhs: float operands (any float dtype; quantised from it).
@@ -179,11 +155,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
       compute_dtype: the output dtype (``preferred_element_type`` of the FP8 dot).
       margin: ``2**margin`` headroom below the FP8 maximum.
       shards: take the activation's scale (and its output gradient's) per chunk of its
-        leading dimension, ``shards`` chunks, instead of per tensor: on a mesh whose data axis
-        has ``shards`` devices each device scales its own rows, so the amax needs no
-        collective (as each rank of PyTorch's DDP scales its own tensor). Used when that
-        dimension is a free (non-contracting) dimension that ``shards`` divides and there are
-        no batch dimensions; otherwise (and with 1) the scale is per tensor.
+        leading dimension, ``shards`` chunks: on a mesh whose data axis has ``shards``
+        devices each scales its own rows, so the amax needs no collective. Used when that
+        dimension is free (not contracted), ``shards`` divides it and there are no batch
+        dimensions; otherwise the scale is per tensor.
       activation: which operand is the activation (0: ``lhs``, 1: ``rhs``) for ``shards``;
         the other (the weight) keeps one scale.
 
@@ -193,12 +168,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
       >>> y.dtype, float(y[0, 0])
       (dtype(bfloat16), 16.0)
     """
-    if not _int_at_least(margin, 0):
-        raise ValueError(f"fp8_dot_general: margin must be an int >= 0 (headroom 2**margin), "
-                         f"got {margin!r}.")
-    if not _int_at_least(shards, 1):
-        raise ValueError(f"fp8_dot_general: shards must be an int >= 1 (the devices of the "
-                         f"data axis; 1: per-tensor scales), got {shards!r}.")
+    _check_scaling("fp8_dot_general", margin, shards)
     if activation not in (0, 1):
         raise ValueError(f"fp8_dot_general: activation must be 0 (lhs) or 1 (rhs), got "
                          f"{activation!r}.")
@@ -220,16 +190,13 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
                  small: tuple[int, int] = (1024, 4096)) -> str | None:
     """Why this ``dot_general`` should not run in FP8, or None when it is eligible.
 
-    Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"float64"`` (a
-    float64 operand, under ``jax_enable_x64``: float64 is left alone, as everywhere in
-    autocast, and the matmul runs as traced), ``"batched"`` (batch
-    dimensions: attention's q @ k and weights @ v, which have no weight to scale once and are
-    best left to the fused attention), ``"unaligned"`` (the contracting size K or the
-    weight's output features N not a multiple of 16, torchao's rule: cuBLASLt's FP8 GEMM
-    needs aligned dims; XLA pads the rows M, which vary with the batch), ``"small"``
-    (K <= small[0] and N <= small[1], N the output features
-    auto-filter, where the cost of scaling outweighs the faster GEMM on an H100; the default is
-    theirs, ``(1024, 4096)``; ``(0, 0)`` lets every aligned matmul run in FP8).
+    Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"float64"``
+    (left alone, as all float64 in autocast), ``"batched"`` (batch dimensions: attention's
+    q @ k and weights @ v, best left to the fused attention), ``"unaligned"`` (the contracting
+    size K or the weight's output features N not a multiple of 16, torchao's rule for
+    cuBLASLt; XLA pads the rows M), ``"small"`` (K <= small[0] and N <= small[1]: torchao's
+    auto-filter, where scaling costs more than the faster GEMM gains on an H100; ``(0, 0)``
+    lets every aligned matmul run in FP8).
     """
     if not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
         return "not float"
@@ -249,35 +216,24 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
     return None
 
 
-#: The name scope that marks each matmul of an FP8 region with the rule's decision
-#: (``jaxamp_matmul<float8>``, ``jaxamp_matmul<small>``, ...): how the audit lists every
-#: matmul, also those of repeated layers that autocast evaluates once and replays.
-SCOPE = "jaxamp_matmul<{}>"
-
-
 @dataclasses.dataclass(frozen=True)
 class FP8Matmuls:
     """The engine rule (an :class:`jaxamp.OpRules` handler of ``dot_general``) that runs the
-    eligible matmuls of a ``matmul=float8`` region in FP8; in every other region it defers to
-    the built-in matmul rule. :data:`jaxamp.DEFAULT_OP_RULES` holds :data:`FP8_MATMULS`;
-    give other options with ``DEFAULT_OP_RULES.extend(handlers={"dot_general":
-    FP8Matmuls(small=(0, 0))})``.
+    eligible matmuls of a ``matmul=float8`` region in FP8; elsewhere it defers to the built-in
+    matmul rule. :data:`jaxamp.DEFAULT_OP_RULES` holds :data:`FP8_MATMULS`; other options:
+    ``DEFAULT_OP_RULES.extend(handlers={"dot_general": FP8Matmuls(small=(0, 0))})``.
 
     Attributes:
       small: ``(K, N)``: a matmul with contracting size <= K and output features <= N stays in
         the compute dtype (:func:`fp8_eligible`).
       keep_first_last: keep the first and the last matmul of the program that reads a param
-        (the input projection and the head feeding the loss) in the compute dtype, the
-        divergence reports of TE/Megatron users (``--first-last-layers-bf16``). A matmul inside
-        a ``scan``/``while`` body runs once per iteration, so it is never kept as first/last.
+        (input projection, head) in the compute dtype, against the divergence TE/Megatron
+        users report (``--first-last-layers-bf16``); never a matmul in a loop body.
       margin: headroom ``2**margin`` below the FP8 maximum (:func:`quantize`).
-      shards: the activation's (and its output gradient's) scale is taken per chunk of its
-        leading dimension, ``shards`` chunks (:func:`fp8_dot_general`; the activation: the
-        operand that is not a param, a Flax layer's input, whose leading dimension is the
-        batch).
-        :func:`jaxamp.make_train_step` with ``mesh=`` sets it to the devices of the data axis
-        (when it is left at 1), so that the amax of a batch-sharded tensor needs no
-        all-reduce: each device scales its own rows. A weight keeps one scale.
+      shards: the activation's (the operand that is not a param) and its output gradient's
+        scale per chunk of its leading dimension (:func:`fp8_dot_general`);
+        :func:`jaxamp.make_train_step` with ``mesh=`` sets it (when left at 1) to the devices
+        of the data axis, so each device scales its own rows. A weight keeps one scale.
     """
 
     small: tuple[int, int] = (1024, 4096)
@@ -291,11 +247,7 @@ class FP8Matmuls:
             raise ValueError(f"FP8Matmuls: small must be a tuple (K, N) of ints >= 0, got "
                              f"{self.small!r}. Example: FP8Matmuls(small=(0, 0)) runs every "
                              "aligned matmul in FP8.")
-        if not _int_at_least(self.margin, 0):
-            raise ValueError(f"FP8Matmuls: margin must be an int >= 0, got {self.margin!r}.")
-        if not _int_at_least(self.shards, 1):
-            raise ValueError(f"FP8Matmuls: shards must be an int >= 1 (the devices of the data "
-                             f"axis; 1: per-tensor scales), got {self.shards!r}.")
+        _check_scaling("FP8Matmuls", self.margin, self.shards)
 
     def decide(self, call) -> str:
         """``"float8"``, or why ``call``'s matmul stays in the compute dtype."""
@@ -314,7 +266,8 @@ class FP8Matmuls:
                 np.dtype(call.policy.matmul_dtype) != E4M3 or len(call.args) != 2:
             return None
         decision = self.decide(call)
-        with jax.named_scope(SCOPE.format(decision.replace(" ", "_"))):
+        # a mark in the name stack (replayed layers keep it) that the audit looks up
+        with call.decided(decision):
             if decision != "float8":
                 return call.default()
             lhs, rhs = call.args  # a param in its stored dtype: quantised from it

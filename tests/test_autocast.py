@@ -21,8 +21,8 @@ from jaxamp._engine.jaxpr import (
     transposed_equations,
 )
 from jaxamp.diagnostics import format_precision_table
-from jaxamp.engine import REGION_MARKER
 
+MARK = r"/?jaxamp<[^>]*>"  # the scope autocast gives each module call (opaque to jaxamp)
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
 POLICIES = {"float16": F16, "bfloat16": BF16}
@@ -37,7 +37,7 @@ def _dt(var) -> str:
 
 def _module_path(eqn) -> str:
     stack = str(eqn.source_info.name_stack)
-    return re.sub("/?" + REGION_MARKER.pattern, "", stack)
+    return re.sub(MARK, "", stack)
 
 
 OFF = jaxamp.DEFAULT_OP_RULES.extend(recompute=False)
@@ -469,3 +469,17 @@ def test_replicated_activation_made_varying_in_shard_map_keeps_compute_dtype():
     # the replicated param w is cast where it is used (after its pvary); the activation stays f16
     assert {_dt(e.invars[0]) for e in pvary if e.invars[0].aval.shape == (4, 8)} == {"float16"}
     assert adds and all(_dt(e.outvars[0]) == "float16" for e in adds)
+
+
+def test_region_marker_is_deprecated_and_still_matches_each_module_call():
+    import jaxamp.engine
+
+    with pytest.warns(DeprecationWarning, match="REGION_MARKER is deprecated"):
+        marker = jaxamp.engine.REGION_MARKER
+    model = nn.Dense(4)
+    params = model.init(jax.random.key(0), jnp.ones((2, 3)))
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(model.apply, F16))(params, jnp.ones((2, 3)))
+    stacks = [str(e.source_info.name_stack) for e in iter_eqns(jaxpr.jaxpr)]
+    found = {m.group(0) for s in stacks for m in [marker.search(s)] if m}
+    assert len(found) == 1 and all(marker.search(s) for s in stacks if "Dense" in s)
+    assert "REGION_MARKER" not in jaxamp.engine.__all__

@@ -355,6 +355,29 @@ def test_a_handler_rewrites_one_primitive_and_can_defer():
         jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": 3})
 
 
+def test_a_handlers_decision_reaches_the_audits_matmul_listing_of_each_repeated_layer():
+    """RuleCall.decided records a decision as typed data (a mark in the name stack), which the
+    audit looks up for every matmul, also in the layers autocast evaluates once and replays."""
+    def rule(call: jaxamp.rules.RuleCall):
+        with call.decided(f"mine {call.eqn.invars[1].aval.shape[1]}"):
+            return call.default()
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.Dense(8, name=f"layer_{i}")(x)
+            return nn.Dense(4, name="head")(x)
+
+    x = jnp.ones((2, 8))
+    params = Net().init(jax.random.key(0), x)["params"]
+    rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": rule})
+    report = jaxamp.audit(lambda p, x: jnp.mean(Net().apply({"params": p}, x) ** 2), params, x,
+                          policy=BF16, op_rules=rules)
+    assert [(m["module"], m["reason"]) for m in report.matmuls] == [
+        ("layer_0", "mine 8"), ("layer_1", "mine 8"), ("layer_2", "mine 8"), ("head", "mine 4")]
+
+
 # ---- evaluation cost ------------------------------------------------------------------------
 
 

@@ -163,3 +163,72 @@ def test_every_report_derives_from_the_one_base():
     for cls in (AuditReport, GpuProgram, OverflowReport, PrecisionTable, RunReview):
         assert issubclass(cls, Report), cls
         assert "to_json" not in vars(cls), cls  # one JSON writer
+
+
+#: Where a regex may read a name: the readers of HLO and other text (file -> the functions that
+#: may, None: all of it), and the deprecated ``jaxamp.engine.REGION_MARKER`` (kept for users;
+#: jaxamp reads no marker back).
+TEXT_READERS = {
+    "jaxamp/diagnostics/_hlo.py": None,
+    "jaxamp/diagnostics/gpu.py": {"_proto_field", "parse_target_config"},  # target configs
+    "jaxamp/diagnostics/_collectives.py": None,
+    "jaxamp/rules.py": {"_path_regex"},  # path globs
+    "jaxamp/diagnostics/_reference.py": None,  # module-name heuristics
+    "jaxamp/engine.py": {"__getattr__"},
+}
+_MARK_WORDS = ("jaxamp", "attention", "matmul", "marker", "region", "decision", "scope")
+_RE_CALLS = {"compile", "search", "match", "fullmatch", "findall", "finditer", "sub", "split"}
+
+
+def regex_reads_of_marks(tree: ast.Module) -> list[tuple[str, int]]:
+    """``(enclosing function, line)`` of each ``re`` call whose pattern mentions a region, an
+    attention call or a decision: its string constants, names and the module-level strings
+    those names are bound to."""
+    bound: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    bound[target.id] = ast.unparse(node.value)
+
+    def text(expr: ast.AST) -> str:
+        out = ast.unparse(expr)
+        for n in ast.walk(expr):
+            if isinstance(n, ast.Name) and n.id in bound:
+                out += " " + bound[n.id]
+        return out.lower()
+
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.ClassDef) else where
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and isinstance(child.func.value, ast.Name) and child.func.value.id == "re"
+                    and child.func.attr in _RE_CALLS and child.args
+                    and any(w in text(child.args[0]) for w in _MARK_WORDS)):
+                found.append((where, child.lineno))
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_mark_check_sees_a_regex_read_of_a_mark():
+    tree = ast.parse('import re\nMARK = r"jaxamp<(\\d+)>"\nP = re.compile(MARK)\n'
+                     'def f(s):\n    return re.search(r"jaxamp_matmul<([^>]*)>", s)\n'
+                     'def g(s):\n    return re.sub(r"\\s+", " ", s)\n')
+    assert regex_reads_of_marks(tree) == [("<module>", 3), ("f", 5)]
+
+
+def test_no_regex_reads_a_region_an_attention_call_or_a_decision_back_from_a_name():
+    """Regions, recorded attention calls and FP8 decisions are typed data (issue #41): a table
+    of marks keyed by scope name, looked up, never parsed out of a name."""
+    bad = []
+    for path in MODULES.values():
+        rel = str(path.relative_to(ROOT))
+        allowed = TEXT_READERS.get(rel, set())
+        for where, line in regex_reads_of_marks(ast.parse(path.read_text())):
+            if allowed is not None and where not in allowed:
+                bad.append(f"{rel}:{line} ({where})")
+    assert bad == []

@@ -25,8 +25,8 @@ from jaxamp._engine.jaxpr import (
     readers,
     transposed_equations,
 )
-from jaxamp.engine import REGION_MARKER
 
+MARK = r"/?jaxamp<[^>]*>"  # the scope autocast gives each module call (opaque to jaxamp)
 F16 = "params=float32,compute=float16,output=float32"
 BF16 = "params=float32,compute=bfloat16,output=float32"
 F32 = "params=float32,compute=float32,output=float32"
@@ -40,7 +40,7 @@ def _dt(var) -> str:
 
 
 def _path(eqn) -> str:
-    return re.sub("/?" + REGION_MARKER.pattern, "", str(eqn.source_info.name_stack))
+    return re.sub(MARK, "", str(eqn.source_info.name_stack))
 
 
 def _matmuls(jaxpr):

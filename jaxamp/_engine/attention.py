@@ -12,7 +12,6 @@ code. The attribute is patched through :mod:`jaxamp._engine.patching`. The full 
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any
 
 import jax
@@ -22,8 +21,13 @@ from jaxamp._engine.patching import Patch
 
 ORIGINAL = jax.nn.dot_product_attention
 _SIGNATURE = inspect.signature(ORIGINAL)
-#: The name of the recorded call: ``jaxamp_attention_<autocast call>_<index>``.
-CALL_NAME = re.compile(r"jaxamp_attention_(\d+)_(\d+)")
+
+
+def jit_name(call: int, index: int) -> str:
+    """The jit name of recorded call ``index`` of autocast call ``call`` (looked up, not parsed)."""
+    return f"jaxamp_attention_{call}_{index}"
+
+
 #: Array arguments cast to the compute dtype (masks and sequence lengths are not floats).
 CAST_ARGUMENTS = frozenset({"query", "key", "value", "bias"})
 
@@ -51,7 +55,7 @@ def _record(recorder: Recorder, previous, *args, **kwargs):
         with _PATCH.paused():  # a wrapper below ours that calls ours again passes through
             return previous(**dict(zip(names, vals)), **traced)
 
-    attention.__name__ = f"jaxamp_attention_{recorder.call}_{len(recorder.calls)}"
+    attention.__name__ = jit_name(recorder.call, len(recorder.calls))
     recorder.calls.append((names, static, previous))
     return jax.jit(attention)(*arrays.values())
 

@@ -16,44 +16,14 @@ import jax
 import jax.extend.core as jcore
 from jax.extend import source_info_util
 
-__all__ = [
-    "CondParams",
-    "CustomJvpParams",
-    "RematParams",
-    "ScanParams",
-    "Tracer",
-    "WhileParams",
-    "bind_with_params",
-    "call_jaxpr",
-    "call_name",
-    "close_jaxpr",
-    "compile_only_gpu",
-    "device_target_config",
-    "cond_params",
-    "custom_jvp_params",
-    "dot_dimension_numbers",
-    "custom_vjp_primal_jaxpr",
-    "custom_vjp_name",
-    "dce_jaxpr",
-    "inline_jit",
-    "jit_cache_size",
-    "mesh_context",
-    "mesh_is_set",
-    "named_sub_jaxprs",
-    "new_dtype",
-    "open_jaxpr",
-    "remat_params",
-    "scan_counts",
-    "scan_params",
-    "shard_map_again",
-    "shard_map_jaxpr",
-    "source_context",
-    "unnamed_scope",
-    "checkpoint_in_place",
-    "sub_jaxprs",
-    "target_platform",
-    "while_params",
-]
+__all__ = ["bind_with_params", "call_jaxpr", "call_name", "checkpoint_in_place", "close_jaxpr",
+           "compile_only_gpu", "cond_params", "CondParams", "custom_jvp_params",
+           "custom_vjp_name", "custom_vjp_primal_jaxpr", "CustomJvpParams", "dce_jaxpr",
+           "device_target_config", "dot_dimension_numbers", "inline_jit", "jit_cache_size",
+           "mesh_context", "mesh_is_set", "name_scopes", "named_sub_jaxprs", "new_dtype",
+           "open_jaxpr", "remat_params", "RematParams", "scan_counts", "scan_params",
+           "ScanParams", "shard_map_again", "shard_map_jaxpr", "source_context", "sub_jaxprs",
+           "target_platform", "Tracer", "unnamed_scope", "while_params", "WhileParams"]
 
 #: JAX's tracer base class (``jax.core.Tracer``; public, but its home has moved before).
 Tracer = jax.core.Tracer
@@ -243,12 +213,17 @@ def custom_vjp_name(eqn) -> str:
     return src.split(" ", 1)[0]
 
 
+def name_scopes(eqn) -> tuple:
+    """``eqn``'s name stack as JAX keeps it (``NameStack.stack``): its scopes and transforms,
+    each with a ``name``, outermost first; hashable. The one reader of its parts."""
+    return eqn.source_info.name_stack.stack
+
+
 def _split_stack(name_stack, scope: str):
-    """``(prefix up to and including the scope named scope, the rest)`` of a name stack
-    (``NameStack.stack`` is a tuple of scopes and transforms with a ``name``)."""
+    """``(prefix up to and including the scope named scope, the rest)`` of a name stack."""
     parts = name_stack.stack
     for i, part in enumerate(parts):
-        if getattr(part, "name", None) == scope:
+        if part.name == scope:
             return (dataclasses.replace(name_stack, stack=parts[:i + 1]),
                     dataclasses.replace(name_stack, stack=parts[i + 1:]))
     return dataclasses.replace(name_stack, stack=()), name_stack

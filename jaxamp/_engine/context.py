@@ -1,30 +1,14 @@
-"""What a rule or a planner sees of one autocast evaluation: :class:`Context`, and the shared
-types of the rules (:class:`Site`, :data:`Rule`) and of sub-programs (:class:`Body`).
-
-As in JAX's ``ad.py``, a rule is a plain function ``rule(ctx, eqn, ins, site) -> list[Value]``
-in a table that the interpreter owns (``autocast`` builds it:
-:func:`jaxamp._engine.control.rule_table`); a rule never sees the interpreter
-(:class:`jaxamp._engine.evaluator.Evaluator`). The context gives it:
-
-* the facts of the call: the region policies, the op rules, the recorded attention calls, the
-  first and last param matmuls (:attr:`Context.matmul_ends`), the float32 weight-gradient
-  flag;
-* regions: :meth:`Context.policy`, :meth:`Context.region_of`, :meth:`Context.crossing`,
-  :meth:`Context.operand` (an operand taken across module boundaries);
-* sub-programs: :meth:`Context.eval`, :meth:`Context.body` (a cached :class:`Body`),
-  :meth:`Context.run_body`, :meth:`Context.run_eqn`, evaluated by the interpreter;
-* scopes the rules open (a user's ``remat``, a ``scan`` body, a recompute segment), and what
-  the rules report (:meth:`Context.note_unknown`, :meth:`Context.note_float64_matmul`).
-
-This module imports only leaves (:mod:`jaxamp._engine.compat`, :mod:`jaxamp._engine.jaxpr`,
-:mod:`jaxamp._engine.values`, :mod:`jaxamp.policy`): the rule modules and planners import it, and it
-imports none of them.
+"""What a rule or a planner sees of one autocast evaluation (:class:`Context`), the shared
+types of the rules (:class:`Site`, :data:`Rule`) and sub-programs (:class:`Body`), and the
+marks a call leaves in the name stack (:class:`Marks`). A rule never sees the interpreter.
+This module imports only leaves; the rule modules and planners import it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import re
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -32,16 +16,69 @@ import jax
 import jmp
 import numpy as np
 
-from jaxamp._engine.compat import inline_jit
-from jaxamp._engine.jaxpr import jit_inlines, name_stack
+from jaxamp._engine.compat import inline_jit, name_scopes
+from jaxamp._engine.jaxpr import jit_inlines
 from jaxamp._engine.values import F32, Value, cast, copies, is_float
 from jaxamp.policy import matmul_dtype
 
-__all__ = ["REGION_MARKER", "Body", "Context", "Rule", "Site"]
+__all__ = ["MARKS", "Body", "Context", "Mark", "Marks", "Rule", "Site"]
 
-#: The name-scope marker of a module call: ``jaxamp<call.id>``. Each autocast call has its own
-#: ``call`` number, so an autocast function traced inside another keeps its regions apart.
-REGION_MARKER = re.compile(r"jaxamp<(\d+)\.(\d+)>")
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """What a name scope autocast made stands for: module call ``region`` of autocast call
+    ``call``, or a rule's ``decision`` on the equations inside it (the FP8 rule's)."""
+
+    call: int
+    region: int | None = None
+    decision: str | None = None
+
+
+#: Every mark made in this process, the newest 2**16: what the diagnostics look scope names up
+#: in, also for a program traced before (a jit cache hit keeps the marks of its first trace).
+MARKS: collections.OrderedDict[str, Mark] = collections.OrderedDict()
+_KEPT = 1 << 16
+
+
+class Marks:
+    """The marks of one autocast call: scope name -> :class:`Mark`, made here only.
+
+    The name stack carries them (JAX keeps it through jvp, transpose, vmap and remat on every
+    equation); a reader looks an equation's scope names up in the table, never parses one.
+    Names are unique per call, so the marks of an autocast traced inside another stay apart.
+    """
+
+    def __init__(self, call: int):
+        self.call = call
+        self.by_scope: dict[str, Mark] = {}
+        self.scope_of: dict[int, str] = {}  # region id -> its scope name
+        self._regions: dict = {}  # name stack -> the region ids in it
+
+    def _enter(self, name: str, mark: Mark):
+        self.by_scope[name] = MARKS[name] = mark
+        if len(MARKS) > _KEPT:
+            MARKS.popitem(last=False)
+        return jax.named_scope(name)
+
+    def region(self, k: int):
+        """The scope (a context) of module call ``k``."""
+        self.scope_of[k] = name = f"jaxamp<{self.call}.{k}>"
+        return self._enter(name, Mark(self.call, region=k))
+
+    def decision(self, text: str):
+        """A scope (a context) whose equations carry ``text``, a rule's decision."""
+        name = f"jaxamp_matmul<{self.call}.{text.replace(' ', '_')}>"
+        return self._enter(name, Mark(self.call, decision=text))
+
+    def regions(self, eqn) -> tuple[int, ...]:
+        """The module calls of this autocast call in ``eqn``'s name stack, outermost first."""
+        stack = name_scopes(eqn)
+        ids = self._regions.get(stack)
+        if ids is None:
+            marks = [self.by_scope.get(part.name) for part in stack]
+            ids = self._regions[stack] = tuple(m.region for m in marks
+                                               if m is not None and m.region is not None)
+        return ids
 
 
 class Site(NamedTuple):
@@ -57,14 +94,11 @@ Rule = Callable[["Context", Any, list, Site], list]
 
 
 class Body:
-    """A sub-program evaluated under autocast as a cached, inlined ``jax.jit``: JAX traces
-    :attr:`fn` once per input types, so asking for its output dtypes (:meth:`out_dtypes`) and
-    then calling it evaluates it once. :meth:`values` gives its outputs with what the
-    evaluation learnt about them (stored, constant, region). A recompute segment's or a
-    shared call's body is given the copies made of its inputs (``casts``, after them:
-    :meth:`args`) and, with ``export``, returns those it made of its inputs and outputs after
-    its outputs (:meth:`keep` records them), so a value is cast once across its boundary.
-    ``anchor``: an object the cache key names by id (kept alive, compared on a hit)."""
+    """A sub-program evaluated as a cached, inlined ``jax.jit`` (:attr:`fn`): asking for its
+    output dtypes and then calling it evaluates it once. A recompute segment's or a shared
+    call's body is given the copies made of its inputs (``casts``, after them) and, with
+    ``export``, returns those it made after its outputs (:meth:`keep`), so a value is cast once
+    across its boundary. ``anchor``: an object the cache key names by id."""
 
     def __init__(self, ctx: Context, closed, metas: Sequence[Value], region, out_wants,
                  casts: Sequence[tuple[int, Any]] = (), export: bool = False,
@@ -117,31 +151,32 @@ class Body:
 
 
 class Context:
-    """What rules and planners see of one autocast evaluation (see the module docstring).
+    """What rules and planners see of one autocast evaluation.
 
     Args:
       policies: region id -> its policy (None: a module call without a rule).
       op_rules: the :class:`jaxamp.OpRules` of the call.
-      call: this autocast call's number (the region markers of other calls are ignored).
-      attention_calls: the ``jax.nn.dot_product_attention`` calls recorded while tracing.
+      marks: the call's :class:`Marks` (its regions, and where rules record decisions).
+      attention: jit name -> a ``jax.nn.dot_product_attention`` call recorded while tracing
+        (:func:`jaxamp._engine.attention.jit_name`).
       f32_weight_grads: param gradients of matmuls come out in float32.
       matmul_ends: id(eqn) -> ``"first"``/``"last"``: the first and last matmul reading a
         param (:attr:`jaxamp.rules.RuleCall.position`).
-      interpreter: evaluates sub-programs: has ``eval``, ``body``, ``cached_body`` and
-        ``run_eqn`` (:class:`jaxamp._engine.evaluator.Evaluator`); the context forwards to them.
+      interpreter: evaluates sub-programs (``eval``, ``body``, ``cached_body``, ``run_eqn``:
+        :class:`jaxamp._engine.evaluator.Evaluator`); the context forwards to it.
     """
 
-    def __init__(self, policies: Sequence[jmp.Policy | None], op_rules, *, call: int = 0,
-                 attention_calls: Sequence = (), f32_weight_grads: bool = False,
+    def __init__(self, policies: Sequence[jmp.Policy | None], op_rules, *,
+                 marks: Marks | None = None, attention: Mapping[str, Any] | None = None,
+                 f32_weight_grads: bool = False,
                  matmul_ends: Mapping[int, str] | None = None, interpreter: Any = None):
         self.policies = policies
         self.op_rules = op_rules
-        self.call = call
-        self.attention_calls = attention_calls
+        self.marks = Marks(0) if marks is None else marks
+        self.attention: Mapping[str, Any] = dict(attention or {})
         self.f32_weight_grads = f32_weight_grads
         self.matmul_ends: Mapping[int, str] = dict(matmul_ends or {})
         self._interpreter = interpreter
-        self._marks: dict = {}  # name stack -> the region ids of this call's markers in it
         # what the rules report: primitives in no op list (warned once), and the
         # low-precision matmul dtypes of regions whose matmuls ran in float64 (warned once)
         self.unknown: set[str] = set()
@@ -189,31 +224,24 @@ class Context:
 
     # ---- scopes ---------------------------------------------------------------------------
     @contextlib.contextmanager
+    def _deeper(self, depth: str):
+        setattr(self, depth, getattr(self, depth) + 1)
+        try:
+            yield
+        finally:
+            setattr(self, depth, getattr(self, depth) - 1)
+
     def in_segment(self):
         """Evaluating a recompute segment: no segments inside it, its statistics named."""
-        self.segment_depth += 1
-        try:
-            yield
-        finally:
-            self.segment_depth -= 1
+        return self._deeper("segment_depth")
 
-    @contextlib.contextmanager
     def in_user_remat(self):
         """Evaluating a user's ``jax.checkpoint`` body: its policy decides what is kept."""
-        self.remat_depth += 1
-        try:
-            yield
-        finally:
-            self.remat_depth -= 1
+        return self._deeper("remat_depth")
 
-    @contextlib.contextmanager
     def in_scan(self):
         """Evaluating a ``lax.scan`` body, where ``recompute="scan"`` makes segments."""
-        self.scan_depth += 1
-        try:
-            yield
-        finally:
-            self.scan_depth -= 1
+        return self._deeper("scan_depth")
 
     def segments_on(self) -> bool:
         where = self.op_rules.recompute
@@ -238,23 +266,9 @@ class Context:
         dtype = np.dtype(matmul_dtype(self.policy(region)))
         return dtype if dtype.itemsize > 1 else self.compute_dtype(region)
 
-    def markers(self, eqn) -> tuple[int, ...]:
-        """The ids of this call's module-call markers in ``eqn``'s name stack, outermost
-        first (cached per name stack: the equations of one scope share it)."""
-        stack = eqn.source_info.name_stack
-        try:
-            ids = self._marks.get(stack)
-        except TypeError:  # pragma: no cover - an unhashable name stack
-            stack, ids = None, None
-        if ids is None:
-            ids = tuple(int(k) for c, k in REGION_MARKER.findall(name_stack(eqn))
-                        if int(c) == self.call)
-            if stack is not None:
-                self._marks[stack] = ids
-        return ids
-
     def region_of(self, eqn, base: tuple[int, ...]) -> tuple[int, ...]:
-        ids = [i for i in self.markers(eqn) if self.policies[i] is not None and i not in base]
+        ids = [i for i in self.marks.regions(eqn)
+               if self.policies[i] is not None and i not in base]
         return base + tuple(ids) if ids else base
 
     def crossing(self, v: Value, region: tuple[int, ...]) -> np.dtype | None:

@@ -1,23 +1,8 @@
-"""The higher-order rules of autocast's evaluator: one function per primitive with sub-programs.
-
-Each rule is ``rule(ctx, eqn, ins, site) -> list[Value]`` (see :mod:`jaxamp._engine.context`), and
-:data:`HIGHER_ORDER` maps a primitive name to its rule; :func:`rule_table` adds the user's
-handlers: the table ``autocast`` hands to the interpreter. A sub-program (a loop body, a branch,
-a rematerialised block) is evaluated through :meth:`jaxamp._engine.context.Context.body`: once per
-(program, what is known of its inputs, region), as a cached ``jax.jit`` that JAX inlines, so
-asking for a body's output dtypes and then running it evaluates it once, and nested control
-flow costs time linear in its size, not exponential in its depth.
-
-* ``jit``/``closed_call``: inlined (its equations take each operand across module
-  boundaries as they use it); a recorded ``jax.nn.dot_product_attention`` call is bound again
-  as cuDNN's fused kernel in the compute dtype where that applies (:mod:`jaxamp._engine.attention`);
-* ``remat2`` (``jax.checkpoint``): re-applied with its policy around the re-evaluated body;
-* ``scan``/``while``: carries keep a fixed dtype, the widest of the initial value and what the
-  body returns (so float32 accumulators stay float32);
-* ``cond``: branches agree on the widest output dtype;
-* ``shard_map``: the body runs per device under the region's policy, bound again with the same
-  mesh and specs;
-* ``custom_jvp``/``custom_vjp``: the custom rule is kept, and runs under the region's policy.
+"""The higher-order rules of autocast's evaluator: one ``rule(ctx, eqn, ins, site)`` per
+primitive with sub-programs (:data:`HIGHER_ORDER`; what each does: jaxamp/_engine/README.md),
+and :func:`rule_table`, the table ``autocast`` hands to the interpreter. Sub-programs are
+cached bodies (:meth:`jaxamp._engine.context.Context.body`), evaluated once per (program,
+inputs, region), so nested control flow costs time linear in its size.
 """
 
 from __future__ import annotations
@@ -55,18 +40,17 @@ INLINE = CALLS
 
 
 def inline(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
-    recorded = fused.CALL_NAME.fullmatch(call_name(eqn))
-    if recorded and int(recorded[1]) == ctx.call:
-        outs = attention(ctx, ins, site, int(recorded[2]))
+    recorded = ctx.attention.get(call_name(eqn))
+    if recorded is not None:
+        outs = attention(ctx, ins, site, recorded)
         if outs is not None:
             return outs
     return ctx.eval(call_jaxpr(eqn), None, ins, site.region, site.want32)
 
 
-def attention(ctx: Context, ins, site: Site, index: int) -> list[Value] | None:
+def attention(ctx: Context, ins, site: Site, call: tuple) -> list[Value] | None:
     """A recorded ``jax.nn.dot_product_attention`` call bound again as cuDNN's fused kernel
     in the region's compute dtype, or None: re-evaluate its traced XLA path."""
-    call = ctx.attention_calls[index]
     static = call[1]
     dtype = ctx.compute_dtype(site.region)
     if not fused.wants_cudnn(static) or dtype == np.float32:

@@ -1,19 +1,9 @@
-"""autocast's evaluator: a walker that knows regions and casts, and a table of rules.
-
-:class:`Evaluator` re-evaluates a traced (float32) jaxpr equation by equation. For each
-equation it finds the module region it belongs to (the ``jaxamp<call.region>`` name-scope
-markers the trace left), takes each operand across the module boundaries between where the
-operand was made and where it is used (:meth:`jaxamp._engine.context.Context.operand`), and
-hands the equation to its rule from the table ``autocast`` gave it
-(:func:`jaxamp._engine.control.rule_table`: a user's handler, else the primitive's higher-order
-rule), else to its op class's rule (:func:`jaxamp._engine.op_rules.first_order`). Rules get the
-:class:`jaxamp._engine.context.Context`, never the evaluator. The walk itself is
-:func:`jaxamp._engine.jaxpr.evaluate`, shared with the diagnostics.
-
-Sub-programs are evaluated through :meth:`Evaluator.body`: once per (program, what is known of
-its inputs, region), then replayed from JAX's jit cache, so the cost of nested control flow
-is linear in its size; and repeated module calls with the same structure (the layers of a
-Transformer) share one evaluation (:mod:`jaxamp._engine.sharing`).
+"""autocast's evaluator (:class:`Evaluator`): a walker that knows regions and casts, and a
+table of rules. For each equation it finds its module region (the call's :class:`Marks` in its
+name stack), takes each operand across module boundaries
+(:meth:`jaxamp._engine.context.Context.operand`) and hands it to its rule; sub-programs are
+cached :class:`Body` s, repeated module calls shared (:mod:`jaxamp._engine.sharing`). See
+jaxamp/_engine/README.md.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ import jmp
 
 from jaxamp._engine import recompute, sharing
 from jaxamp._engine.compat import Tracer, open_jaxpr, source_context
-from jaxamp._engine.context import REGION_MARKER, Body, Context, Rule, Site
+from jaxamp._engine.context import Body, Context, Marks, Rule, Site
 from jaxamp._engine.control import INLINE, rule_table
 from jaxamp._engine.jaxpr import Run, all_consumers_accept, equations, evaluate
 from jaxamp._engine.op_rules import first_order
@@ -36,7 +26,7 @@ from jaxamp._engine.sharing import Node, Program
 from jaxamp._engine.values import F32, Value, copies, is_float
 from jaxamp.rules import OpRules
 
-__all__ = ["REGION_MARKER", "Body", "Evaluator"]
+__all__ = ["Body", "Evaluator"]
 #: Counters (id(jaxpr) -> evaluations) that :func:`jaxamp.engine.counting_evaluations` adds.
 COUNTERS: list[collections.Counter] = []
 
@@ -61,17 +51,15 @@ def wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) 
 
 class Evaluator:
     """Re-evaluates a traced jaxpr with each equation in its autocast dtype: the interpreter.
+    It owns the rule table (primitive name -> rule; else the op class's rule) and the caches
+    (bodies, sharing and recompute plans); rules and planners see only its :attr:`ctx`."""
 
-    It owns the rule table (``rules``: primitive name -> rule,
-    :func:`jaxamp._engine.control.rule_table`; a primitive not in it gets its op class's rule) and
-    the caches (bodies, sharing and recompute plans); rules and planners see only its
-    :class:`jaxamp._engine.context.Context` (:attr:`ctx`)."""
-
-    def __init__(self, policies: Sequence[jmp.Policy | None], op_rules: OpRules, call: int = 0,
-                 attention_calls: Sequence = (), f32_weight_grads: bool = False,
-                 share: bool = True, *, matmul_ends: Mapping[int, str] | None = None,
+    def __init__(self, policies: Sequence[jmp.Policy | None], op_rules: OpRules,
+                 marks: Marks | None = None, attention: Mapping[str, Any] | None = None,
+                 f32_weight_grads: bool = False, share: bool = True, *,
+                 matmul_ends: Mapping[int, str] | None = None,
                  rules: Mapping[str, Rule] | None = None):
-        self.ctx = Context(policies, op_rules, call=call, attention_calls=attention_calls,
+        self.ctx = Context(policies, op_rules, marks=marks, attention=attention,
                            f32_weight_grads=f32_weight_grads, matmul_ends=matmul_ends,
                            interpreter=self)
         self.op_rules = op_rules
@@ -82,16 +70,6 @@ class Evaluator:
         self.share = share  # evaluate repeated module calls once (see jaxamp._engine.sharing)
         self.recompute_memo: dict = {}  # id(sub-program) -> (it, recomputable)
         self.segment_plans: dict = {}  # id(jaxpr) -> (jaxpr, taken starts, segments)
-
-    @property
-    def unknown(self) -> set[str]:
-        """Primitives in no op list that were met (autocast warns once)."""
-        return self.ctx.unknown
-
-    @property
-    def float64_matmuls(self) -> set[str]:
-        """The low-precision matmul dtypes of regions whose matmuls ran in float64."""
-        return self.ctx.float64_matmuls
 
     def computes_f32(self, eqn, raw: Sequence[Value], region, wants: set) -> bool:
         """Whether ``eqn`` computes in float32 whatever the region crossings of its operands
@@ -158,8 +136,8 @@ class Evaluator:
     def run_node(self, eqns, node: Node, base, wants: set, ins: list[Value]) -> list[Value]:
         """A module call whose structure repeats: one :class:`Body` per (structure, what is
         known of its inputs, region), bound under this call's own name-stack prefix."""
-        scope = self.sharing.marker_scope(node.marker)
-        path = self.ctx.markers(eqns[node.start])
+        scope = self.ctx.marks.scope_of[node.marker]
+        path = self.ctx.marks.regions(eqns[node.start])
         outer = [i for i in path[:path.index(node.marker)]
                  if self.ctx.policies[i] is not None and i not in base]
         entry = base + tuple(outer)  # the region the call is made in

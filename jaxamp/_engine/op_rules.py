@@ -296,6 +296,11 @@ class RuleCall:
         the program)."""
         return cast(self._ins[i], dtype)
 
+    def decided(self, decision: str):
+        """A context: what is bound inside it carries ``decision`` (why this equation runs as
+        it does), which :func:`jaxamp.audit` lists (``AuditReport.matmuls``' reason)."""
+        return self._ctx.marks.decision(decision)
+
     def default(self) -> list:
         """The built-in rule's outputs for this equation, as arrays."""
         return [v.val for v in first_order(self._ctx, self.eqn, self._ins, self._site)]

@@ -1,21 +1,11 @@
-"""Which parts of a traced program autocast evaluates once and replays.
+"""Which module calls autocast evaluates once and replays (a Transformer's N layers).
 
-The layers of a Transformer are one module called N times: in the float32 trace they are N
-runs of equations with the same structure. autocast marks every module call with a name scope
-``jaxamp<call.id>`` while tracing, so the equations of one call are a contiguous run under
-one marker, and the calls nest as the modules do. :meth:`Sharing.plan` builds that tree for a
-jaxpr and gives each call a structural signature (its equations' primitives, params, types,
-dataflow, module-relative name stacks and the policies of the calls inside it, sub-programs by
-their own signatures): calls whose signature occurs more than once are evaluated once per
-(signature, what is known of their inputs, region) as a cached ``jax.jit`` that JAX inlines
-(:class:`jaxamp._engine.context.Body`), and replayed for the others. Under ``jax.grad`` JAX then
-also linearizes one layer instead of N. The program is the same equations, in the same dtypes,
-with each call's own name-stack prefix (module paths are kept).
-
-Only calls whose float inputs are read inside the call alone are shared: a value that is also
-used elsewhere keeps its one cast per dtype (a shared call casts its inputs itself).
-:meth:`Sharing.program_key` gives sub-programs (loop bodies, rematerialised blocks) the same
-structural identity, so N structurally equal ``remat`` bodies are evaluated once too.
+Every module call is a contiguous run of equations under its mark; :meth:`Sharing.plan`
+builds that tree and gives each call a structural signature. Calls whose signature repeats
+are evaluated once per (signature, what is known of their inputs, region) as a cached body
+and replayed under each call's own name-stack prefix; only calls whose float inputs are read
+inside the call alone are shared (a value used elsewhere keeps its one cast per dtype).
+:meth:`Sharing.program_key` gives sub-programs the same structural identity.
 """
 
 from __future__ import annotations
@@ -27,13 +17,12 @@ from typing import Any, NamedTuple
 import jax.extend.core as jcore
 import numpy as np
 
-from jaxamp._engine.attention import CALL_NAME
-from jaxamp._engine.compat import call_name, open_jaxpr
-from jaxamp._engine.context import REGION_MARKER, Context
-from jaxamp._engine.jaxpr import equations, name_stack
+from jaxamp._engine.compat import call_name, name_scopes, open_jaxpr
+from jaxamp._engine.context import Context
+from jaxamp._engine.jaxpr import equations
 from jaxamp._engine.values import is_float
 
-__all__ = ["REGION_MARKER", "Node", "Program", "Sharing"]
+__all__ = ["Node", "Program", "Sharing"]
 
 
 class Program(NamedTuple):
@@ -79,7 +68,6 @@ class Sharing:
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.keys: dict[int, tuple[Any, Any]] = {}  # id(jaxpr) -> (jaxpr kept alive, key)
-        self.stack_keys: dict = {}  # (name stack, marker) -> module-relative stack text
         self.plans: dict = {}
 
     # ---- signatures -----------------------------------------------------------------------
@@ -118,10 +106,10 @@ class Sharing:
 
     def params_key(self, eqn) -> Any:
         items = []
-        recorded = CALL_NAME.fullmatch(call_name(eqn))
+        recorded = self.ctx.attention.get(call_name(eqn))
         for k, v in eqn.params.items():
-            if k == "name" and recorded and int(recorded[1]) == self.ctx.call:
-                names, static, _ = self.ctx.attention_calls[int(recorded[2])]
+            if k == "name" and recorded is not None:
+                names, static, _ = recorded
                 v = ("attention", names, repr(sorted(static.items())))
             items.append((k, self.freeze(v)))
         key = tuple(items)
@@ -138,29 +126,17 @@ class Sharing:
             return tuple(self.freeze(x) for x in v)
         return v
 
-    def stack_key(self, eqn, marker: int | None) -> str:
+    def stack_key(self, eqn, marker: int | None) -> tuple:
         """``eqn``'s name stack below the scope of module call ``marker`` (all of it for
-        None), with the call markers left out."""
-        stack = eqn.source_info.name_stack
-        key = (stack, marker)
-        try:
-            known = self.stack_keys.get(key)
-        except TypeError:  # pragma: no cover - an unhashable name stack
-            key, known = None, None
-        if known is None:
-            text = name_stack(eqn)
-            if marker is not None:
-                text = text.split(self.marker_scope(marker), 1)[-1]
-            known = REGION_MARKER.sub("", text)
-            if key is not None:
-                self.stack_keys[key] = known
-        return known
-
-    def marker_scope(self, marker: int) -> str:
-        return f"jaxamp<{self.ctx.call}.{marker}>"
+        None), without this call's marks."""
+        parts = name_scopes(eqn)
+        if marker is not None:
+            scope = self.ctx.marks.scope_of[marker]
+            parts = parts[next((i for i, p in enumerate(parts) if p.name == scope), -1) + 1:]
+        return tuple(p for p in parts if p.name not in self.ctx.marks.by_scope)
 
     def eqn_key(self, eqn, refs: dict, marker: int | None) -> tuple:
-        policies = tuple(self.ctx.policies[i] for i in self.ctx.markers(eqn))
+        policies = tuple(self.ctx.policies[i] for i in self.ctx.marks.regions(eqn))
         # the first/last matmul (kept out of FP8) is not the same as its repeats
         end = self.ctx.matmul_ends.get(id(eqn))
         return (eqn.primitive, self.params_key(eqn), tuple(self.ref(refs, v) for v in eqn.invars),
@@ -223,7 +199,7 @@ class Sharing:
         roots: list[Node] = []
         open_: list[Node] = []
         for i, eqn in enumerate(eqns):
-            path = self.ctx.markers(eqn)
+            path = self.ctx.marks.regions(eqn)
             depth = 0
             while depth < min(len(open_), len(path)) and open_[depth].marker == path[depth]:
                 depth += 1

@@ -1,72 +1,8 @@
 """Precision audit: which dtype every part of a function actually ran in, and what looks wrong.
 
-Two entry points read the *traced program* (the jaxpr, i.e. the StableHLO dtypes a GPU would
-run; XLA on CPU upcasts low-precision matmuls later, at compile time, so never read compiled
-HLO for this):
-
-* :func:`precision_table` -- rows ``{"module", "op", "forward", "backward"}``: every equation of
-  ``jax.value_and_grad`` of the autocast function, grouped by module path (from the name stack
-  Flax linen records) and op class, with the float dtypes seen in each pass.
-* :func:`audit` -- the same table plus :class:`Finding` s (the mixed-precision review checklist)
-  and the reference table of what each part of a Transformer should run in
-  (:meth:`AuditReport.reference_table`).
-* :func:`audit_step` -- reads a whole user-written train step for the order of loss-scale
-  unscaling and gradient clipping.
-
-Findings :func:`audit` reports (``Finding.kind``). Which primitives are matmuls and which must
-run in float32 is read from the ``op_rules`` passed (the rules autocast ran the traced program
-by), so what the audit expects is what autocast did; the softmax/normalisation/loss/reduction
-findings are the seed's advice and hold whatever the rules say:
-
-``matmul_f32_in_low_precision_region``
-    an op of ``op_rules.matmul`` (``dot_general``/``conv``/...) with float32 operands in a
-    module whose policy computes in float16/bfloat16 (module policies are recomputed from
-    ``policy``/``overrides`` with the same rules autocast applies; a module that a rule sets to
-    float32 is not flagged). Typical cause:
-    a ``custom_vjp`` function in ``OpRules.custom_vjp_as_traced`` (run as traced) or another
-    primitive autocast does not rewrite. (A manual ``.astype(jnp.float32)`` before a matmul does
-    not cause it: autocast casts matmul operands to the region's compute dtype regardless.)
-``matmul_f64_in_low_precision_region``
-    the same with float64 operands (under ``jax_enable_x64``): float64 is left alone, so a
-    float64 input (a NumPy batch) makes every matmul it reaches float64 and the policy changes
-    nothing there; the finding names the float64 inputs of the audited call and the cast.
-``softmax_low_precision``
-    exp/log (and the sums of the same module) in float16/bfloat16 inside a module.
-``normalisation_low_precision``
-    arithmetic (statistics, rsqrt, scaling) of a normalisation module in float16/bfloat16.
-``loss_low_precision``
-    exp/log/sums outside every module (the loss) in float16/bfloat16, or a scalar output in a
-    low-precision dtype.
-``reduction_low_precision``
-    any other accumulating reduction (``reduce_sum``, ``cumsum``, ...) in float16/bfloat16.
-    Sums of 0/1 indicators (converted from booleans: exact counts) are not flagged; max/min
-    reductions are exact in any dtype and never flagged.
-``fp32_op_low_precision``
-    any other op of ``op_rules.fp32`` (e.g. a ``tanh`` a user added to that list) in
-    float16/bfloat16: what autocast would have run in float32 did not (a program traced under
-    other rules, or code autocast does not rewrite).
-``lossy_round_trip``
-    a forward value cast float32 -> float16/bfloat16 -> float32 (precision thrown away).
-``duplicate_cast``
-    the same forward value cast to the same dtype twice in one (sub-)program. (Backward
-    duplicates are not reported: JAX creates them when it transposes two casts whose
-    cotangents are the same value, e.g. an embedding plus a positional embedding, and XLA's
-    CSE merges them.)
-``params_low_precision``
-    float leaves of ``args[argnums]`` (the parameters) stored in float16/bfloat16 (e.g. a model
-    cast wholesale with ``.astype(jnp.float16)``): the update then rounds to low precision.
-``opt_state_low_precision``
-    float leaves of ``opt_state=`` in float16/bfloat16 (except a state the policy's
-    ``opt_state=bfloat16`` stores with stochastic rounding: :mod:`jaxamp.state_dtype`).
-
-Dead code is removed before auditing (``jax``'s DCE), so values a program computes and throws
-away (e.g. the JVP of a ``stop_gradient``'ed max) are not reported.
-
-The implementation is split by concept: :mod:`jaxamp.diagnostics._trace` (tracing and reading the
-jaxpr), :mod:`jaxamp.diagnostics._reference` (the §4 table and module-role heuristics),
-:mod:`jaxamp.diagnostics._report` (:class:`Finding`, :class:`AuditReport`) and
-:mod:`jaxamp.diagnostics._step` (:func:`audit_step`). This module holds the findings of
-:func:`audit` and re-exports the public names.
+:func:`precision_table` and :func:`audit` read the traced program (the dtypes a GPU would run),
+never compiled HLO; this module holds the findings of :func:`audit` (each kind, what it means
+and why: docs/audit.md) and re-exports the public names.
 """
 
 from __future__ import annotations
@@ -115,7 +51,6 @@ __all__ = ["AuditReport", "Finding", "PrecisionTable", "audit", "audit_step",
            "format_precision_table", "precision_table"]
 
 
-
 def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
                     overrides: dict | None = None, argnums: int = 0,
                     op_rules: OpRules | None = None) -> PrecisionTable:
@@ -149,18 +84,19 @@ def precision_table(fn: Callable, *args: Any, policy: str | jmp.Policy | None = 
       ``elementwise`` (everything else), ``output``. Module paths are as
       ``overrides=`` takes them.
     """
-    call = resolve_call("precision_table", fn, args, policy=policy, overrides=overrides,
-                        op_rules=op_rules)
-    with call.context():
-        t = trace_model(call.fn, call.args, policy=call.policy, overrides=call.overrides,
-                        op_rules=call.op_rules, argnums=argnums if call.program is None else 0,
-                        f32_weight_grads=call.f32_weight_grads)
+    _, t = _traced("precision_table", fn, args, policy, overrides, op_rules, argnums)
     return PrecisionTable(table_rows(t.records, t.out_dtypes), policy_to_str(t.policy))
 
 
-# ---------------------------------------------------------------------------------------------
-# Row categories and findings of :func:`audit`
-# ---------------------------------------------------------------------------------------------
+def _traced(where: str, fn, args, policy, overrides, op_rules, argnums):
+    """``(call, trace)``: ``fn(*args)`` (or a step's loss) traced under its options."""
+    call = resolve_call(where, fn, args, policy=policy, overrides=overrides, op_rules=op_rules)
+    with call.context():
+        return call, trace_model(call.fn, call.args, policy=call.policy,
+                                 overrides=call.overrides, op_rules=call.op_rules,
+                                 argnums=argnums if call.program is None else 0,
+                                 f32_weight_grads=call.f32_weight_grads)
+
 
 
 def _category(module: str, op: str, key: str, modules, has_explog: set[str],
@@ -411,16 +347,11 @@ def audit(fn: Callable, *args: Any, policy: str | jmp.Policy | None = None,
       >>> [f.kind for f in report.findings]
       []
     """
-    call = resolve_call("audit", fn, args, policy=policy, overrides=overrides,
-                        op_rules=op_rules)
+    call, t = _traced("audit", fn, args, policy, overrides, op_rules, argnums)
     given = args  # as the caller passed them: (state, batch) for a step
     if call.program is not None:
         args, argnums = call.args, 0
         opt_state = call.program.opt_state if opt_state is None else opt_state
-    with call.context():
-        t = trace_model(call.fn, call.args, policy=call.policy, overrides=call.overrides,
-                        op_rules=call.op_rules, argnums=argnums,
-                        f32_weight_grads=call.f32_weight_grads)
     rows = table_rows(t.records, t.out_dtypes)
     explog = {r.module for r in t.records if r.op == "exp/log"}
     keys = {r.module: r.key for r in t.records}

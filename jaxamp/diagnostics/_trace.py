@@ -1,27 +1,16 @@
-"""Recording what a function actually computes: the audit's view of a traced program.
-
-The audit never compiles or runs anything. It traces the function under
-:func:`jaxamp.autocast` (with ``jax.value_and_grad`` when there is something to differentiate)
-and reads the jaxpr, the StableHLO dtypes a GPU would run:
-
-* :class:`Recorder` is a ``flax.linen`` method interceptor that learns, during that trace, every
-  module's path, class and the policy autocast's rules give it (:class:`ModuleInfo`);
-* :func:`collect_eqns` walks the jaxpr (sub-programs inlined, execution order) into :class:`Eqn`
-  records: the module path cleaned from the name stack (:func:`clean_path`), forward or
-  backward pass, float dtypes in and out, whether a matmul reads a parameter;
-* :func:`trace_model` ties the two together (dead code is removed first, :func:`dce`) into a
-  :class:`Trace`, and :func:`table_rows` groups its records into :func:`jaxamp.precision_table`
-  rows.
-
-This module knows nothing about findings or the reference table; :mod:`jaxamp.audit`,
-:mod:`jaxamp.diagnostics._reference`, :mod:`jaxamp.diagnostics._step` and
-:mod:`jaxamp.diagnostics.overflow` build on it.
+"""The audit's view of a traced program: it traces the function under :func:`jaxamp.autocast`
+(with ``jax.value_and_grad`` when there is something to differentiate) and reads the jaxpr,
+never compiling or running it. :class:`Recorder` learns every module's path, class and policy
+during the trace, and the marks autocast makes; :func:`collect_eqns` walks the jaxpr into
+:class:`Eqn` records; :func:`trace_model` ties them into a :class:`Trace`; :func:`table_rows`
+groups records into precision-table rows. Findings live in the modules built on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,8 +23,9 @@ import jmp
 import numpy as np
 
 from .._engine.compat import dce_jaxpr
+from .._engine.context import MARKS
 from .._engine.jaxpr import feeders, walk
-from ..engine import REGION_MARKER, autocast
+from ..engine import autocast
 from ..nnx_frontend import functional, intercept_calls
 from ..policy import get_policy
 from ..policy_spec import DEFAULT_POLICY
@@ -62,9 +52,7 @@ _OP_CLASSES = {
     "dot_product_attention_fwd_wrapper": "attention",
     "dot_product_attention_bwd_wrapper": "attention",
 }
-_MATMUL_SCOPE = re.compile(r"jaxamp_matmul<([^>]*)>")  # the FP8 rule's decision (jaxamp.fp8)
-_NOISE = re.compile(REGION_MARKER.pattern + "|" + _MATMUL_SCOPE.pattern
-                    + "|rematted_computation|checkpoint|remat")
+_NOISE = re.compile("rematted_computation|checkpoint|remat")
 _TRANSFORM = re.compile(r"^(jvp|transpose|vmap|pjit|jit)\((.*)\)$")
 SCAFFOLD = "jaxamp_audit"  # name scope of the audit's own scalarisation (left out of rows)
 TOP_LEVEL = "(top level)"
@@ -88,13 +76,11 @@ _EXACT = frozenset(STRUCTURAL_PRIMITIVES) | frozenset({
 
 
 def attention_dtypes(r: Eqn) -> tuple[list[str], list[str]]:
-    """(the dtypes its matmuls read and write, the dtype of its softmax) of a cuDNN
-    fused-attention record (op ``"attention"``), from the operands of JAX's primitives
-    (JAX's cuDNN fused-attention module): the forward reads query/key/value (0-2) and
-    returns the output and, for training, the softmax statistics it keeps (float32); the
-    backward reads query/key/value, those statistics (10), the forward's output and its
-    cotangent (11, 12) and returns the gradients. cuDNN computes the softmax in float32 (a
-    forward without statistics says nothing else)."""
+    """(the dtypes its matmuls read and write, its softmax's) of a cuDNN fused-attention
+    record, from JAX's primitives' operands: the forward reads query/key/value (0-2) and
+    returns the output and, for training, the float32 softmax statistics; the backward reads
+    q/k/v, the statistics (10), the output and its cotangent (11, 12). cuDNN's softmax is
+    float32 (a forward without statistics says nothing else)."""
     ins, outs = r.eqn.invars, r.eqn.outvars
     if r.prim == "dot_product_attention_fwd_wrapper":
         return float_dtypes([*ins[:3], outs[0]]), float_dtypes(outs[1:2]) or ["float32"]
@@ -129,9 +115,7 @@ def low_leaves(tree) -> list[tuple[str, str]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Module information, recorded while autocast traces the function
-# ---------------------------------------------------------------------------------------------
+# ---- module information, recorded while autocast traces the function -----------------------------
 
 
 @dataclasses.dataclass
@@ -150,7 +134,6 @@ class Recorder:
     def __init__(self, rules: ModuleRules):
         self.rules = rules
         self.modules: dict[str, ModuleInfo] = {}
-        self.order: list[str] = []  # module paths in order of completion
         self.stack: list[tuple[nn.Module, jmp.Policy, str]] = []
 
     def interceptor(self, next_fun, args, kwargs, context):
@@ -180,28 +163,33 @@ class Recorder:
             return next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
-            self.order.append(path)
 
 
-# ---------------------------------------------------------------------------------------------
-# Walking the jaxpr
-# ---------------------------------------------------------------------------------------------
+# ---- walking the jaxpr ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _parts(stack: str) -> tuple[str, ...]:
+    """A name stack's scope names, transformations unwrapped (``jvp(a)`` -> ``a``)."""
+    out = []
+    for part in stack.split("/"):
+        while (m := _TRANSFORM.match(part)) is not None:
+            part = m.group(2)
+        out.append(part)
+    return tuple(out)
 
 
 def clean_path(stack: str) -> tuple[str, bool]:
-    """Module path and whether the equation belongs to the backward pass."""
-    backward = "transpose(" in stack
+    """Module path (without autocast's marks) and whether the equation belongs to the backward
+    pass."""
     parts = []
-    for part in stack.split("/"):
-        while True:
-            m = _TRANSFORM.match(part)
-            if not m:
-                break
-            part = m.group(2)
+    for part in _parts(stack):
+        if part in MARKS:
+            continue
         part = _NOISE.sub("", part)
         if part and not any(c in part for c in ",->") and part not in parts[-1:]:
             parts.append(part)
-    return "/".join(parts) or TOP_LEVEL, backward
+    return "/".join(parts) or TOP_LEVEL, "transpose(" in stack
 
 
 def float_dtypes(vs) -> list[str]:
@@ -244,6 +232,7 @@ class Eqn:
     bounded: bool = False  # exp(-x**2) (JAX's derivative of erf/erfc): in [0, 1], no overflow
     top: int = 0  # id of the top-level equation it is (or is inside of)
     param_grad: bool = False  # (backward) it sums into a parameter's gradient, no matmul between
+    decision: str | None = None  # a rule's decision on it (the FP8 rule's: "small", ...)
 
     @property
     def prim(self) -> str:
@@ -343,14 +332,15 @@ def collect_eqns(jaxpr: jcore.Jaxpr, param_inputs: Sequence[bool], *,
 
 def _tokens(stack: str) -> list[str | None]:
     """A name stack's scopes, transformations unwrapped, with ``None`` where autocast marked a
-    module call (``jaxamp<c.k>``: the module's own scope is right before it) and jaxamp's
-    other scopes and remat names left out."""
+    module call (the module's own scope is right before it) and autocast's other marks and
+    remat names left out."""
     out: list[str | None] = []
-    for part in stack.split("/"):
-        while (m := _TRANSFORM.match(part)) is not None:
-            part = m.group(2)
-        if REGION_MARKER.search(part):
-            out.append(None)
+    for part in _parts(stack):
+        mark = MARKS.get(part)
+        if mark is not None:
+            if mark.region is not None:
+                out.append(None)
+            continue
         part = _NOISE.sub("", part)
         if part and not any(c in part for c in ",->"):
             out.append(part)
@@ -381,16 +371,15 @@ def _resolve(path: str | None, pending: list[str], modules: dict[str, ModuleInfo
 def module_of(stack: str, modules: dict[str, ModuleInfo], marked: bool = True
               ) -> tuple[str, str]:
     """``(key, printed path)`` of the module an equation with name stack ``stack`` belongs to:
-    the recorded module (``key``, name-stack style, ``""`` if none) and its path as reports
-    print it and ``overrides=`` matches it (:func:`jaxamp.rules.module_path`; the root by its
-    class name, a linen method call with its suffix, ``embed.attend``), or ``(top level)``.
+    the recorded module (name-stack style, ``""`` if none) and its path as reports print it
+    and ``overrides=`` matches it (:func:`jaxamp.rules.module_path`: ``embed.attend``), or
+    ``(top level)``.
 
-    The path is the module structure, not the name stack: autocast marks every module call,
-    and the scopes before a mark that do not name a module (a ``jax.named_scope`` around a
-    ``__call__``, ``layers/0/attn/attention/q_proj/einsum``), or after the last one, are left
-    out; a model without Flax modules (Equinox, plain JAX) is all top level, and so is a
-    stack without a mark in a program autocast ``marked``. In a program without marks (a
-    hand-written step that calls no autocast) the cleaned stack is read as it is."""
+    The path is the module structure, not the name stack: scopes before a module-call mark
+    that name no module (a ``jax.named_scope`` around a ``__call__``), or after the last one,
+    are left out; no Flax module (Equinox, plain JAX) is all top level, and so is a stack
+    without a mark in a program autocast ``marked``. A program without marks (a hand-written
+    step without autocast) is read as its cleaned stack."""
     if not modules:  # no Flax module was called (Equinox, plain JAX): all is top level
         return "", TOP_LEVEL
     tokens = _tokens(stack)
@@ -418,10 +407,9 @@ def module_of(stack: str, modules: dict[str, ModuleInfo], marked: bool = True
 def mark_param_grad_sums(records: list[Eqn], jaxpr: jcore.Jaxpr, grad_outs: Sequence[Any],
                          matmuls: frozenset[str]) -> None:
     """Sets ``param_grad`` on the backward records whose (top-level) equation feeds a
-    parameter's gradient (``grad_outs``, outputs of ``jaxpr``) without a matmul in between:
-    a sum there accumulates the gradient itself (over the batch, the tokens), where a sum that
-    feeds a matmul is an activation's cotangent (JAX's transpose of a broadcast, e.g. of
-    ``jnp.repeat``), in the dtype the forward value had."""
+    parameter's gradient (``grad_outs``) without a matmul between: a sum there accumulates
+    the gradient itself, where one that feeds a matmul is an activation's cotangent (JAX's
+    transpose of a broadcast), in the forward value's dtype."""
     hit = {id(e) for e in feeders(jaxpr, grad_outs, stop=matmuls)}
     for r in records:
         r.param_grad = r.backward and r.top in hit
@@ -429,9 +417,8 @@ def mark_param_grad_sums(records: list[Eqn], jaxpr: jcore.Jaxpr, grad_outs: Sequ
 
 def loss_records(records: Sequence[Eqn], matmuls) -> set[int]:
     """The ids of the records that are the loss: outside every module, in the forward after
-    the last matmul (the head), in the backward before the first one. A model without Flax
-    modules (Equinox, plain JAX) is all top level; its attention, norms and their backward
-    are not the loss."""
+    the last matmul (the head), in the backward before the first one (so a model without Flax
+    modules, all top level, has no attention or norm in its loss)."""
     fwd = [i for i, r in enumerate(records) if r.prim in matmuls and not r.backward]
     bwd = [i for i, r in enumerate(records) if r.prim in matmuls and r.backward]
     last, first = (fwd[-1] if fwd else -1), (bwd[0] if bwd else len(records))
@@ -490,9 +477,7 @@ def canonical_path(path: str, modules: dict[str, ModuleInfo]) -> str:
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# The step form: fn(step, state, batch)
-# ---------------------------------------------------------------------------------------------
+# ---- the step form: fn(step, state, batch) -------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -537,9 +522,7 @@ def resolve_call(where: str, fn: Any, args: Sequence[Any], *, policy=None, overr
                 prog.f32_weight_grads, prog)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tracing
-# ---------------------------------------------------------------------------------------------
+# ---- tracing -------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -583,24 +566,22 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
                    f32_weight_grads=f32_weight_grads)
     grad = argnums is not None and _has_float(args[argnums])
 
-    if grad:
-        def scalar(*a):
-            out = amp(*a)
-            with jax.named_scope(SCAFFOLD):
-                outs = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
-                total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
-            return total, out
+    def scalar(*a):
+        out = amp(*a)
+        with jax.named_scope(SCAFFOLD):
+            outs = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+            total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+        return total, out
 
+    if grad:
         closed, out_shape = jax.make_jaxpr(
-            jax.value_and_grad(scalar, argnums=argnums, has_aux=True),
-            return_shape=True)(*args)
+            jax.value_and_grad(scalar, argnums=argnums, has_aux=True), return_shape=True)(*args)
         out_shape = out_shape[0][1]
-        before = sum(_n_leaves(a) for a in args[:argnums])
-        param_inputs = [before <= i < before + _n_leaves(args[argnums])
-                        for i in range(len(closed.jaxpr.invars))]
     else:
         closed, out_shape = jax.make_jaxpr(amp, return_shape=True)(*args)
-        param_inputs = [False] * len(closed.jaxpr.invars)
+    before = sum(_n_leaves(a) for a in args[:argnums]) if grad else 0
+    param_inputs = [grad and before <= i < before + _n_leaves(args[argnums])
+                    for i in range(len(closed.jaxpr.invars))]
     jaxpr, used = dce(closed.jaxpr)
     param_inputs = [f for f, u in zip(param_inputs, used) if u]
     records = attribute(collect_eqns(jaxpr, param_inputs, op_rules=op_rules),
@@ -616,11 +597,14 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
 
 
 def attribute(records: list[Eqn], modules: dict[str, ModuleInfo]) -> list[Eqn]:
-    """Gives each record its recorded module (``key``) and the path reports print
-    (``module``, :func:`module_of`: what ``overrides=`` accepts)."""
-    marked = any(REGION_MARKER.search(r.stack) for r in records)
+    """Gives each record its recorded module (``key``), the path reports print (``module``,
+    :func:`module_of`: what ``overrides=`` accepts) and a rule's ``decision`` on it (the
+    outermost), looked up in autocast's marks (:data:`jaxamp._engine.context.MARKS`)."""
+    marked = any(None in _tokens(r.stack) for r in records)
     for r in records:
         r.key, r.module = module_of(r.stack, modules, marked)
+        found = (MARKS.get(p) for p in _parts(r.stack))
+        r.decision = next((m.decision for m in found if m is not None and m.decision), None)
     return records
 
 
@@ -643,8 +627,7 @@ def matmul_rows(records: Sequence[Eqn]) -> list[dict[str, str]]:
         if r.prim != "dot_general" or r.backward or SCAFFOLD in r.stack:
             continue
         fp8 = any(d.startswith("float8") for d in r.in_dtypes)
-        found = _MATMUL_SCOPE.search(r.stack)
-        reason = "" if fp8 else found.group(1).replace("_", " ") if found else "policy"
+        reason = "" if fp8 else r.decision or "policy"
         shapes = " @ ".join("x".join(str(d) for d in getattr(v.aval, "shape", ()))
                             for v in r.eqn.invars)
         rows.append({"module": r.module, "shapes": shapes,
