@@ -7,6 +7,7 @@ one report base class."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,3 +233,15 @@ def test_no_regex_reads_a_region_an_attention_call_or_a_decision_back_from_a_nam
             if allowed is not None and where not in allowed:
                 bad.append(f"{rel}:{line} ({where})")
     assert bad == []
+
+
+def test_the_readme_architecture_names_every_module():
+    """README's "Architecture" tree names every module of the package (by file name or, for the
+    diagnostics' private helpers, by stem), so a new module cannot land without its line."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Architecture")
+    block = text[start:text.index("```", text.index("```", start) + 3)]
+    named = set(re.findall(r"[\w.]+", block))
+    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "jaxamp").rglob("*.py"))
+               if p.name not in named and p.stem not in named and p.name != "__init__.py"]
+    assert not missing, f"README's Architecture block does not name {missing}"
