@@ -141,13 +141,10 @@ def peak_step(step, expected: int | None = None) -> tuple[int | None, str]:
             "+ own state")
 
 
-def _footprint(ma: dict | None) -> int | None:
-    if not ma:
-        return None
-    if ma.get("peak_memory_in_bytes"):
-        return ma["peak_memory_in_bytes"]
-    return (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"]
-            - ma["alias_size_in_bytes"] + ma["temp_size_in_bytes"])
+def _footprint(ma: dict | None) -> int | None:  # memory_analysis' peak, else its sum
+    return None if not ma else ma.get("peak_memory_in_bytes") or (
+        ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
+        + ma["temp_size_in_bytes"])
 
 
 def _rates(tokens: int, times: list[float], fpt: int, peak: float | None) -> dict:
@@ -212,8 +209,7 @@ NO_TORCH_ENV = "JAXAMP_BENCH_NO_TORCH"  # set (non-empty, not "0"): behave as if
 
 
 def import_torch():
-    """``(torch, None)``, or ``(None, why)`` when PyTorch cannot be imported (or
-    ``JAXAMP_BENCH_NO_TORCH`` asks to behave as if it could not)."""
+    """``(torch, None)``, or ``(None, why)`` when PyTorch cannot (or must not) be imported."""
     if os.environ.get(NO_TORCH_ENV, "") not in ("", "0"):
         return None, f"{NO_TORCH_ENV}={os.environ[NO_TORCH_ENV]} is set"
     try:
@@ -245,7 +241,6 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     from jaxamp.diagnostics._hlo import find_gemms, summarize
 
     started = time.perf_counter()
-
     cfg, batch_size = GPTConfig(**size["config"]), size["batch"]
     dev = jax.devices()[0]
     res: dict = {"framework": "jax", "jax_version": jax.__version__, "device": dev.device_kind,
@@ -369,9 +364,8 @@ def estimate(compiled, device) -> dict:
 
 
 def recompute_memory(variants: dict) -> dict:
-    """Per compute dtype, the jaxamp step's peak device bytes and XLA's temp bytes with
-    recompute off ("before" issue 24) and everywhere ("after": ``jaxamp-recompute`` where it
-    ran, else the default step), with the after/before ratios."""
+    """Per compute dtype, the jaxamp step's peak and XLA temp bytes with recompute off ("before"
+    issue 24) and everywhere ("after": ``jaxamp-recompute``, else the default step), ratios."""
     def temp(v):
         return (v.get("memory_analysis") or {}).get("temp_size_in_bytes")
 
@@ -446,12 +440,10 @@ def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: flo
                        + (" + torch.compile" if tr.compiled else " (eager)"),
              "compiled": tr.compiled, "compile_error": tr.compile_error,
              "first_step_s": first, "compile_s": first, "warm_step_s": per_step}
-        if cuda:
-            v["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated() - before)
-            v["peak_memory_source"] = ("torch.cuda.max_memory_allocated after "
-                                       "reset_peak_memory_stats, less memory allocated before")
-        else:
-            v["peak_memory_bytes"], v["peak_memory_source"] = None, "no CUDA"
+        v["peak_memory_bytes"], v["peak_memory_source"] = (
+            int(torch.cuda.max_memory_allocated() - before), "torch.cuda.max_memory_allocated "
+            "after reset_peak_memory_stats, less memory allocated before") if cuda else (
+            None, "no CUDA")
         res["variants"][name] = v
         trainers[name] = tr
         log(f"[gpu] {name}: first step (compile) {first:.1f} s")
@@ -492,9 +484,7 @@ def _run_side(side: str, dry: bool, budget_s: float, tmp: Path) -> dict:
     """One side in a subprocess with a hard time limit; its (partial) JSON, annotated."""
     out = tmp / f"gpu-{side}.json"
     env = dict(os.environ)
-    if side == "torch":
-        env["JAX_PLATFORMS"] = "cpu"  # JAX only builds the weights: keep it off the GPU
-    if dry:
+    if side == "torch" or dry:  # torch: JAX only builds the weights, keep it off the GPU
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, str(HERE / "run.py"), "--gpu-side", side, "--budget-s",
            f"{budget_s:.0f}", "--json", str(out)] + (["--cpu-dry-run"] if dry else [])
@@ -517,10 +507,9 @@ def _ratio(a, b):
 
 def gpu_target_values(jax_res: dict, torch_res: dict) -> dict:
     """The five targets' values from the two sides' results (None: not measured)."""
-    def get(res, name, key):
+    def tps(res, name, key="tokens_per_s"):
         return (res.get("variants", {}).get(name) or {}).get(key)
 
-    tps = lambda res, name: get(res, name, "tokens_per_s")  # noqa: E731
     return {
         "bf16_jaxamp_over_torch_amp": _ratio(tps(jax_res, "jaxamp/bfloat16"),
                                              tps(torch_res, "torch/bfloat16")),
@@ -528,9 +517,9 @@ def gpu_target_values(jax_res: dict, torch_res: dict) -> dict:
                                         tps(jax_res, "hand/bfloat16")),
         "f16_dynamic_over_bf16": _ratio(tps(jax_res, "jaxamp/float16"),
                                         tps(jax_res, "jaxamp/bfloat16")),
-        "bf16_peak_memory_vs_f32": _ratio(get(jax_res, "jaxamp/bfloat16", "peak_memory_bytes"),
-                                          get(jax_res, "jaxamp/float32", "peak_memory_bytes")),
-        "bf16_mfu": get(jax_res, "jaxamp/bfloat16", "mfu"),
+        "bf16_peak_memory_vs_f32": _ratio(tps(jax_res, "jaxamp/bfloat16", "peak_memory_bytes"),
+                                          tps(jax_res, "jaxamp/float32", "peak_memory_bytes")),
+        "bf16_mfu": tps(jax_res, "jaxamp/bfloat16", "mfu"),
     }
 
 
@@ -599,19 +588,14 @@ GPU_RUN_COMMAND = ("bash bench/gpu.sh OUTDIR  (python bench/run.py --gpu --json 
 
 
 def judge_gpu_targets(values: dict, *, evaluate: bool) -> dict:
-    """Each target: value, met, and status "met" / "MISSED" / "pending ..." (not a Hopper GPU
-    run, or the value was not measured)."""
+    """Each target: value, met, status "met" / "MISSED" / "pending ..." (no Hopper, no value)."""
     out = {}
     for key, what, target in GPU_RUN_TARGETS:
         v = values.get(key) if evaluate else None
         op, bound = target.split()
         met = None if v is None else (v >= float(bound) if op == ">=" else v <= float(bound))
-        if not evaluate:
-            status = "pending a Hopper GPU run"
-        elif v is None:
-            status = "pending: not measured in this run"
-        else:
-            status = "met" if met else "MISSED"
+        status = ("pending a Hopper GPU run" if not evaluate else "pending: not measured in "
+                  "this run" if v is None else "met" if met else "MISSED")
         out[key] = {"what": what, "target": target, "value": v, "met": met, "status": status,
                     "command": GPU_RUN_COMMAND}
     return out
@@ -619,7 +603,6 @@ def judge_gpu_targets(values: dict, *, evaluate: bool) -> dict:
 
 def gpu_main(dry: bool, budget_s: float, json_path: Path | None) -> dict:
     """``run.py --gpu``: both sides, one subprocess each, then the targets."""
-
     started = time.perf_counter()
     tmp = Path(json_path).parent if json_path else Path(os.environ.get("TMPDIR", "/tmp"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -635,15 +618,10 @@ def gpu_main(dry: bool, budget_s: float, json_path: Path | None) -> dict:
     hopper = backend == "gpu" and any(k in (jax_res.get("device") or "")
                                       for k in ("H100", "H200"))
     values = gpu_target_values(jax_res, torch_res)
-    res = {
-        "dry_run": dry,
-        "config": jax_res.get("config"),
-        "jax": jax_res,
-        "torch": torch_res,
-        "targets": judge_gpu_targets(values, evaluate=hopper and not dry),
-        "metadata": parent_metadata(jax_res, torch_res, dry, started),
-    }
-    res["metadata"]["budget_s"] = budget_s
+    res = {"dry_run": dry, "config": jax_res.get("config"), "jax": jax_res, "torch": torch_res,
+           "targets": judge_gpu_targets(values, evaluate=hopper and not dry),
+           "metadata": parent_metadata(jax_res, torch_res, dry, started) | {
+               "budget_s": budget_s}}
     _write(json_path, res)
     print_gpu_table(res)
     return res

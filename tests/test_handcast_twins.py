@@ -216,3 +216,27 @@ def test_gpu_estimate_hand_variants_lower(model, dots):
     assert n_args["float16"] == n_args["bfloat16"] + 2
     assert "hand/bfloat16" in gpu_estimate.MODELS[model]
     assert "hand/float16" in gpu_estimate.MODELS[model]
+
+
+@needs_tunix
+@pytest.mark.parametrize(("d_model", "variant", "fp8_dots"), [
+    (768, "jaxamp/bfloat16", 0),
+    (768, "jaxamp-fp8/bfloat16", 3),  # the default eligibility: only down_proj (K 2048)
+    (768, "jaxamp-fp8all/bfloat16", 3 * 6),  # all 7 but the first (q_proj), kept bf16
+    (2048, "jaxamp-fp8/bfloat16", 3 * 6)])  # at d 2048 every projection is eligible
+def test_gpu_estimate_llama_fp8_variants_plan(d_model, variant, fp8_dots):
+    """``--model llama-fp8``'s builders lower (one decoder layer, abstract values: no compile)
+    with FP8 dots planned as the policy and the eligibility say: forward, dgrad and wgrad of
+    each eligible projection; the tied/untied head (``last``) stays bf16."""
+    import gpu_estimate
+
+    from jaxamp.diagnostics._hlo import planned_fp8_dots
+
+    def sds(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                            if hasattr(x, "shape") else x, tree)
+
+    lowered = gpu_estimate.BUILDERS["llama-fp8"](variant, sds, None, d_model=d_model,
+                                                 layers=1)()
+    assert len(planned_fp8_dots(lowered.as_text())) == fp8_dots
+    assert variant in gpu_estimate.MODELS["llama-fp8"]
