@@ -101,7 +101,7 @@ def test_flipped_bytes_in_a_checkpoint_are_one_error_line(part, capsys):
     line = run_error(capsys, args(part, 30, "--resume"))
     ckpt = part / "checkpoints" / "20"
     assert re.fullmatch(
-        rf"error: --resume: checkpoint {re.escape(str(ckpt))} is corrupted \(1 of 61 arrays "
+        rf"error: --resume: checkpoint {re.escape(str(ckpt))} is corrupted \(1 of 63 arrays "
         r"fail their checksum, e\.g\. \.\S+\); pass --resume latest-intact to resume from "
         r"the newest intact earlier checkpoint \(steps 10\), or start again with --overwrite",
         line), line
@@ -123,7 +123,7 @@ def test_latest_intact_falls_back_and_says_which(run, part, capsys):
     flip_bytes(part / "checkpoints" / "20")
     assert train_lm.main(args(part, STEPS, "--resume", "latest-intact")) == 0
     out = flat(capsys.readouterr().out)
-    assert re.search(r"note: --resume latest-intact: checkpoint\(s\) 20 corrupted \(1 of 61 "
+    assert re.search(r"note: --resume latest-intact: checkpoint\(s\) 20 corrupted \(1 of 63 "
                      r"arrays fail their checksum, e\.g\. \S+\); removed 1 of them, "
                      r"resuming from the newest intact checkpoint, step 10", out), out
     assert "resuming from the checkpoint at step 10" in out
@@ -146,7 +146,7 @@ def test_latest_intact_with_every_checkpoint_corrupted(part, capsys):
         flip_bytes(part / "checkpoints" / str(step))
     line = run_error(capsys, args(part, 30, "--resume=latest-intact"))
     assert line.startswith(f"error: --resume latest-intact: every checkpoint in "
-                           f"{part / 'checkpoints'} is corrupted (steps 20, 10; newest: 1 of 61 "
+                           f"{part / 'checkpoints'} is corrupted (steps 20, 10; newest: 1 of 63 "
                            "arrays fail their checksum"), line
 
 
