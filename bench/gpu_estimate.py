@@ -203,10 +203,10 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str], **shape) -
     """Compiles each variant (:func:`compile_tree`'s subprocess): ``<variant>.hlo/.mlir/.json``."""
     import jax
 
-    from jaxamp.diagnostics.gpu import _compile_only_device
+    from jaxamp.diagnostics.gpu import gpu_target
 
     sys.path.insert(0, str(Path.cwd() / "bench"))
-    device = _compile_only_device(TARGET.read_text())
+    device = gpu_target(TARGET).compile_device()
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def sds(tree):
@@ -282,12 +282,10 @@ def breakdown(prog) -> dict[str, float]:
     """Estimated ms by part: ``gemm_bf16`` (other matmuls: projections, MLP, head), ``gemm_fp8``,
     ``fp8_scaling`` (kernels of an FP8 matmul's name scope: amax, quantise, as XLA names fusion
     roots), ``attention`` (:data:`ATTENTION`, GEMMs included), ``rest`` (optimizer, norms...)."""
-    from jaxamp.diagnostics.gpu import _is_fp8
-
     out = dict.fromkeys(("gemm_bf16", "gemm_fp8", "fp8_scaling", "attention", "rest"), 0.0)
     for k in prog.kernels:
         gemm = k.kind in ("gemm", "attention", "convolution")
-        part = "gemm_fp8" if gemm and _is_fp8(k) else "attention" if ATTENTION.search(
+        part = "gemm_fp8" if gemm and k.fp8 else "attention" if ATTENTION.search(
             k.op_name) or k.kind == "attention" else "gemm_bf16" if gemm else \
             "fp8_scaling" if "jaxamp_matmul<float8>" in k.op_name else "rest"
         out[part] += 1e3 * prog.target.seconds(k) * k.times

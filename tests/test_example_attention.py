@@ -48,7 +48,7 @@ def gpu_compile(test):
 
 
 def _h200():
-    return jax.default_device(gpu_mod._compile_only_device(gpu_mod.gpu_target("h200").config))
+    return jax.default_device(gpu_mod.gpu_target("h200").compile_device())
 
 
 def example_step(policy: str, attention: str, *, n_layer: int = 2):

@@ -47,7 +47,7 @@ def gpu_compile(test):
 
 
 def _h200_device():
-    return gpu_mod._compile_only_device(gpu_mod.gpu_target("h200").config)
+    return gpu_mod.gpu_target("h200").compile_device()
 
 
 def tiny_gpt(policy: str, attention: str = "manual", op_rules=None):

@@ -273,7 +273,7 @@ def test_hand_cast_fused_twin_is_cudnn_attention_in_its_dtype_on_a_gpu(monkeypat
     params = jax.eval_shape(lambda: gpt.init(gpt.GPT(cfg), cfg))
     batch = gpt.make_batch(cfg, 2)
     loss = handcast.handcast_loss(handcast.HandCastGPT(cfg, jnp.bfloat16))
-    device = gpu_mod._compile_only_device(gpu_mod.gpu_target("h200").config)
+    device = gpu_mod.gpu_target("h200").compile_device()
     with jax.default_device(device):
         assert handcast.attention_implementation() == "cudnn"
         closed = jax.make_jaxpr(jax.grad(loss))(params, batch)

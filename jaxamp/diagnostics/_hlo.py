@@ -393,6 +393,11 @@ class Kernel:
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
 
+    @property
+    def fp8(self) -> bool:
+        """Every GEMM/attention operand is a float8 type (an FP8 GEMM XLA formed)."""
+        return bool(self.dtypes) and all((d or "").startswith("f8") for d in self.dtypes)
+
 
 def operand_name(operand: str) -> str | None:
     m = _OPERAND.match(operand.strip())

@@ -109,6 +109,11 @@ class GpuTarget:
         memory = k.bytes / self.memory_bandwidth
         return max(memory, k.flops / self.kernel_peak(k)) if k.flops else memory
 
+    def compile_device(self) -> Any:
+        """The device programs for this target compile on: :attr:`device` when it is a real
+        GPU, else the compile-only GPU JAX's CUDA plugin describes from :attr:`config`."""
+        return self.device if self.device is not None else _compile_only_device(self.config)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source,
                 "memory_bandwidth": self.memory_bandwidth, "sm_count": self.sm_count,
@@ -304,7 +309,7 @@ class GpuProgram(Report):
     def fp8_formed_flops(self) -> int:
         """FLOPs of the FP8 GEMMs, per instruction: equal to :attr:`fp8_planned_flops` when
         every planned FP8 dot became (part of) an FP8 GEMM."""
-        return sum(k.flops for k in self.kernels if k.kind == "gemm" and _is_fp8(k))
+        return sum(k.flops for k in self.kernels if k.kind == "gemm" and k.fp8)
 
     @property
     def fp8_formed(self) -> int:
@@ -313,13 +318,13 @@ class GpuProgram(Report):
         FP8 dots to Triton when Triton GEMMs are on). Counted per instruction, as the planned
         dots are (a loop body's GEMM once); XLA's DotMerger may make one GEMM of two planned
         dots that share an operand, so compare :attr:`fp8_formed_flops`."""
-        return sum(1 for k in self.kernels if k.kind == "gemm" and _is_fp8(k))
+        return sum(1 for k in self.kernels if k.kind == "gemm" and k.fp8)
 
     @property
     def fp8_fallbacks(self) -> list[Kernel]:
         """GEMMs fed float8 data that multiply in a wider dtype: XLA's silent
         ``TurnF8DotIntoF16Dot`` (the operands converted up, a 16-bit GEMM, no FP8 speed-up)."""
-        return [k for k in self.kernels if k.kind == "gemm" and k.f8_inputs and not _is_fp8(k)]
+        return [k for k in self.kernels if k.kind == "gemm" and k.f8_inputs and not k.fp8]
 
     def mfu(self, model_flops: float) -> float:
         """``model_flops`` per call over the estimated time, as a fraction of the dense
@@ -440,7 +445,7 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
         raise ValueError("gpu_program: this step was built with mesh=; the GPU program is "
                          "compiled for one GPU. Build the step without mesh= to see the "
                          "program one device runs on its share of the batch.")
-    device = tgt.device if tgt.device is not None else _compile_only_device(tgt.config)
+    device = tgt.compile_device()
     sharding = jax.sharding.SingleDeviceSharding(device)
     abstract = jax.tree.map(lambda x: _abstract(x, sharding), args,
                             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -457,10 +462,6 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
                            options={"triton_gemm": triton_gemm,
                                     "autotuned": tgt.device is not None,
                                     "compiler_options": options})
-
-
-def _is_fp8(k: Kernel) -> bool:
-    return bool(k.dtypes) and all((d or "").startswith("f8") for d in k.dtypes)
 
 
 def _load(spec: str) -> Callable:
