@@ -8,6 +8,13 @@ Transformer Engine's ``Float8CurrentScaling`` with the HYBRID format (torchao's
 most one binade of FP8 range is unused; ``margin`` leaves ``2**margin`` more headroom).
 float16 compute with FP8 matmuls is refused by :func:`jaxamp.get_policy`: only bfloat16
 (float32's range) needs no loss scale. On CPU XLA upcasts FP8 dots (right numbers, no speed).
+
+The policy's ``fp8=`` key picks the recipe (:data:`jaxamp.policy_spec.FP8_RECIPES`): ``current``
+(the above), or ``rowwise``, torchao's rowwise recipe: one scale per row of each operand (per
+element of its free dimensions, the amax over the contracted ones), so an outlier only coarsens
+its own row. XLA forms its FP8 GEMM with unit scales and multiplies the output by the outer
+product of the scale vectors in one more elementwise pass (cuBLASLt's outer-vector scale mode is
+not used by XLA's GEMM rewriter; BENCHMARKS.md, "FP8 recipes").
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import numpy as np
 from jax import lax
 
 from jaxamp._engine.compat import dot_dimension_numbers
+from jaxamp.policy import fp8_recipe
+from jaxamp.policy_spec import FP8_RECIPES
 
 __all__ = ["E4M3", "E5M2", "FP8Matmuls", "FP8_MATMULS", "fp8_dot_general", "fp8_eligible",
            "quantize"]
@@ -31,8 +40,11 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 _F32 = np.dtype(np.float32)
 
 
-def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array]:
-    """``(q, scale)``: ``x`` quantised to FP8 ``dtype`` with a per-tensor current scale.
+def quantize(x: jax.Array, dtype, margin: int = 0, axes: Sequence[int] | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+    """``(q, scale)``: ``x`` quantised to FP8 ``dtype`` with a per-tensor current scale, or with
+    one scale per element of the other axes when ``axes`` is given (the amax over ``axes``;
+    ``scale`` keeps their dimensions with size 1).
 
     ``q = clip(x / scale, -max, max)`` and ``scale`` a float32 scalar (``x ~= q * scale``):
     ``amax(|x|) * 2**margin / finfo(dtype).max`` rounded up to a power of two (the largest
@@ -45,7 +57,8 @@ def quantize(x: jax.Array, dtype, margin: int = 0) -> tuple[jax.Array, jax.Array
       (dtype(float8_e4m3fn), 2.0, [0.5, -3.0, 896.0])
     """
     fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=None if axes is None else tuple(axes),
+                   keepdims=axes is not None).astype(jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)
     raw = jnp.where(ok, amax * (2.0 ** margin / fmax), 1.0)
     scale = jnp.exp2(jnp.ceil(jnp.log2(raw)))
@@ -126,6 +139,56 @@ def _fp8_bwd(dims, out_dtype, margin, res, g):
 _fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
 
 
+def _axiswise(a, b, ca, cb, formats, out_dtype, margin, precision):
+    """``dot_general(a, b)`` contracting ``ca`` with ``cb`` (no batch dimensions), each operand
+    quantised with one scale per element of its free dimensions; the output (``a``'s free
+    dimensions, then ``b``'s) multiplied by both scale vectors after the FP8 dot."""
+    qa, sa = quantize(a, formats[0], margin, axes=ca)
+    qb, sb = quantize(b, formats[1], margin, axes=cb)
+    y = lax.dot_general(qa, qb, ((tuple(ca), tuple(cb)), ((), ())), precision=precision,
+                        preferred_element_type=out_dtype)
+    fa, fb = (_remaining(a.ndim, ca), _remaining(b.ndim, cb))
+    sa = sa.reshape([a.shape[d] for d in fa] + [1] * len(fb)).astype(out_dtype)
+    sb = sb.reshape([1] * len(fa) + [b.shape[d] for d in fb]).astype(out_dtype)
+    return y * sa * sb
+
+
+def _rowwise_grad(g, x, g_contract, x_contract, x_kept_of, out_dtype, margin, ndim):
+    """An operand's cotangent, ``g`` against the other operand ``x``, rowwise in both, with the
+    axes put back: ``x_kept_of[d]`` is where operand dimension ``d`` comes out of the dot."""
+    out = _axiswise(g, x, g_contract, x_contract, (E5M2, E4M3), out_dtype, margin,
+                    lax.Precision.HIGHEST)
+    return lax.transpose(out, tuple(x_kept_of[d] for d in range(ndim)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rowwise_dot(lhs, rhs, dims, out_dtype, margin):
+    (lc, rc), _ = dims
+    return _axiswise(lhs, rhs, lc, rc, (E4M3, E4M3), out_dtype, margin, lax.Precision.DEFAULT)
+
+
+def _rowwise_fwd(lhs, rhs, dims, out_dtype, margin):
+    # the backward scales along other axes (dgrad contracts N, wgrad M): it quantises again
+    return _rowwise_dot(lhs, rhs, dims, out_dtype, margin), (lhs, rhs)
+
+
+def _rowwise_bwd(dims, out_dtype, margin, res, g):
+    lhs, rhs = res
+    (lc, rc), _ = dims
+    lk, rk = _remaining(lhs.ndim, lc), _remaining(rhs.ndim, rc)
+    g_l, g_r = list(range(len(lk))), list(range(len(lk), g.ndim))
+    # dlhs = g . rhs over rhs's free dims: out (lk..., rhs's rc dims in ascending order)
+    at_l = {d: i for i, d in enumerate(lk)}
+    at_l |= {d: len(lk) + sorted(rc).index(r) for d, r in zip(lc, rc, strict=True)}
+    at_r = {d: i for i, d in enumerate(rk)}
+    at_r |= {d: len(rk) + sorted(lc).index(c) for d, c in zip(rc, lc, strict=True)}
+    return (_rowwise_grad(g, rhs, g_r, rk, at_l, lhs.dtype, margin, lhs.ndim),
+            _rowwise_grad(g, lhs, g_l, lk, at_r, rhs.dtype, margin, rhs.ndim))
+
+
+_rowwise_dot.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
 def _chunked(lhs, rhs, dims, out_dtype, margin, shards, side):
     """The FP8 dot with one scale per chunk of operand ``side``'s leading dimension: the
     scalar-scale dot vmapped over the chunks; the wgrad's per-chunk dots are summed by vmap's
@@ -143,11 +206,14 @@ def _chunked(lhs, rhs, dims, out_dtype, margin, shards, side):
 
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, compute_dtype,
-                    margin: int = 0, shards: int = 1, activation: int = 0) -> jax.Array:
+                    margin: int = 0, shards: int = 1, activation: int = 0,
+                    recipe: str = "current") -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 operands, a ``jax.custom_vjp``:
     E4M3 operands with per-tensor current scales forward (DEFAULT precision), the output
     gradient in E5M2 for dgrad and wgrad (HIGHEST); the result in ``compute_dtype``, each
-    operand's gradient in its own dtype.
+    operand's gradient in its own dtype. ``recipe="rowwise"`` scales each row instead (see the
+    module's docstring; no batch dimensions; ``shards`` is then moot: a row's scale needs no
+    other device's rows).
 
     Args:
       lhs, rhs: float operands (any float dtype; quantised from it).
@@ -174,6 +240,15 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
                          f"{activation!r}.")
     dims = _dims(dimension_numbers)
     (lc, rc), (lb, _) = dims
+    if recipe == "rowwise":
+        if lb:
+            raise ValueError(f"fp8_dot_general: recipe='rowwise' takes no batch dimensions, got "
+                             f"{lb} (attention's batched matmuls stay out of FP8); use "
+                             "recipe='current' for them.")
+        return _rowwise_dot(lhs, rhs, dims, np.dtype(compute_dtype), margin)
+    if recipe != "current":
+        raise ValueError(f"fp8_dot_general: recipe must be one of {FP8_RECIPES}, got "
+                         f"{recipe!r}.")
     x = (lhs, rhs)[activation]
     if shards > 1 and not lb and x.ndim and 0 not in (lc, rc)[activation] \
             and x.shape[0] % shards == 0:
@@ -266,8 +341,10 @@ class FP8Matmuls:
                 np.dtype(call.policy.matmul_dtype) != E4M3 or len(call.args) != 2:
             return None
         decision = self.decide(call)
-        # a mark in the name stack (replayed layers keep it) that the audit looks up
-        with call.decided(decision):
+        recipe = fp8_recipe(call.policy)
+        # a mark in the name stack (replayed layers keep it) that the audit looks up: the
+        # recipe of an FP8 matmul, or why it stays in the compute dtype
+        with call.decided(recipe if decision == "float8" else decision):
             if decision != "float8":
                 return call.default()
             lhs, rhs = call.args  # a param in its stored dtype: quantised from it
@@ -276,7 +353,7 @@ class FP8Matmuls:
             shards = 1 if call.stored[activation] else self.shards
             return [fp8_dot_general(lhs, rhs, dot_dimension_numbers(call.eqn),
                                     compute_dtype=call.compute_dtype, margin=self.margin,
-                                    shards=shards, activation=activation)]
+                                    shards=shards, activation=activation, recipe=recipe)]
 
 
 #: The FP8 rule with its defaults (in :data:`jaxamp.DEFAULT_OP_RULES`).

@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxamp import policy_spec
 
-__all__ = ["DTYPE_NAMES", "MatmulPolicy", "check_state_dtype", "get_policy", "matmul_dtype",
-           "opt_state_dtype", "policy_to_str"]
+__all__ = ["DTYPE_NAMES", "MatmulPolicy", "check_state_dtype", "fp8_recipe", "get_policy",
+           "matmul_dtype", "opt_state_dtype", "policy_to_str"]
 
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -47,6 +47,9 @@ class MatmulPolicy(jmp.Policy):
     FP8 (:mod:`jaxamp.fp8`; the result in the compute dtype, the others stay there and the
     audit says why); a floating dtype runs its matmuls in that dtype; None, the compute dtype.
 
+    ``fp8_recipe``: how ``matmul=float8`` scales (``fp8=``, :data:`jaxamp.policy_spec.FP8_RECIPES`);
+    None is ``current``, the default.
+
     ``opt_state_dtype``: ``jnp.bfloat16`` or ``jnp.float32``, the dtype the train step stores
     the optimizer's floating state in (:func:`jaxamp.amp`'s ``state_dtype=``); None, as the
     optimizer makes it. It belongs to the train state's policy: an override that sets it is
@@ -62,12 +65,22 @@ class MatmulPolicy(jmp.Policy):
 
     matmul_dtype: Any = None
     opt_state_dtype: Any = None
+    fp8_recipe: str | None = None
 
 
 def matmul_dtype(policy: jmp.Policy) -> Any:
     """The dtype ``policy``'s matmuls run in: its ``matmul_dtype``, else its compute dtype."""
     found = getattr(policy, "matmul_dtype", None)
     return policy.compute_dtype if found is None else found
+
+
+def fp8_recipe(policy: jmp.Policy) -> str:
+    """How ``policy``'s FP8 matmuls scale their operands (``fp8=``): ``"current"`` unless set."""
+    return getattr(policy, "fp8_recipe", None) or "current"
+
+
+def _recipe(name: str | None) -> str | None:
+    return None if name in (None, "current") else name
 
 
 def opt_state_dtype(policy: jmp.Policy) -> Any:
@@ -166,17 +179,33 @@ def get_policy(spec: str | jmp.Policy | policy_spec.PolicySpec) -> jmp.Policy:
                   output_dtype=_dtype(parsed.output))
     matmul = _matmul(parsed, compute)
     opt_state = None if parsed.opt_state is None else _DTYPES[parsed.opt_state]
+    if parsed.fp8 is not None and parsed.matmul is None:
+        raise ValueError(f"Policy {parsed.text!r} sets only fp8=, the recipe of the FP8 matmuls "
+                         "of the policy it overrides; as a whole policy it needs matmul=float8. "
+                         f"{policy_spec.FP8_EXAMPLE}")
     if matmul is None and opt_state is None:
         return jmp.Policy(**fields)
-    return MatmulPolicy(**fields, matmul_dtype=matmul, opt_state_dtype=opt_state)
+    return MatmulPolicy(**fields, matmul_dtype=matmul, opt_state_dtype=opt_state,
+                        fp8_recipe=_recipe(parsed.fp8))
 
 
 def with_matmul(policy: jmp.Policy, parsed: policy_spec.PolicySpec) -> jmp.Policy:
-    """``policy`` with the ``matmul=`` of ``parsed`` (an override that sets only ``matmul=``,
-    ``{"lm_head": "matmul=bfloat16"}``), its other fields unchanged."""
+    """``policy`` with the ``matmul=`` and ``fp8=`` of ``parsed`` (an override that sets only
+    those, ``{"lm_head": "matmul=bfloat16"}``, ``{"mlp": "fp8=rowwise"}``), its other fields
+    unchanged; an FP8 region keeps its recipe unless ``parsed`` sets one."""
+    matmul = getattr(policy, "matmul_dtype", None) if parsed.matmul is None else \
+        _matmul(parsed, policy.compute_dtype, inherited=policy)
+    fp8 = matmul is not None and np.dtype(matmul) == np.dtype(jnp.float8_e4m3fn)
+    if parsed.fp8 is not None and not fp8:
+        raise ValueError(f"Policy {parsed.text!r} sets fp8={parsed.fp8}, the recipe of FP8 "
+                         f"matmuls, but the policy it overrides, {policy_to_str(policy)!r}, "
+                         "runs no FP8 matmuls. Write 'matmul=float8,fp8=...' in the override, "
+                         "or set matmul=float8 in the policy.")
+    recipe = _recipe(parsed.fp8) if parsed.fp8 is not None else \
+        getattr(policy, "fp8_recipe", None) if fp8 else None
     return MatmulPolicy(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
-                        matmul_dtype=_matmul(parsed, policy.compute_dtype, inherited=policy),
-                        opt_state_dtype=opt_state_dtype(policy))
+                        matmul_dtype=matmul, opt_state_dtype=opt_state_dtype(policy),
+                        fp8_recipe=recipe)
 
 
 def _check_float_policy(policy: jmp.Policy) -> None:
@@ -223,6 +252,8 @@ def policy_to_str(policy: jmp.Policy) -> str:
     if matmul is not None:
         fp8 = np.dtype(matmul) == np.dtype(jnp.float8_e4m3fn)
         names.append(f"matmul={policy_spec.FLOAT8 if fp8 else _NAMES[np.dtype(matmul)]}")
+        if fp8 and getattr(policy, "fp8_recipe", None):
+            names.append(f"fp8={policy.fp8_recipe}")
     if opt_state is not None:
         names.append(f"opt_state={_NAMES[np.dtype(opt_state)]}")
     return ",".join(names)

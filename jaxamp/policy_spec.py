@@ -14,6 +14,8 @@ Example:
     'params=float32,compute=float32,output=float32'
     >>> read("matmul=fp8").given, read("matmul=fp8").matmul
     (frozenset({'matmul'}), 'float8')
+    >>> to_str(parse("c=bf16,o=f32,matmul=fp8,fp8=rowwise"))
+    'params=float32,compute=bfloat16,output=float32,matmul=float8,fp8=rowwise'
     >>> loss_scaling(parse(DEFAULT_POLICY)["compute"])
     'dynamic'
 """
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "EXTRA_FIELDS", "FIELDS", "FLOAT8", "HALF",
+__all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "EXTRA_FIELDS", "FIELDS", "FLOAT8", "FP8_RECIPES",
+           "HALF",
            "MATMUL_ALIASES", "OPT_STATE_ALIASES", "OPT_STATE_FLOAT16", "PolicySpec",
            "loss_scaling", "parse", "parse_given", "read", "to_str"]
 
@@ -34,7 +37,7 @@ DEFAULT_POLICY = "params=float32,compute=float16,output=float32"
 FIELDS = ("params", "compute", "output")
 
 #: jaxamp's optional fields, written after :data:`FIELDS` when set.
-EXTRA_FIELDS = ("matmul", "opt_state")
+EXTRA_FIELDS = ("matmul", "fp8", "opt_state")
 
 #: Accepted dtype names (lower case) -> canonical name. ``"half"`` is resolved by
 #: :func:`jaxamp.get_policy` from the backend (bfloat16 on TPU, float16 elsewhere).
@@ -55,6 +58,11 @@ FLOAT8 = "float8"
 #: floating dtype name (matmuls in that dtype instead of the compute dtype).
 MATMUL_ALIASES = {"float8": FLOAT8, "fp8": FLOAT8, "f8": FLOAT8, **DTYPE_ALIASES}
 
+#: The ``fp8=`` recipes of ``matmul=float8`` (:mod:`jaxamp.fp8`): ``current``, per-tensor scales
+#: from this step's amax (the default); ``rowwise``, a scale per row of each operand (per
+#: element of its free dimensions, the amax over the contracted ones: torchao's rowwise).
+FP8_RECIPES = ("current", "rowwise")
+
 #: Accepted ``opt_state=`` names (lower case) -> canonical name: the dtype the optimizer's
 #: floating state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``).
 OPT_STATE_ALIASES = {name: canonical for name, canonical in DTYPE_ALIASES.items()
@@ -69,7 +77,8 @@ OPT_STATE_FLOAT16 = (
     "rounding) or float32.")
 
 _KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute",
-         "output": "output", "o": "output", "matmul": "matmul", "opt_state": "opt_state"}
+         "output": "output", "o": "output", "matmul": "matmul", "fp8": "fp8",
+         "opt_state": "opt_state"}
 _NON_FLOAT_NAMES = frozenset(
     {"bool", "complex64", "complex128", "c64", "c128"}
     | {f"{p}{n}" for p in ("int", "uint", "i", "u") for n in (4, 8, 16, 32, 64)}
@@ -80,7 +89,9 @@ ALLOWED_DTYPES = "Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, 
 ALLOWED_MATMUL = ("Allowed matmul dtypes: float8/fp8/f8 (FP8 for eligible matmuls), float32/f32, "
                   "float16/f16, bfloat16/bf16, half.")
 ALLOWED_OPT_STATE = "Allowed opt_state dtypes: float32/f32/full, bfloat16/bf16."
-_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o, matmul, opt_state."
+ALLOWED_FP8 = f"Allowed fp8 recipes: {', '.join(FP8_RECIPES)}."
+FP8_EXAMPLE = "Example: 'params=float32,compute=bfloat16,output=float32,matmul=float8,fp8=rowwise'."
+_ALLOWED_KEYS = "Allowed keys: params/p, compute/c, output/o, matmul, fp8, opt_state."
 EXAMPLE = "Example: 'params=float32,compute=float16,output=float32'."
 MATMUL_EXAMPLE = "Example: 'params=float32,compute=bfloat16,output=float32,matmul=float8'."
 #: FP8 format names a ``matmul=`` value may be written as: all mean ``float8``.
@@ -95,6 +106,8 @@ class PolicySpec:
       params, compute, output: dtype names (``"float32"``, ``"float16"``, ``"bfloat16"`` or
         ``"half"``).
       matmul: ``"float8"``, a dtype name, or None (matmuls in the compute dtype).
+      fp8: the recipe of ``matmul=float8`` (:data:`FP8_RECIPES`), or None (not set: ``current``,
+        or the recipe of the policy an override inherits).
       opt_state: ``"float32"``, ``"bfloat16"`` or None (the state as the optimizer makes it).
       given: the fields the string sets (a bare dtype name sets the three :data:`FIELDS`); an
         override that sets only ``matmul`` keeps the rest of the policy its module inherits.
@@ -108,6 +121,13 @@ class PolicySpec:
     opt_state: str | None = None
     given: frozenset[str] = frozenset(FIELDS)
     text: str = ""
+    fp8: str | None = None
+
+    @property
+    def relative(self) -> bool:
+        """Sets only ``matmul=`` and/or ``fp8=``: an override that keeps every other field of
+        the policy its module inherits."""
+        return bool(self.given) and self.given <= {"matmul", "fp8"}
 
     def names(self) -> dict[str, str]:
         """:func:`parse`'s dict: the three fields, and the extra ones that are set."""
@@ -165,7 +185,15 @@ def _parse_opt_state(value: str, part: str, spec: str) -> str:
                  ALLOWED_OPT_STATE)  # pragma: no cover - _parse_dtype raised
 
 
-_PARSE_VALUE = {"matmul": _parse_matmul, "opt_state": _parse_opt_state}
+def _parse_fp8(value: str, part: str, spec: str) -> str:
+    name = value.strip().lower()
+    if name in FP8_RECIPES:
+        return name
+    raise _error(f"Unknown fp8 recipe '{value.strip()}' in '{part.strip()}'.", ALLOWED_FP8,
+                 example=FP8_EXAMPLE)
+
+
+_PARSE_VALUE = {"matmul": _parse_matmul, "fp8": _parse_fp8, "opt_state": _parse_opt_state}
 
 
 def read(spec: str) -> PolicySpec:
@@ -179,7 +207,9 @@ def read(spec: str) -> PolicySpec:
     FP8 (:mod:`jaxamp.fp8`); a floating dtype runs the matmuls in it instead of the compute
     dtype. ``opt_state=`` (``float32`` or ``bfloat16``, with their aliases) is the dtype the
     optimizer state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``; float16 is refused,
-    see :data:`OPT_STATE_FLOAT16`). A bare dtype name sets neither.
+    see :data:`OPT_STATE_FLOAT16`). ``fp8=`` (:data:`FP8_RECIPES`) chooses how ``matmul=float8``
+    scales its operands; it needs ``matmul=float8`` in the same string, except in an override
+    that sets only ``fp8=`` (applied to the FP8 policy it inherits). A bare dtype name sets none.
 
     Raises:
         TypeError: ``spec`` is not a string.
@@ -189,13 +219,17 @@ def read(spec: str) -> PolicySpec:
     given = _given(spec)
     params = given.get("params", "float32")
     compute = given.get("compute", params)
+    if "fp8" in given and given.get("matmul") != FLOAT8 and not set(given) == {"fp8"}:
+        raise _error(f"Policy '{spec}' sets fp8={given['fp8']}, the recipe of FP8 matmuls, but "
+                     f"not matmul=float8 (matmul={given.get('matmul', 'unset')}). Add "
+                     "matmul=float8, or drop fp8=.", ALLOWED_FP8, example=FP8_EXAMPLE)
     return PolicySpec(params, compute, given.get("output", compute), given.get("matmul"),
-                      given.get("opt_state"), frozenset(given), spec)
+                      given.get("opt_state"), frozenset(given), spec, given.get("fp8"))
 
 
 def parse(spec: str) -> dict[str, str]:
     """:func:`read` as a dict of canonical names: ``{"params", "compute", "output"}``, and
-    ``"matmul"``/``"opt_state"`` when the string sets them."""
+    ``"matmul"``/``"fp8"``/``"opt_state"`` when the string sets them."""
     return read(spec).names()
 
 
@@ -237,8 +271,8 @@ def _given(spec: str) -> dict[str, str]:
         if field in seen:
             raise _error(
                 f"Duplicate policy key '{raw_key.strip()}' in '{spec}': {field} is already set "
-                f"by '{seen[field]}'. Each of params/p, compute/c, output/o, matmul, opt_state "
-                "may appear once.")
+                f"by '{seen[field]}'. Each of params/p, compute/c, output/o, matmul, fp8, "
+                "opt_state may appear once.")
         seen[field] = part.strip()
         dtypes[field] = _PARSE_VALUE.get(field, _parse_dtype)(value, part, spec)
     return dtypes

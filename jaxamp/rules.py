@@ -21,10 +21,11 @@ its children a :class:`jmp.Policy`. Most specific first:
 3. the policy of the nearest ancestor module that matched a rule;
 4. the default policy.
 
-An override that sets only ``matmul=`` is relative: the module keeps the policy it would
-inherit, with that matmul dtype. The built-in class rules (:data:`FP32_MODULES`,
-:data:`EMBED_MODULES`) are relative to the enclosing region too (normalisation computes in
-float32 and returns the enclosing compute dtype); a user's rule for the class is absolute.
+An override that sets only ``matmul=`` and/or ``fp8=`` is relative: the module keeps the policy
+it would inherit, with that matmul dtype and FP8 recipe. The built-in class rules
+(:data:`FP32_MODULES`, :data:`EMBED_MODULES`) are relative to the enclosing region too
+(normalisation computes in float32 and returns the enclosing compute dtype); a user's rule for
+the class is absolute.
 The README's "What runs in which dtype" has the full table.
 """
 
@@ -239,7 +240,7 @@ def _naming(key: Any):
 
 
 def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
-    """An override's policy, its string parsed once: one that sets only ``matmul=``
+    """An override's policy, its string parsed once: one that sets only ``matmul=``/``fp8=``
     (``"matmul=bfloat16"``) is relative (the inherited policy with that matmul dtype);
     anything else is absolute."""
     with _naming(key):
@@ -250,7 +251,7 @@ def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> Clas
                 "model, stored in the dtype of the train state's policy. Set it there, e.g. "
                 "TrainState.create(..., policy='params=float32,compute=bfloat16,output=float32,"
                 "opt_state=bfloat16'), and leave it out of overrides.")
-        if getattr(parsed, "given", None) == {"matmul"}:
+        if getattr(parsed, "relative", False):
             with_matmul(default, parsed)  # validate now (against the default), before tracing
             return functools.partial(_matmul_within, parsed=parsed, key=key)
         return get_policy(parsed)

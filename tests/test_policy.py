@@ -12,7 +12,7 @@ from jaxamp.policy import DTYPE_NAMES, get_policy, policy_to_str
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
 HALF = jmp.half_dtype()
 
-ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o, matmul, opt_state.")
+ALLOWED_KEYS = re.escape("Allowed keys: params/p, compute/c, output/o, matmul, fp8, opt_state.")
 ALLOWED_DTYPES = re.escape("Allowed dtypes: float32/f32/full, float16/f16, bfloat16/bf16, half.")
 EXAMPLE = re.escape("Example: 'params=float32,compute=float16,output=float32'.")
 
@@ -168,13 +168,14 @@ MALFORMED = [
     (
         "p=f32,p=f16",
         r"Duplicate policy key 'p' in 'p=f32,p=f16': params is already set by "
-        r"'p=f32'\. Each of params/p, compute/c, output/o, matmul, opt_state may appear once\.",
+        r"'p=f32'\. Each of params/p, compute/c, output/o, matmul, fp8, opt_state may appear "
+        r"once\.",
     ),
     (
         "p=f32,params=f16",
         r"Duplicate policy key 'params' in 'p=f32,params=f16': params is "
-        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o, matmul, opt_state may "
-        r"appear once\.",
+        r"already set by 'p=f32'\. Each of params/p, compute/c, output/o, matmul, fp8, "
+        r"opt_state may appear once\.",
     ),
     (
         "c=f16,compute=bf16",
@@ -287,6 +288,59 @@ def test_a_matmul_only_override_keeps_the_inherited_policy():
     # validated eagerly against the default policy, before any tracing
     with pytest.raises(ValueError, match="matmul=float8 needs compute=bfloat16"):
         ModuleRules.create("p=f32,c=f16,o=f32", {"lm_head": "matmul=fp8"})
+
+
+# ---- fp8= (the recipe of matmul=float8, issue 43) ------------------------------------------
+
+
+def test_fp8_recipe_round_trips_and_current_is_the_default():
+    from jaxamp.policy import fp8_recipe
+
+    p = get_policy("p=f32,c=bf16,o=f32,matmul=fp8,fp8=ROWWISE")
+    assert p.fp8_recipe == "rowwise" and fp8_recipe(p) == "rowwise"
+    text = policy_to_str(p)
+    assert text == "params=float32,compute=bfloat16,output=float32,matmul=float8,fp8=rowwise"
+    assert get_policy(text) == p
+    # current is the default: written or not, the same policy
+    assert get_policy("p=f32,c=bf16,o=f32,matmul=fp8,fp8=current") == \
+        get_policy("p=f32,c=bf16,o=f32,matmul=fp8")
+    assert fp8_recipe(get_policy("p=f32,c=bf16,o=f32,matmul=fp8")) == "current"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("c=bf16,fp8=rowwise", r"sets fp8=rowwise, the recipe of FP8 matmuls, but not "
+                           r"matmul=float8 \(matmul=unset\)\. Add matmul=float8"),
+    ("c=bf16,matmul=bf16,fp8=rowwise", r"but not matmul=float8 \(matmul=bfloat16\)"),
+    ("c=bf16,matmul=fp8,fp8=colwise", r"Unknown fp8 recipe 'colwise' in 'fp8=colwise'\. "
+                                      r"Allowed fp8 recipes: current, rowwise\."),
+    ("fp8=rowwise", r"sets only fp8=.*as a whole policy it needs matmul=float8"),
+    ("c=bf16,matmul=fp8,fp8=rowwise,fp8=current", r"Duplicate policy key 'fp8'"),
+])
+def test_bad_fp8_recipes_name_the_value_and_the_fix(spec, message):
+    with pytest.raises(ValueError, match=message):
+        get_policy(spec)
+
+
+def test_an_fp8_only_override_changes_the_recipe_and_keeps_the_rest():
+    import flax.linen as nn
+
+    from jaxamp.rules import ModuleRules
+
+    rules = ModuleRules.create("p=f32,c=bf16,o=f32,matmul=float8",
+                               {"mlp": "fp8=rowwise", "lm_head": "matmul=bfloat16"})
+    mlp, _ = rules.match(nn.Dense(4), path=("mlp",), inherited=rules.default)
+    assert policy_to_str(mlp) == \
+        "params=float32,compute=bfloat16,output=float32,matmul=float8,fp8=rowwise"
+    # a matmul-only override of a rowwise region keeps its recipe; leaving FP8 drops it
+    inner = ModuleRules.create("p=f32,c=bf16,o=f32", {"x": "matmul=fp8"})
+    kept, _ = inner.match(nn.Dense(4), path=("x",), inherited=mlp)
+    assert kept.fp8_recipe == "rowwise"
+    head, _ = rules.match(nn.Dense(4), path=("lm_head",), inherited=mlp)
+    assert policy_to_str(head).endswith(",matmul=bfloat16")
+    # fp8= on a region without FP8 matmuls is refused, before tracing
+    with pytest.raises(ValueError, match=r"overrides\['mlp'\]: .*sets fp8=rowwise.*runs no FP8 "
+                                         r"matmuls\. Write 'matmul=float8,fp8=\.\.\.'"):
+        ModuleRules.create("p=f32,c=bf16,o=f32", {"mlp": "fp8=rowwise"})
 
 
 # ---- errors that name the right choices (issue 46) --------------------------------------------

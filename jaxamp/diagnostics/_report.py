@@ -167,7 +167,8 @@ class AuditReport(Report):
     @property
     def matmuls(self) -> list[dict[str, str]]:
         """Every forward matmul (``dot_general``) in program order: ``{"module", "shapes",
-        "dtypes", "fp8", "reason"}``, ``fp8`` ``"yes"``/``"no"`` and ``reason`` why not
+        "dtypes", "fp8", "recipe", "reason"}``, ``fp8`` ``"yes"``/``"no"``, its ``fp8=`` recipe
+        and ``reason`` why not
         (:func:`jaxamp.diagnostics._trace.matmul_rows`)."""
         return matmul_rows(self._trace.records) if self._trace is not None else []
 
@@ -225,8 +226,8 @@ class AuditReport(Report):
                                                             None: "n/a"}))]
         if "matmul=" in self.policy or any(m["fp8"] == "yes" for m in self.matmuls):
             out += ["", "### Matmuls", "", *markdown_table(
-                ("module", "shapes", "dtypes", "fp8", "why not"),
-                [[m[k] for k in ("module", "shapes", "dtypes", "fp8", "reason")]
+                ("module", "shapes", "dtypes", "fp8", "recipe", "why not"),
+                [[m[k] for k in ("module", "shapes", "dtypes", "fp8", "recipe", "reason")]
                  for m in self.matmuls])]
         out += ["", "### Precision table", "", format_precision_table(self.rows)]
         return "\n".join(out)

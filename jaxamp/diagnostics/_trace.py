@@ -618,21 +618,24 @@ def recording(recorder: Recorder):
 
 def matmul_rows(records: Sequence[Eqn]) -> list[dict[str, str]]:
     """One row per forward ``dot_general``, in program order: ``{"module", "shapes",
-    "dtypes", "fp8", "reason"}``. ``fp8`` is ``"yes"`` when its operands are FP8; ``reason``
-    says why not: the FP8 rule's decision (``first``, ``last``, ``small``, ``unaligned``,
-    ``batched``, ``not float``: :func:`jaxamp.fp8_eligible`), or ``policy`` where the module's
-    policy does not set ``matmul=float8``."""
+    "dtypes", "fp8", "recipe", "reason"}``. ``fp8`` is ``"yes"`` when its operands are FP8,
+    and ``recipe`` then the ``fp8=`` recipe it ran with (``current``, ``rowwise``; empty for an
+    FP8 dot a rule of the user's made); ``reason`` says why not: the FP8 rule's decision
+    (``first``, ``last``, ``small``, ``unaligned``, ``batched``, ``not float``:
+    :func:`jaxamp.fp8_eligible`), or ``policy`` where the module's policy does not set
+    ``matmul=float8``."""
     rows = []
     for r in records:
         if r.prim != "dot_general" or r.backward or SCAFFOLD in r.stack:
             continue
         fp8 = any(d.startswith("float8") for d in r.in_dtypes)
         reason = "" if fp8 else r.decision or "policy"
+        recipe = (r.decision or "") if fp8 else ""
         shapes = " @ ".join("x".join(str(d) for d in getattr(v.aval, "shape", ()))
                             for v in r.eqn.invars)
         rows.append({"module": r.module, "shapes": shapes,
                      "dtypes": f"{join_dtypes(r.in_dtypes)} -> {join_dtypes(r.out_dtypes)}",
-                     "fp8": "yes" if fp8 else "no", "reason": reason})
+                     "fp8": "yes" if fp8 else "no", "recipe": recipe, "reason": reason})
     return rows
 
 
