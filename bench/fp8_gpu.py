@@ -52,7 +52,7 @@ def measure(name: str, cfg: GPTConfig, batch_size: int, *, dry: bool, steps: int
     tx = optax.adamw(1e-4)
     rules = jaxamp.DEFAULT_OP_RULES
     if dry:  # toy sizes are below the size threshold: let every aligned matmul be FP8
-        rules = rules.extend(handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+        rules = rules.extend(handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
     out: dict = {"config": vars(cfg) | {"batch": batch_size}}
     states, steps_fn, gemms = {}, {}, {}
     for label, policy in (("bf16", BF16), ("fp8", FP8)):

@@ -15,7 +15,8 @@ fused attention, the default since issue 40; the others ``--attention manual``, 
 grouped-query attention) at gpt2-small size (12 layers, d 768, 12/4 heads, MLP 2048, vocabulary
 32768, batch 8 x 1024) and its twin ``bench/llama_handcast.py``; ``llama-fp8``: the same under
 bf16 and ``matmul=float8`` (``jaxamp-fp8``: default eligibility; ``jaxamp-fp8all``:
-``FP8Matmuls(small=(0, 0))``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
+``FP8Matmuls(small=(0, 0), min_size=0)``; ``-fp8rw``/``-fp8rwall``: the same with
+``fp8=rowwise``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
 32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--layers`` to cut layers. A
 ``hand/...`` variant is the twin's plain ``jax.jit`` step (``bench/_steps.py``'s
 ``hand_train_step``). Ratios are to ``hand/bfloat16``, else ``jaxamp-norecompute/bfloat16``,
@@ -54,7 +55,8 @@ MODELS = {"bench-gpt": VARIANTS,
           "llama": tuple("jaxamp/bfloat16 jaxamp/float16 jaxamp-norecompute/bfloat16 "
                          "jaxamp-recompute/bfloat16 jaxamp/float32 hand/bfloat16 "
                          "hand/float16".split()),
-          "llama-fp8": ("jaxamp/bfloat16", "jaxamp-fp8/bfloat16", "jaxamp-fp8all/bfloat16")}
+          "llama-fp8": tuple(f"jaxamp{s}/bfloat16" for s in ("", "-fp8", "-fp8all", "-fp8rw",
+                                                             "-fp8rwall"))}
 REFERENCE = "hand/bfloat16"
 CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
 BATCH = 16
@@ -66,7 +68,7 @@ LLAMA_1B = dict(num_layers=16, vocab_size=128256, embed_dim=2048, hidden_dim=819
                 num_heads=32, head_dim=64, num_kv_heads=8, rope_theta=500_000, norm_eps=1e-5,
                 weight_tying=True)
 LLAMA_SHAPES = {768: (LLAMA, SMALL_BATCH, 1024), 2048: (LLAMA_1B, 4, 2048)}
-FP8 = ",matmul=float8"  # "jaxamp-fp8": default eligibility; "jaxamp-fp8all": small=(0, 0)
+FP8 = ",matmul=float8"  # "jaxamp-fp8": default eligibility; "jaxamp-fp8all": every matmul
 
 
 def _rules(side: str):
@@ -74,9 +76,9 @@ def _rules(side: str):
     aligned matmul (``jaxamp-fp8all``), else the default."""
     import jaxamp
 
-    if side == "jaxamp-fp8all":
+    if side.startswith("jaxamp-fp8") and side.endswith("all"):
         return jaxamp.DEFAULT_OP_RULES.extend(
-            handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+            handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
     return jaxamp.DEFAULT_OP_RULES.extend(
         recompute={"jaxamp-norecompute": False, "jaxamp-recompute": True}.get(side))
 
@@ -189,7 +191,8 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
             lambda: HandCastLlama3(config, dtype=jnp.dtype(dt), rngs=nnx.Rngs(0))))
         return _hand(lambda p, b: loss(nnx.merge(graphdef, p), b), optax.adamw(1e-3), dt, sds,
                      params, batch, clip_norm=1.0)
-    policy = POLICY[dt] + (FP8 if side.startswith("jaxamp-fp8") else "")
+    policy = POLICY[dt] + (FP8 if side.startswith("jaxamp-fp8") else "") + (
+        ",fp8=rowwise" if side.startswith("jaxamp-fp8rw") else "")
     state = jax.eval_shape(lambda: jaxamp.TrainState.create(
         m.Llama3(config, rngs=nnx.Rngs(0)), tx=optax.adamw(1e-3), policy=policy))
     step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0, op_rules=_rules(side))

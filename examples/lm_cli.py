@@ -40,8 +40,8 @@ MAX_BATCH_TOKENS = 2**22
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 #: A command-line value argparse would take for an option: '-' and a digit ('-1,0', '-3').
 _NEGATIVE = re.compile(r"-\d")
-#: --fp8-small when not given: torchao's threshold, FP8Matmuls' default.
-FP8_SMALL = "1024,4096"
+#: --fp8-small when not given: FP8Matmuls' default (torchao's K,N threshold and min_size 2048).
+FP8_SMALL = "1024,4096,2048"
 
 
 class UsageError(Exception):
@@ -105,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "bfloat16 halves them; the update still runs in float32 and the new "
                         "moments are written back with stochastic rounding, whose key is "
                         "checkpointed with them")
-    m.add_argument("--fp8-small", default=None, metavar="K,N",
+    m.add_argument("--fp8-small", default=None, metavar="K,N[,MIN]",
                    help="with matmul=float8 only: a matmul with contracting size <= K and "
-                        f"output features <= N stays in the compute dtype (default: {FP8_SMALL}, "
-                        "torchao's threshold; '0,0' runs every aligned matmul in FP8)")
+                        "output features <= N, or either below MIN (0 when not given), stays "
+                        f"in the compute dtype (default: {FP8_SMALL}, jaxamp.FP8Matmuls'; '0,0' "
+                        "runs every aligned matmul in FP8)")
     m.add_argument("--dropout", type=float, default=0.0,
                    help="dropout rate (embeddings and residual branches), in [0, 1)")
     m.add_argument("--loss-scale", default="auto",
@@ -317,14 +318,18 @@ def validate(args: argparse.Namespace) -> Setup:
 
 
 def _fp8_rules(text: str | None, policy, policy_str: str):
-    """``--fp8-small K,N`` -> ``('K,N', op rules whose FP8 rule has that size threshold)``;
-    ``(None, the default rules)`` for a policy without matmul=float8, which refuses the flag."""
+    """``--fp8-small K,N[,MIN]`` -> ``('K,N,MIN', op rules whose FP8 rule has that size
+    threshold)``; ``(None, the default rules)`` for a policy without matmul=float8, which
+    refuses the flag."""
     small = FP8_SMALL if text is None else text
     try:
-        rule = jaxamp.FP8Matmuls(small=tuple(int(v) for v in small.split(",")))
+        sizes = tuple(int(v) for v in small.split(","))
+        if len(sizes) not in (2, 3):
+            raise ValueError(sizes)
+        rule = jaxamp.FP8Matmuls(small=sizes[:2], min_size=(*sizes, 0)[2])
     except ValueError:
-        raise UsageError(f"--fp8-small must be two integers >= 0 as K,N (e.g. {FP8_SMALL} or "
-                         f"0,0), got {text!r}") from None
+        raise UsageError(f"--fp8-small must be two or three integers >= 0 as K,N[,MIN] (e.g. "
+                         f"{FP8_SMALL} or 0,0), got {text!r}") from None
     fp8 = np.dtype(getattr(policy, "matmul_dtype", None) or np.float32).itemsize == 1
     if not fp8:
         if text is not None:
@@ -333,7 +338,7 @@ def _fp8_rules(text: str | None, policy, policy_str: str):
                              "matmul=float8; add ',matmul=float8' to a compute=bfloat16 "
                              "--policy, or drop --fp8-small")
         return None, jaxamp.DEFAULT_OP_RULES
-    return ",".join(map(str, rule.small)), jaxamp.DEFAULT_OP_RULES.extend(
+    return ",".join(map(str, (*rule.small, rule.min_size))), jaxamp.DEFAULT_OP_RULES.extend(
         handlers={"dot_general": rule})
 
 

@@ -262,16 +262,16 @@ def _size(shape, dims) -> int:
 
 def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers, *,
                  lhs_dtype=jnp.float32, rhs_dtype=jnp.float32, param: int | None = 1,
-                 small: tuple[int, int] = (1024, 4096)) -> str | None:
+                 small: tuple[int, int] = (1024, 4096), min_size: int = 0) -> str | None:
     """Why this ``dot_general`` should not run in FP8, or None when it is eligible.
 
     Reasons (the audit prints them): ``"not float"`` (an integer operand), ``"float64"``
     (left alone, as all float64 in autocast), ``"batched"`` (batch dimensions: attention's
     q @ k and weights @ v, best left to the fused attention), ``"unaligned"`` (the contracting
     size K or the weight's output features N not a multiple of 16, torchao's rule for
-    cuBLASLt; XLA pads the rows M), ``"small"`` (K <= small[0] and N <= small[1]: torchao's
-    auto-filter, where scaling costs more than the faster GEMM gains on an H100; ``(0, 0)``
-    lets every aligned matmul run in FP8).
+    cuBLASLt; XLA pads the rows M), ``"small"`` (K <= small[0] and N <= small[1], torchao's
+    auto-filter, or min(K, N) < min_size: where quantising costs more than the faster GEMM
+    gains; ``small=(0, 0), min_size=0`` lets every aligned matmul run in FP8).
     """
     if not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
         return "not float"
@@ -286,7 +286,7 @@ def fp8_eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_n
     if k % 16 or n % 16:
         return "unaligned"
     features = m if param == 0 else n
-    if k <= small[0] and features <= small[1]:
+    if (k <= small[0] and features <= small[1]) or min(k, features) < min_size:
         return "small"
     return None
 
@@ -296,11 +296,15 @@ class FP8Matmuls:
     """The engine rule (an :class:`jaxamp.OpRules` handler of ``dot_general``) that runs the
     eligible matmuls of a ``matmul=float8`` region in FP8; elsewhere it defers to the built-in
     matmul rule. :data:`jaxamp.DEFAULT_OP_RULES` holds :data:`FP8_MATMULS`; other options:
-    ``DEFAULT_OP_RULES.extend(handlers={"dot_general": FP8Matmuls(small=(0, 0))})``.
+    ``DEFAULT_OP_RULES.extend(handlers={"dot_general": FP8Matmuls(small=(0, 0), min_size=0)})``.
 
     Attributes:
       small: ``(K, N)``: a matmul with contracting size <= K and output features <= N stays in
         the compute dtype (:func:`fp8_eligible`).
+      min_size: a matmul whose contracting size or output features are below it stays in the
+        compute dtype. 2048 by the H200 estimate (BENCHMARKS.md, "FP8 recipes"): with current
+        scaling at 8k tokens a GEMM gains from FP8 only when both K and N are >= 2048 (Llama
+        3.2 1B's k/v projections, N = 512, and every projection of a 768-wide model lose).
       keep_first_last: keep the first and the last matmul of the program that reads a param
         (input projection, head) in the compute dtype, against the divergence TE/Megatron
         users report (``--first-last-layers-bf16``); never a matmul in a loop body.
@@ -312,6 +316,7 @@ class FP8Matmuls:
     """
 
     small: tuple[int, int] = (1024, 4096)
+    min_size: int = 2048
     keep_first_last: bool = True
     margin: int = 0
     shards: int = 1
@@ -320,8 +325,12 @@ class FP8Matmuls:
         if (not isinstance(self.small, tuple) or len(self.small) != 2
                 or not all(isinstance(s, int) and s >= 0 for s in self.small)):
             raise ValueError(f"FP8Matmuls: small must be a tuple (K, N) of ints >= 0, got "
-                             f"{self.small!r}. Example: FP8Matmuls(small=(0, 0)) runs every "
-                             "aligned matmul in FP8.")
+                             f"{self.small!r}. Example: FP8Matmuls(small=(0, 0), min_size=0) "
+                             "runs every aligned matmul in FP8.")
+        if not _int_at_least(self.min_size, 0):
+            raise ValueError(f"FP8Matmuls: min_size must be an int >= 0, got "
+                             f"{self.min_size!r}. Example: FP8Matmuls(min_size=0) lifts the "
+                             "size threshold (small= still applies).")
         _check_scaling("FP8Matmuls", self.margin, self.shards)
 
     def decide(self, call) -> str:
@@ -333,7 +342,7 @@ class FP8Matmuls:
         param = 1 if call.stored[1] else 0 if call.stored[0] else None
         why = fp8_eligible(lhs.aval.shape, rhs.aval.shape, dot_dimension_numbers(eqn),
                            lhs_dtype=lhs.aval.dtype, rhs_dtype=rhs.aval.dtype, param=param,
-                           small=self.small)
+                           small=self.small, min_size=self.min_size)
         return "float8" if why is None else why
 
     def __call__(self, call) -> list | None:

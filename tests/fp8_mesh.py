@@ -16,7 +16,8 @@ import jaxamp
 
 FP8 = "params=float32,compute=bfloat16,output=float32,matmul=float8"
 BF16 = "params=float32,compute=bfloat16,output=float32"
-RULES = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+RULES = jaxamp.DEFAULT_OP_RULES.extend(
+    handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
 
 
 def _run(policy, layout=None, steps=4, micro_batches=1):

@@ -504,7 +504,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     line = run_error(capsys, ["--policy", "c=f16,matmul=fp8", "--out", out])
     assert "--policy" in line and "matmul=float8 needs compute=bfloat16" in line
     line = run_error(capsys, ["--fp8-small", "1024", "--out", out])
-    assert "--fp8-small must be two integers >= 0 as K,N" in line and "'1024'" in line
+    assert "--fp8-small must be two or three integers >= 0 as K,N[,MIN]" in line and \
+        "'1024'" in line
     line = run_error(capsys, ["--preset", "test", "--data", str(tmp_path / "nope"),
                               "--out", out])
     assert "nope" in line and "no such file" in line
@@ -563,8 +564,8 @@ def test_fp8_small_without_fp8_or_with_a_negative_size_is_one_line(tmp_path, cap
     fp8 = "params=float32,compute=bfloat16,output=float32,matmul=float8"
     for argv in (["--fp8-small", "-1,0"], ["--fp8-small=-1,0"]):
         line = run_error(capsys, ["--policy", fp8, *argv, "--out", out])
-        assert line == ("error: --fp8-small must be two integers >= 0 as K,N (e.g. 1024,4096 "
-                        "or 0,0), got '-1,0'")
+        assert line == ("error: --fp8-small must be two or three integers >= 0 as K,N[,MIN] "
+                        "(e.g. 1024,4096,2048 or 0,0), got '-1,0'")
     assert not Path(out).exists()
 
 

@@ -699,12 +699,12 @@ def test_resume_with_another_fp8_small_names_both_values(tmp_path, capsys):
     out = tmp_path / "fp8"
     fp8 = ["--policy", "params=float32,compute=bfloat16,output=float32,matmul=float8"]
     assert train_lm.main(args(out, 2, *fp8, "--fp8-small", "0,0")) == 0
-    assert json.loads((out / "summary.json").read_text())["fp8_small"] == "0,0"
+    assert json.loads((out / "summary.json").read_text())["fp8_small"] == "0,0,0"
     before = snapshot(out)
     line = run_error(capsys, args(out, 4, *fp8, "--resume"))
     assert line == (f"error: --resume: the checkpoint in {out / 'checkpoints'} was made with "
-                    "other settings (--fp8-small: checkpoint has 0,0, now 1024,4096); pass the "
-                    "original flags or choose another --out")
+                    "other settings (--fp8-small: checkpoint has 0,0,0, now 1024,4096,2048); "
+                    "pass the original flags or choose another --out")
     assert snapshot(out) == before
     assert train_lm.main(args(out, 4, *fp8, "--fp8-small", "0,0", "--resume")) == 0
 

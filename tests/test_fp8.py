@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 FP8 = "params=float32,compute=bfloat16,output=float32,matmul=float8"
 BF16 = "params=float32,compute=bfloat16,output=float32"
 SMALL = (32, 32)  # this file's size threshold: K <= 32 and N <= 32 stays in the compute dtype
-RULES = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(small=SMALL)})
+RULES = jaxamp.DEFAULT_OP_RULES.extend(
+    handlers={"dot_general": jaxamp.FP8Matmuls(small=SMALL, min_size=0)})
 
 
 class Net(nn.Module):
@@ -105,18 +106,21 @@ def test_the_audit_lists_every_matmul_and_why_not():
     report = jaxamp.audit(functools.partial(_loss, model.apply), params, batch, policy=FP8,
                           op_rules=RULES)
     assert report.policy == FP8
-    got = [(m["module"], m["fp8"], m["reason"]) for m in report.matmuls]
-    assert got == [("inp", "no", "first"), ("fc", "yes", ""), ("Net", "no", "batched"),
-                   ("Net", "no", "batched"), ("proj", "yes", ""), ("wide", "no", "unaligned"),
-                   ("odd", "no", "unaligned"), ("tiny", "no", "small"), ("head", "no", "last")]
-    assert "| fc | 2x16x32 @ 32x64 | float8_e4m3fn -> bfloat16 | yes |" in report.to_markdown()
+    got = [(m["module"], m["fp8"], m["recipe"], m["reason"]) for m in report.matmuls]
+    assert got == [("inp", "no", "", "first"), ("fc", "yes", "current", ""),
+                   ("Net", "no", "", "batched"), ("Net", "no", "", "batched"),
+                   ("proj", "yes", "current", ""), ("wide", "no", "", "unaligned"),
+                   ("odd", "no", "", "unaligned"), ("tiny", "no", "", "small"),
+                   ("head", "no", "", "last")]
+    assert "| fc | 2x16x32 @ 32x64 | float8_e4m3fn -> bfloat16 | yes | current |" in \
+        report.to_markdown()
     # an override takes a module out: matmul=bfloat16 on fc (relative: the rest inherited)
     report = jaxamp.audit(functools.partial(_loss, model.apply), params, batch, policy=FP8,
                           overrides={"fc": "matmul=bfloat16"}, op_rules=RULES)
     assert [(m["module"], m["reason"]) for m in report.matmuls if m["module"] in ("fc", "proj")
             ] == [("fc", "policy"), ("proj", "")]
     assert not report.findings
-    # the default size threshold (torchao's) keeps these small matmuls in bf16
+    # the default size threshold (min_size 2048) keeps these small matmuls in bf16
     report = jaxamp.audit(functools.partial(_loss, model.apply), params, batch, policy=FP8)
     assert {m["reason"] for m in report.matmuls if m["module"] in ("fc", "proj")} == {"small"}
 
@@ -214,7 +218,7 @@ def test_through_the_engine_a_dense_layer_equals_the_reference():
     x = jax.random.normal(jax.random.key(0), (16, 32))
     params = model.init(jax.random.key(1), x)
     rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
-        small=(0, 0), keep_first_last=False)})
+        small=(0, 0), min_size=0, keep_first_last=False)})
     f = jaxamp.autocast(model.apply, "p=f32,c=f32,o=f32,matmul=fp8", op_rules=rules)
     y = jax.jit(f)(params, x)
     xq, sx = _ref_quantize(x, ml_dtypes.float8_e4m3fn)
@@ -287,7 +291,7 @@ def _x64_step(api: str):
 
     batch = {"x": np.random.default_rng(0).standard_normal((8, 64)), "y": np.arange(8) % 16}
     rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
-        small=(0, 0))})
+        small=(0, 0), min_size=0)})
     if api == "linen":
         model = _Mlp()
         params = model.init(jax.random.key(0), batch["x"].astype(np.float32))["params"]
@@ -375,7 +379,7 @@ def _bits_equal(a, b):
 def test_zero_nan_and_overflowing_batches_never_reach_the_params():
     model, params, batch = _net()
     rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
-        small=SMALL, keep_first_last=False)})  # the input projection runs in FP8 too
+        small=SMALL, min_size=0, keep_first_last=False)})  # the input projection runs in FP8 too
     tx = optax.sgd(0.1)
     step = jaxamp.make_train_step(model, _loss, tx, policy=FP8, op_rules=rules, donate=False)
     state = jaxamp.TrainState.create(model, params, tx, policy=FP8)
@@ -475,7 +479,7 @@ def test_an_nnx_twin_runs_the_linen_fp8_program_close_to_float32():
     labels = jnp.roll(ids, -1, axis=1)
     # d=16: qkv (K=16, N=48), fc1 (N=32), fc2 (K=32) in FP8; the 16x16 projections small
     rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
-        small=(16, 16))})
+        small=(16, 16), min_size=0)})
 
     def linen_loss(params):
         logits = model.apply({**variables, "params": params}, ids, train=False)

@@ -158,7 +158,7 @@ def test_gemm_libraries_and_temp_of_the_bench_gpt(policy, triton):
 @pytest.mark.parametrize("triton", [False])  # Triton's FP8 GEMMs: the tunix test below
 def test_planned_fp8_dots_are_formed_fp8_gemms(triton):
     rules = jaxamp.DEFAULT_OP_RULES.extend(
-        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
     step, state, batch = tiny_gpt(FP8, op_rules=rules)
     report = jaxamp.gpu_program(step, state, batch, triton_gemm=triton)
     dots, f8 = traced_dots(step, state, batch)
@@ -187,7 +187,7 @@ def test_fp8_on_a_gpu_without_fp8_is_named_as_fallbacks(tmp_path):
     a100 = tmp_path / "a100.txtpb"
     a100.write_text(text.replace("major: 9", "major: 8"))
     rules = jaxamp.DEFAULT_OP_RULES.extend(
-        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))})
+        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
     step, state, batch = tiny_gpt(FP8, op_rules=rules)
     report = jaxamp.gpu_program(step, state, batch, target=a100)
     assert report.target.compute_capability == (8, 0)
@@ -342,8 +342,8 @@ def test_a_model_we_did_not_write(policy, triton):
     """tunix's NNX Llama3 (RoPE, grouped-query attention, SwiGLU, its own RMSNorm) under each
     policy: the GEMMs are the traced dot_generals, in the compute dtype or FP8 as planned, and
     the temp bytes are XLA's own."""
-    rules = jaxamp.DEFAULT_OP_RULES.extend(
-        handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0))}) if policy == FP8 else None
+    rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
+        small=(0, 0), min_size=0)}) if policy == FP8 else None
     step, state, batch = _tunix_llama3(policy, rules)
     report = jaxamp.gpu_program(step, state, batch, triton_gemm=triton)
     dots, f8 = traced_dots(step, state, batch)

@@ -221,9 +221,12 @@ def test_gpu_estimate_hand_variants_lower(model, dots):
 @needs_tunix
 @pytest.mark.parametrize(("d_model", "variant", "fp8_dots"), [
     (768, "jaxamp/bfloat16", 0),
-    (768, "jaxamp-fp8/bfloat16", 3),  # the default eligibility: only down_proj (K 2048)
+    (768, "jaxamp-fp8/bfloat16", 0),  # the default eligibility: min(K, N) < 2048 everywhere
     (768, "jaxamp-fp8all/bfloat16", 3 * 6),  # all 7 but the first (q_proj), kept bf16
-    (2048, "jaxamp-fp8/bfloat16", 3 * 6)])  # at d 2048 every projection is eligible
+    (768, "jaxamp-fp8rwall/bfloat16", 3 * 6),  # the same, rowwise
+    # at d 2048 o, gate, up, down (k/v: N 512 < 2048; q: the first)
+    (2048, "jaxamp-fp8/bfloat16", 3 * 4),
+    (2048, "jaxamp-fp8rw/bfloat16", 3 * 4)])
 def test_gpu_estimate_llama_fp8_variants_plan(d_model, variant, fp8_dots):
     """``--model llama-fp8``'s builders lower (one decoder layer, abstract values: no compile)
     with FP8 dots planned as the policy and the eligibility say: forward, dgrad and wgrad of

@@ -57,8 +57,11 @@ def test_third_party_audit_is_clean_and_its_paths_are_overrides(library, name, d
     assert ref and all(r["ok"] for r in ref), ref
     if dtype != "float16":
         return  # the paths do not depend on the compute dtype
-    # (precision_table prints the audit's rows: tests/test_audit.py)
-    paths = _printed_paths(report, jaxamp.locate_overflow(step, state, case.batch))
+    # (precision_table prints the audit's rows: tests/test_audit.py). The overflow report
+    # names modules with the same paths: read on one model per library (~20 s each)
+    overflow = [jaxamp.locate_overflow(step, state, case.batch)] \
+        if (library, name) in (("tunix", "llama3"), ("eqx-zoo", "qwen3")) else []
+    paths = _printed_paths(report, *overflow)
     if case.kind == "equinox":  # no Flax modules: everything is top level
         assert paths == set(), paths
         return

@@ -84,7 +84,7 @@ def fp8_gemms(fn: Callable, *args: Any, warn: bool = True, target: Any = None) -
             f"({fused} GEMMs; {out['fallback']} silently ran as 16-bit dots: {names}; no FP8 "
             "speed-up there). Usual causes: a GPU older than Hopper (SM < 8.9), dims XLA "
             "cannot align, or a layout it does not rewrite; see jaxamp.audit(...).matmuls for "
-            "the planned matmuls and raise the size threshold (FP8Matmuls(small=...)) or "
+            "the planned matmuls and raise the size threshold (FP8Matmuls(min_size=...)) or "
             "exclude the module with an override {'path': 'matmul=bfloat16'}.",
             RuntimeWarning, stacklevel=2)
     return out
