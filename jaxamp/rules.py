@@ -239,7 +239,21 @@ def _naming(key: Any):
         raise type(e)(f"overrides[{name}]: {e}") from None
 
 
-def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> ClassPolicy:
+def read_overrides(overrides: Any) -> Any:
+    """``overrides`` with each policy string read into its :class:`PolicySpec` (a bad string
+    raises now, prefixed with its key), so a caller that builds rules at every trace (the train
+    step) parses each string once; anything that is not a mapping is returned for
+    :meth:`ModuleRules.create` to refuse."""
+    if not isinstance(overrides, Mapping):
+        return overrides
+    out = {}
+    for key, value in overrides.items():
+        with _naming(key):
+            out[key] = policy_spec.read(value) if isinstance(value, str) else value
+    return out
+
+
+def _rule_policy(key: Any, value: Any, default: jmp.Policy) -> ClassPolicy:
     """An override's policy, its string parsed once: one that sets only ``matmul=``/``fp8=``
     (``"matmul=bfloat16"``) is relative (the inherited policy with that matmul dtype);
     anything else is absolute."""
@@ -247,8 +261,9 @@ def _rule_policy(key: Any, value: str | jmp.Policy, default: jmp.Policy) -> Clas
         parsed = policy_spec.read(value) if isinstance(value, str) else value
         if getattr(parsed, "opt_state", None) is not None or opt_state_dtype(value) is not None:
             raise ValueError(
-                f"Override {value!r} sets opt_state=: the optimizer state is one for the whole "
-                "model, stored in the dtype of the train state's policy. Set it there, e.g. "
+                f"Override {getattr(parsed, 'text', value)!r} sets opt_state=: the optimizer "
+                "state is one for the whole model, stored in the dtype of the train state's "
+                "policy. Set it there, e.g. "
                 "TrainState.create(..., policy='params=float32,compute=bfloat16,output=float32,"
                 "opt_state=bfloat16'), and leave it out of overrides.")
         if getattr(parsed, "relative", False):

@@ -37,7 +37,7 @@ from jaxamp.engine import autocast, check_options
 from jaxamp.fp8 import FP8Matmuls
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.policy import get_policy, opt_state_dtype, policy_to_str
-from jaxamp.rules import DEFAULT_OP_RULES, OpRules
+from jaxamp.rules import DEFAULT_OP_RULES, OpRules, read_overrides
 from jaxamp.sharding import check_axis_rules, state_shardings
 from jaxamp.transform import (
     AmpState,
@@ -663,6 +663,7 @@ class _StepOptions:
             raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got "
                             f"{type(self.tx).__name__}.")
         put("policy", None if self.policy is None else get_policy(self.policy))
+        put("overrides", read_overrides(self.overrides))  # parsed once, not at every trace
         check_options(where, self.op_rules, self.f32_weight_grads)
         put("clip_norm", check_clip_norm(self.clip_norm, where))
         put("micro_batches", _positive_int(self.micro_batches, "micro_batches", where))

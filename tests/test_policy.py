@@ -520,3 +520,32 @@ def test_a_policy_and_its_overrides_are_parsed_once_per_autocast(monkeypatch):
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3 and all(v.aval.dtype == F32 for e in dots for v in e.invars)
     assert jaxpr.out_avals[0].dtype == F32
+
+
+def test_a_train_steps_overrides_are_parsed_once_per_builder(monkeypatch):
+    """``make_train_step(overrides=)`` reads its strings when it is built: tracing the step for
+    two batch shapes parses none of them again (it did at every trace)."""
+    import flax.linen as nn
+    import jax
+    import optax
+
+    import jaxamp
+    from jaxamp import policy_spec
+
+    model = nn.Dense(8)
+    params = model.init(jax.random.key(0), jnp.ones((2, 8)))
+
+    def loss(apply_fn, params, batch):
+        return jnp.mean(apply_fn({"params": params}, batch) ** 2)
+    parsed, read = [], policy_spec.read
+    monkeypatch.setattr(policy_spec, "read", lambda s: parsed.append(s) or read(s))
+    state = jaxamp.TrainState.create(model, params["params"], optax.sgd(0.1),
+                                     policy="p=f32,c=bf16,o=f32")
+    step = jaxamp.make_train_step(model, loss, overrides={nn.Dense: "matmul=float32"})
+    assert parsed == ["p=f32,c=bf16,o=f32", "matmul=float32"]
+    for rows in (2, 4):
+        jax.eval_shape(step, state, jnp.ones((rows, 8)))
+    assert parsed == ["p=f32,c=bf16,o=f32", "matmul=float32"]
+    # a bad string is refused by the builder, named by its key
+    with pytest.raises(ValueError, match=r"overrides\[Dense\]: Unknown policy key 'matmal'"):
+        jaxamp.make_train_step(model, loss, overrides={nn.Dense: "matmal=float32"})
