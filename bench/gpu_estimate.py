@@ -279,6 +279,8 @@ def attention_calls(prog) -> list[dict]:
 
 # tunix Llama3's attention core: score/value einsums, softmax, mask, rotary (not projections)
 ATTENTION = re.compile(r"BHGTS|/attention/(?!\w+_proj/)")
+#: the name scope of an FP8 matmul (its decision mark: ``jaxamp_matmul<CALL.RECIPE>``)
+FP8_SCOPE = re.compile(r"jaxamp_matmul<\d+\.(?:current|rowwise|delayed)>")
 
 
 def breakdown(prog) -> dict[str, float]:
@@ -290,7 +292,7 @@ def breakdown(prog) -> dict[str, float]:
         gemm = k.kind in ("gemm", "attention", "convolution")
         part = "gemm_fp8" if gemm and k.fp8 else "attention" if ATTENTION.search(
             k.op_name) or k.kind == "attention" else "gemm_bf16" if gemm else \
-            "fp8_scaling" if "jaxamp_matmul<float8>" in k.op_name else "rest"
+            "fp8_scaling" if FP8_SCOPE.search(k.op_name) else "rest"
         out[part] += 1e3 * prog.target.seconds(k) * k.times
     return out
 

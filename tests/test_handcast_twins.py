@@ -243,3 +243,22 @@ def test_gpu_estimate_llama_fp8_variants_plan(d_model, variant, fp8_dots):
                                                  layers=1)()
     assert len(planned_fp8_dots(lowered.as_text())) == fp8_dots
     assert variant in gpu_estimate.MODELS["llama-fp8"]
+
+
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
+def test_gpu_estimate_reads_the_fp8_scope_the_engine_writes(recipe):
+    """``breakdown()``'s FP8-scaling part is the kernels in an FP8 matmul's name scope: the
+    pattern must match the scope the engine writes (it silently read 0 ms once the marks got
+    their autocast call's number)."""
+    import flax.linen as nn
+    import gpu_estimate
+
+    model = nn.Dense(32, use_bias=False)
+    x = jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)
+    rules = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
+        small=(0, 0), min_size=0, keep_first_last=False)})
+    f = jaxamp.autocast(model.apply, f"p=f32,c=bf16,o=bf16,matmul=float8,fp8={recipe}",
+                        op_rules=rules)
+    names = gpu_estimate.FP8_SCOPE.findall(jax.jit(f).lower(params, x).as_text(debug_info=True))
+    assert names and all(n.endswith(f".{recipe}>") for n in names)
