@@ -155,11 +155,13 @@ def test_gemm_libraries_and_temp_of_the_bench_gpt(policy, triton):
 
 
 @gpu_compile
-@pytest.mark.parametrize("triton", [False])  # Triton's FP8 GEMMs: the tunix test below
-def test_planned_fp8_dots_are_formed_fp8_gemms(triton):
+@pytest.mark.parametrize(("triton", "recipe"), [(False, "current"), (False, "rowwise")])
+def test_planned_fp8_dots_are_formed_fp8_gemms(triton, recipe):
+    """Every planned FP8 dot is an FP8 GEMM for each ``fp8=`` recipe (rowwise: the GEMM with
+    unit scales, its scale vectors applied after), and the report names the recipe."""
     rules = jaxamp.DEFAULT_OP_RULES.extend(
         handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
-    step, state, batch = tiny_gpt(FP8, op_rules=rules)
+    step, state, batch = tiny_gpt(f"{FP8},fp8={recipe}", op_rules=rules)
     report = jaxamp.gpu_program(step, state, batch, triton_gemm=triton)
     dots, f8 = traced_dots(step, state, batch)
     # 2 layers x (qkv, out, fc, proj) x (forward, dgrad, wgrad), less the first matmul that
@@ -167,6 +169,9 @@ def test_planned_fp8_dots_are_formed_fp8_gemms(triton):
     assert len(f8) == 21
     assert report.fp8_planned == len(f8) == report.fp8_formed
     assert report.fp8_fallbacks == []
+    assert report.fp8_recipes == {recipe: 21}
+    assert f"21 GEMMs for 21 planned dots, 100% of their FLOPs ({recipe} 21)" in \
+        report.to_markdown()
     # E4M3 x E4M3 forward GEMMs, E5M2 output gradients x E4M3 in dgrad and wgrad
     library = "triton" if triton else "cublaslt-fp8"
     low = "triton" if triton else "cublaslt"

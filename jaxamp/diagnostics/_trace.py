@@ -603,9 +603,15 @@ def attribute(records: list[Eqn], modules: dict[str, ModuleInfo]) -> list[Eqn]:
     marked = any(None in _tokens(r.stack) for r in records)
     for r in records:
         r.key, r.module = module_of(r.stack, modules, marked)
-        found = (MARKS.get(p) for p in _parts(r.stack))
-        r.decision = next((m.decision for m in found if m is not None and m.decision), None)
+        r.decision = decision_of(r.stack)
     return records
+
+
+def decision_of(stack: str) -> str | None:
+    """The (outermost) rule decision marked in a name stack or an XLA op name, looked up in
+    autocast's marks of this process; None where there is none."""
+    found = (MARKS.get(p) for p in _parts(stack))
+    return next((m.decision for m in found if m is not None and m.decision), None)
 
 
 def recording(recorder: Recorder):

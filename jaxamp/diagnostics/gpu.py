@@ -34,6 +34,7 @@ import numpy as np
 from .._engine.compat import compile_only_gpu, device_target_config
 from ._base import Report, markdown_table
 from ._hlo import Kernel, kernels, planned_fp8_dots
+from ._trace import decision_of
 
 __all__ = ["GpuProgram", "GpuTarget", "gpu_program", "gpu_target", "main"]
 
@@ -321,6 +322,14 @@ class GpuProgram(Report):
         return sum(1 for k in self.kernels if k.kind == "gemm" and k.fp8)
 
     @property
+    def fp8_recipes(self) -> dict[str, int]:
+        """FP8 GEMMs by the ``fp8=`` recipe of the matmul they came from (its mark in the
+        kernel's op name; ``"?"`` for a program traced in another process, whose marks this
+        one does not have)."""
+        return dict(Counter(decision_of(k.op_name) or "?" for k in self.kernels
+                            if k.kind == "gemm" and k.fp8))
+
+    @property
     def fp8_fallbacks(self) -> list[Kernel]:
         """GEMMs fed float8 data that multiply in a wider dtype: XLA's silent
         ``TurnF8DotIntoF16Dot`` (the operands converted up, a 16-bit GEMM, no FP8 speed-up)."""
@@ -357,6 +366,7 @@ class GpuProgram(Report):
                 "fp8_planned": self.fp8_planned, "fp8_formed": self.fp8_formed,
                 "fp8_planned_flops": self.fp8_planned_flops,
                 "fp8_formed_flops": self.fp8_formed_flops,
+                "fp8_recipes": self.fp8_recipes,
                 "fp8_fallbacks": [k.name for k in self.fp8_fallbacks]}
 
     def to_dict(self, kernels: bool = True) -> dict[str, Any]:
@@ -372,6 +382,8 @@ class GpuProgram(Report):
         mem = self.memory
         fp8 = (f"{s['fp8_formed']} GEMMs for {s['fp8_planned']} planned dots, "
                f"{s['fp8_formed_flops'] / max(s['fp8_planned_flops'], 1):.0%} of their FLOPs"
+               + (" (" + ", ".join(f"{r} {n}" for r, n in s["fp8_recipes"].items()) + ")"
+                  if s["fp8_recipes"] else "")
                + (f"; NOT FP8 GEMMs: {', '.join(s['fp8_fallbacks'])}" if s["fp8_fallbacks"]
                   else "")) if s["fp8_planned"] or s["fp8_formed"] else "none planned"
         how = ("compiled on the device (autotuned)" if self.options.get("autotuned") else
