@@ -342,7 +342,7 @@ class TrainStep:
         self._step = step
         self._calibrate = calibrate  # (uses_delayed(state), calibrate(state, batch)) or None
         self._calibrate_jit = None if calibrate is None else jax.jit(calibrate[1])
-        self._no_sites: set = set()  # policies whose step has no delayed FP8 matmul
+        self._delayed: dict = {}  # policy -> whether its step has delayed FP8 matmuls
         self._donate = donate
         self._mesh = mesh
         self._axis_rules = axis_rules
@@ -407,7 +407,7 @@ class TrainStep:
         does it; ``jax.eval_shape(step.calibrate, state, batch)`` gives a checkpoint's target."""
         if self._calibrate is None or not isinstance(state, TrainState) \
                 or not isinstance(state.opt_state, AmpState) or state.opt_state.fp8 \
-                or state.policy in self._no_sites or not self._calibrate[0](state):
+                or not self._asks_delayed(state):
             return state
         self._check(state)
         if self._mesh is not None:
@@ -415,9 +415,15 @@ class TrainStep:
         with self._context(), _platform_of(self._mesh, state):
             fp8 = self._calibrate_jit(state, batch)
         if not fp8:  # no FP8 matmul of the step's top level: nothing to keep, ask no more
-            self._no_sites.add(state.policy)
+            self._delayed[state.policy] = False
             return state
         return state.replace(opt_state=state.opt_state._replace(fp8=fp8))
+
+    def _asks_delayed(self, state) -> bool:
+        """Whether the policy (or an override) asks for ``fp8=delayed``, read once per policy."""
+        if state.policy not in self._delayed:
+            self._delayed[state.policy] = self._calibrate[0](state)
+        return self._delayed[state.policy]
 
     def lower(self, state, batch):
         return self._run(state, batch, lambda jitted, *a: jitted.lower(*a))
