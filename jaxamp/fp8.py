@@ -14,7 +14,10 @@ The policy's ``fp8=`` key picks the recipe (:data:`jaxamp.policy_spec.FP8_RECIPE
 element of its free dimensions, the amax over the contracted ones), so an outlier only coarsens
 its own row. XLA forms its FP8 GEMM with unit scales and multiplies the output by the outer
 product of the scale vectors in one more elementwise pass (cuBLASLt's outer-vector scale mode is
-not used by XLA's GEMM rewriter; BENCHMARKS.md, "FP8 recipes").
+not used by XLA's GEMM rewriter; BENCHMARKS.md, "FP8 recipes"). Or ``delayed``, Transformer
+Engine's ``DelayedScaling``: per-tensor scales from an amax history of earlier steps that the
+train step keeps in its state (:class:`DelayedScaling`, :func:`fp8_delayed_dot_general`,
+README.md "FP8 matmuls").
 """
 
 from __future__ import annotations
