@@ -148,7 +148,8 @@ class TrainState(train_state.TrainState):
 
     Attributes:
       opt_state: the state of ``jaxamp.amp(tx)`` (:class:`jaxamp.transform.AmpState`): the
-        loss scale, ``tx``'s own state (``inner_state``), the skipped-step count.
+        loss scale, ``tx``'s own state (``inner_state``), the skipped-step count, and the
+        amax histories of ``fp8=delayed`` matmuls (``fp8``; the step's first call makes them).
       loss_scale: ``opt_state.loss_scale`` (read-only; ``state.replace(loss_scale=...)``).
       skipped_steps: ``opt_state.skipped_steps``, int32 count of skipped steps.
       rng: the base PRNG key, or ``None``; never changes: step ``s``, micro-batch ``m`` draws
