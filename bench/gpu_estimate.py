@@ -280,7 +280,7 @@ def attention_calls(prog) -> list[dict]:
 # tunix Llama3's attention core: score/value einsums, softmax, mask, rotary (not projections)
 ATTENTION = re.compile(r"BHGTS|/attention/(?!\w+_proj/)")
 #: the name scope of an FP8 matmul (its decision mark: ``jaxamp_matmul<CALL.RECIPE>``)
-FP8_SCOPE = re.compile(r"jaxamp_matmul<\d+\.(?:current|rowwise|delayed)>")
+FP8_SCOPE = re.compile(r"jaxamp_matmul<\d+\.(?:current|rowwise|delayed)[^>]*>")
 
 
 def breakdown(prog) -> dict[str, float]:

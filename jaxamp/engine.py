@@ -38,6 +38,7 @@ from jaxamp._engine.evaluator import COUNTERS, Evaluator
 from jaxamp._engine.jaxpr import param_matmuls
 from jaxamp._engine.primitives import PARAM_READS
 from jaxamp._engine.values import F64, Value, cast, dtype_of
+from jaxamp.fp8 import delayed_active
 from jaxamp.policy_spec import DEFAULT_POLICY
 from jaxamp.rules import DEFAULT_OP_RULES, ModuleRules, OpRules, module_path
 
@@ -250,7 +251,7 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
         evaluator = Evaluator(regions.policies, op_rules, regions.marks, calls,
                               _sums_across_devices()
                               if f32_weight_grads is None else f32_weight_grads,
-                              share=SHARE_REPEATED_CALLS,
+                              share=SHARE_REPEATED_CALLS and not delayed_active(),
                               matmul_ends=_matmul_ends(closed.jaxpr) if sets_matmul else None,
                               rules=rule_table(op_rules))
         consts = [Value(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]

@@ -14,26 +14,34 @@ The policy's ``fp8=`` key picks the recipe (:data:`jaxamp.policy_spec.FP8_RECIPE
 element of its free dimensions, the amax over the contracted ones), so an outlier only coarsens
 its own row. XLA forms its FP8 GEMM with unit scales and multiplies the output by the outer
 product of the scale vectors in one more elementwise pass (cuBLASLt's outer-vector scale mode is
-not used by XLA's GEMM rewriter; BENCHMARKS.md, "FP8 recipes").
+not used by XLA's GEMM rewriter; BENCHMARKS.md, "FP8 recipes"). Or ``delayed``, Transformer
+Engine's ``DelayedScaling``: per-tensor scales from an amax history of earlier steps that the
+train step keeps in its state (:class:`DelayedScaling`, :func:`fp8_delayed_dot_general`,
+README.md "FP8 matmuls").
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._engine.compat import dot_dimension_numbers
+from jaxamp._engine.compat import current_trace, dot_dimension_numbers, name_scopes
+from jaxamp._engine.context import MARKS
 from jaxamp.policy import fp8_recipe
 from jaxamp.policy_spec import FP8_RECIPES
 
-__all__ = ["E4M3", "E5M2", "FP8Matmuls", "FP8_MATMULS", "fp8_dot_general", "fp8_eligible",
-           "quantize"]
+__all__ = ["AMAX_REDUCTIONS", "DelayedScaling", "E4M3", "E5M2", "FP8Matmuls", "FP8_MATMULS",
+           "delayed_active", "delayed_scope", "fp8_delayed_dot_general", "fp8_dot_general",
+           "fp8_eligible", "history_amax", "push_amax", "quantize"]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -56,14 +64,25 @@ def quantize(x: jax.Array, dtype, margin: int = 0, axes: Sequence[int] | None = 
       >>> q.dtype, float(s), [float(v) for v in q.astype(jnp.float32) * s]
       (dtype(float8_e4m3fn), 2.0, [0.5, -3.0, 896.0])
     """
-    fmax = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(x), axis=None if axes is None else tuple(axes),
                    keepdims=axes is not None).astype(jnp.float32)
+    scale = _scale_of(amax, dtype, margin)
+    return _quantize_with(x, scale, dtype), scale
+
+
+def _scale_of(amax: jax.Array, dtype, margin: int) -> jax.Array:
+    """The power-of-two scale of a tensor whose amax is ``amax`` (:func:`quantize`); 1 when
+    the amax is zero or not finite (never 0/0)."""
+    fmax = float(jnp.finfo(dtype).max)
     ok = (amax > 0) & jnp.isfinite(amax)
     raw = jnp.where(ok, amax * (2.0 ** margin / fmax), 1.0)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(raw)))
-    q = jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(dtype)
-    return q, scale
+    return jnp.exp2(jnp.ceil(jnp.log2(raw)))
+
+
+def _quantize_with(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``clip(x / scale, -max, max)`` in FP8 ``dtype``: beyond the scale's range saturates."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(dtype)
 
 
 def _int_at_least(value, low: int) -> bool:
@@ -246,6 +265,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
                              f"{lb} (attention's batched matmuls stay out of FP8); use "
                              "recipe='current' for them.")
         return _rowwise_dot(lhs, rhs, dims, np.dtype(compute_dtype), margin)
+    if recipe == "delayed":
+        raise ValueError("fp8_dot_general: recipe='delayed' scales from an amax history: call "
+                         "fp8_delayed_dot_general(lhs, rhs, dimension_numbers, history, ...).")
     if recipe != "current":
         raise ValueError(f"fp8_dot_general: recipe must be one of {FP8_RECIPES}, got "
                          f"{recipe!r}.")
@@ -254,6 +276,194 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
             and x.shape[0] % shards == 0:
         return _chunked(lhs, rhs, dims, np.dtype(compute_dtype), margin, shards, activation)
     return _fp8_dot(lhs, rhs, dims, np.dtype(compute_dtype), margin)
+
+
+# ---- fp8=delayed: per-tensor scales from an amax history of earlier steps -------------------
+
+#: ``DelayedScaling.reduction`` values: ``"max"`` (the largest amax of the history, Transformer
+#: Engine's default ``amax_compute_algo``) or ``"most_recent"`` (the last step's).
+AMAX_REDUCTIONS = ("max", "most_recent")
+_CALIBRATE = "calibrate"  # the reduction of the first (calibration) pass: this step's amaxes
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """How ``fp8=delayed`` keeps its amax histories (Transformer Engine's ``DelayedScaling``
+    with ``amax_history_len=1024, amax_compute_algo="max"`` by default).
+
+    Each FP8 matmul the step runs at its top level keeps an ``f32[3, history]`` array in
+    ``TrainState.opt_state.fp8`` (rows: the lhs, the rhs, the output gradient; column 0 the
+    newest step's amax) and scales with the ``reduction`` of it.
+
+    Attributes:
+      history: the steps an amax stays in the history (an int >= 1).
+      reduction: ``"max"`` (the largest amax in the history) or ``"most_recent"``.
+    """
+
+    history: int = 1024
+    reduction: str = "max"
+
+    def __post_init__(self):
+        if not _int_at_least(self.history, 1):
+            raise ValueError(f"DelayedScaling: history must be an int >= 1 (the steps an amax "
+                             f"is kept), got {self.history!r}. Example: "
+                             "DelayedScaling(history=1024) (Transformer Engine's default).")
+        if self.reduction not in AMAX_REDUCTIONS:
+            raise ValueError(f"DelayedScaling: reduction must be one of {AMAX_REDUCTIONS}, got "
+                             f"{self.reduction!r}. Example: DelayedScaling(reduction='max') "
+                             "(Transformer Engine's default amax_compute_algo).")
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def history_amax(history: jax.Array, reduction: str) -> jax.Array:
+    """``f32[3]``: the amax each row of ``history`` (``f32[3, L]``, newest first) scales with;
+    non-finite entries count as 0 (an inf amax of a step that applied does not pin the scale
+    at 1 for ``L`` steps)."""
+    h = jnp.where(jnp.isfinite(history), history, 0.0)
+    return h[:, 0] if reduction == "most_recent" else jnp.max(h, axis=1)
+
+
+def push_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """``history`` (``f32[3, L]``) with ``amax`` (``f32[3]``) as its newest column, the oldest
+    dropped."""
+    return jnp.concatenate([amax.astype(history.dtype)[:, None], history[:, :-1]], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _delayed_dot(lhs, rhs, history, dims, out_dtype, margin, reduction):
+    return _delayed_fwd(lhs, rhs, history, dims, out_dtype, margin, reduction)[0]
+
+
+def _delayed_fwd(lhs, rhs, history, dims, out_dtype, margin, reduction):
+    ax, aw = _amax(lhs), _amax(rhs)
+    if reduction == _CALIBRATE:
+        amax = jnp.stack([ax, aw, jnp.zeros((), jnp.float32)])
+    else:
+        amax = history_amax(history, reduction)
+    ls, rs = _scale_of(amax[0], E4M3, margin), _scale_of(amax[1], E4M3, margin)
+    gs = _scale_of(amax[2], E5M2, margin)
+    lq, rq = _quantize_with(lhs, ls, E4M3), _quantize_with(rhs, rs, E4M3)
+    y = lax.dot_general(lq, rq, dims, precision=lax.Precision.DEFAULT,
+                        preferred_element_type=out_dtype)
+    zeros = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))  # carry the operand dtypes
+    return _dequant(y, ls * rs, out_dtype), (lq, rq, ls, rs, gs, ax, aw, zeros,
+                                             jnp.zeros_like(history))
+
+
+def _delayed_bwd(dims, out_dtype, margin, reduction, res, g):
+    lq, rq, ls, rs, gs, ax, aw, (lz, rz), h0 = res
+    ag = _amax(g)
+    if reduction == _CALIBRATE:
+        gs = _scale_of(ag, E5M2, margin)
+    gq = _quantize_with(g, gs, E5M2)
+    dl = _transpose_lhs(gq, lq.ndim, rq, dims, lz.dtype, gs * rs)
+    (lc, rc), (lb, rb) = dims
+    dr = _transpose_lhs(gq, rq.ndim, lq, ((rc, lc), (rb, lb)), rz.dtype, gs * ls, swap=True)
+    # the history's "gradient": this call's amaxes in column 0 (the step rolls them in)
+    return dl, dr, h0.at[:, 0].set(jnp.stack([ax, aw, ag]))
+
+
+_delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def fp8_delayed_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                            history: jax.Array, *, compute_dtype, margin: int = 0,
+                            reduction: str = "max") -> jax.Array:
+    """:func:`fp8_dot_general` with delayed scaling: the scales of ``lhs``, ``rhs`` (E4M3) and
+    of the output gradient (E5M2) come from ``history`` (``f32[3, L]``, rows lhs, rhs,
+    gradient, newest first) by ``reduction`` (:func:`history_amax`), not from the tensors
+    themselves; a value beyond its scale's range saturates. The gradient w.r.t. ``history``
+    is zeros with this call's own amaxes (``|lhs|``, ``|rhs|``, ``|g|``) in column 0, which a
+    train step pushes into the history (:func:`push_amax`) once the step is known finite.
+
+    Example:
+      >>> h = jnp.zeros((3, 4)).at[:, 1].set(jnp.array([1.0, 0.5, 1.0]))
+      >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
+      >>> f = lambda x, w, h: fp8_delayed_dot_general(
+      ...     x, w, (((1,), (0,)), ((), ())), h, compute_dtype=jnp.float32).sum()
+      >>> float(f(x, w, h)), jax.grad(f, argnums=2)(x, w, h)[:, 0].tolist()
+      (4096.0, [1.0, 0.5, 1.0])
+    """
+    _check_scaling("fp8_delayed_dot_general", margin, 1)
+    if reduction not in AMAX_REDUCTIONS:
+        raise ValueError(f"fp8_delayed_dot_general: reduction must be one of "
+                         f"{AMAX_REDUCTIONS}, got {reduction!r}.")
+    if np.shape(history)[:1] != (3,) or np.ndim(history) != 2:
+        raise ValueError(f"fp8_delayed_dot_general: history must be f32[3, L] (rows lhs, rhs, "
+                         f"output gradient), got shape {np.shape(history)}. Example: "
+                         "jnp.zeros((3, 1024)).")
+    return _delayed_dot(lhs, rhs, jnp.asarray(history, jnp.float32), _dims(dimension_numbers),
+                        np.dtype(compute_dtype), margin, reduction)
+
+
+class _DelayedScope:
+    def __init__(self, histories: Mapping[str, jax.Array], calibrate: bool):
+        self.histories = dict(histories)
+        self.calibrate = calibrate
+        self.found: dict[str, int] = {}  # site -> history length, in program order
+        self.counts: collections.Counter = collections.Counter()
+        self.trace = current_trace()
+
+
+_SCOPES = threading.local()
+
+
+@contextlib.contextmanager
+def delayed_scope(histories: Mapping[str, jax.Array], *, calibrate: bool = False):
+    """While a train step traces its loss: the amax histories (site -> ``f32[3, L]``) its
+    ``fp8=delayed`` matmuls scale with and whose gradients are their amaxes. ``calibrate``:
+    a site without a history scales with this step's own amaxes (the first pass). Yields the
+    scope; its ``found`` lists the sites met (site -> history length)."""
+    stack = _SCOPES.__dict__.setdefault("stack", [])
+    stack.append(scope := _DelayedScope(histories, calibrate))
+    try:
+        yield scope
+    finally:
+        stack.pop()
+
+
+def delayed_active() -> bool:
+    """Whether a :func:`delayed_scope` is open in this thread (autocast then evaluates every
+    module call in place: a shared evaluation of repeated layers would share one history)."""
+    return bool(getattr(_SCOPES, "stack", None))
+
+
+def _delayed_site(eqn, delayed: DelayedScaling) -> tuple[str | None, str]:
+    """``(site, mark)``: this matmul's history key and ``"delayed"``, or ``None`` and the
+    audit's mark for current scaling: outside a train step (no history), or in a loop body,
+    ``jit`` or ``checkpoint`` body (one equation for every iteration: no history each)."""
+    stack = getattr(_SCOPES, "stack", None)
+    if not stack:
+        return None, "current (no history)"
+    scope = stack[-1]
+    if current_trace() is not scope.trace:
+        return None, "current (loop body)"
+    path = "/".join(p.name for p in name_scopes(eqn) if p.name not in MARKS)
+    site = f"{path}#{scope.counts[path]}"
+    scope.counts[path] += 1
+    scope.found[site] = delayed.history
+    return site, "delayed"
+
+
+def _delayed_matmul(call, site: str, rule: FP8Matmuls) -> jax.Array:
+    scope = _SCOPES.stack[-1]
+    history = scope.histories.get(site)
+    if history is None and not scope.calibrate:
+        known = sorted(scope.histories)
+        raise ValueError(
+            f"fp8=delayed: the FP8 matmul {site!r} has no amax history in the state, which "
+            f"holds {len(known)} ({', '.join(known[:4])}{', ...' if len(known) > 4 else ''}): "
+            "the state's opt_state.fp8 was made for another model or policy. Start its "
+            "histories again with state.replace(opt_state=state.opt_state._replace(fp8={})) "
+            "(the next step calibrates them).")
+    lhs, rhs = call.args
+    return _delayed_dot(lhs, rhs, jnp.zeros((3, 1), jnp.float32) if history is None
+                        else history, _dims(dot_dimension_numbers(call.eqn)),
+                        np.dtype(call.compute_dtype), rule.margin,
+                        _CALIBRATE if scope.calibrate else rule.delayed.reduction)
 
 
 def _size(shape, dims) -> int:
@@ -313,6 +523,8 @@ class FP8Matmuls:
         scale per chunk of its leading dimension (:func:`fp8_dot_general`);
         :func:`jaxamp.make_train_step` with ``mesh=`` sets it (when left at 1) to the devices
         of the data axis, so each device scales its own rows. A weight keeps one scale.
+      delayed: the amax histories of ``fp8=delayed`` (:class:`DelayedScaling`: length and
+        reduction).
     """
 
     small: tuple[int, int] = (1024, 4096)
@@ -320,8 +532,13 @@ class FP8Matmuls:
     keep_first_last: bool = True
     margin: int = 0
     shards: int = 1
+    delayed: DelayedScaling = DelayedScaling()
 
     def __post_init__(self):
+        if not isinstance(self.delayed, DelayedScaling):
+            raise TypeError(f"FP8Matmuls: delayed must be a jaxamp.fp8.DelayedScaling, got "
+                            f"{self.delayed!r}. Example: FP8Matmuls(delayed=DelayedScaling("
+                            "history=16, reduction='most_recent')).")
         if (not isinstance(self.small, tuple) or len(self.small) != 2
                 or not all(isinstance(s, int) and s >= 0 for s in self.small)):
             raise ValueError(f"FP8Matmuls: small must be a tuple (K, N) of ints >= 0, got "
@@ -350,12 +567,18 @@ class FP8Matmuls:
                 np.dtype(call.policy.matmul_dtype) != E4M3 or len(call.args) != 2:
             return None
         decision = self.decide(call)
-        recipe = fp8_recipe(call.policy)
+        recipe = mark = fp8_recipe(call.policy)
+        site = None
+        if recipe == "delayed" and decision == "float8":
+            site, mark = _delayed_site(call.eqn, self.delayed)
+            recipe = "delayed" if site is not None else "current"
         # a mark in the name stack (replayed layers keep it) that the audit looks up: the
         # recipe of an FP8 matmul, or why it stays in the compute dtype
-        with call.decided(recipe if decision == "float8" else decision):
+        with call.decided(mark if decision == "float8" else decision):
             if decision != "float8":
                 return call.default()
+            if site is not None:
+                return [_delayed_matmul(call, site, self)]
             lhs, rhs = call.args  # a param in its stored dtype: quantised from it
             # the activation is scaled per shard, a weight keeps one scale
             activation = 1 if call.stored[0] and not call.stored[1] else 0

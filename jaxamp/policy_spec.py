@@ -60,8 +60,10 @@ MATMUL_ALIASES = {"float8": FLOAT8, "fp8": FLOAT8, "f8": FLOAT8, **DTYPE_ALIASES
 
 #: The ``fp8=`` recipes of ``matmul=float8`` (:mod:`jaxamp.fp8`): ``current``, per-tensor scales
 #: from this step's amax (the default); ``rowwise``, a scale per row of each operand (per
-#: element of its free dimensions, the amax over the contracted ones: torchao's rowwise).
-FP8_RECIPES = ("current", "rowwise")
+#: element of its free dimensions, the amax over the contracted ones: torchao's rowwise);
+#: ``delayed``, per-tensor scales from an amax history of earlier steps kept in the train state
+#: (Transformer Engine's ``DelayedScaling``).
+FP8_RECIPES = ("current", "rowwise", "delayed")
 
 #: Accepted ``opt_state=`` names (lower case) -> canonical name: the dtype the optimizer's
 #: floating state is stored in (:func:`jaxamp.amp`'s ``state_dtype=``).

@@ -34,9 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxamp import nnx_frontend, policy_spec
 from jaxamp._engine.compat import Tracer, jit_cache_size, mesh_context
 from jaxamp.engine import autocast, check_options
-from jaxamp.fp8 import FP8Matmuls
+from jaxamp.fp8 import FP8Matmuls, delayed_scope, push_amax
 from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.policy import get_policy, opt_state_dtype, policy_to_str
+from jaxamp.policy import fp8_recipe, get_policy, opt_state_dtype, policy_to_str
 from jaxamp.rules import DEFAULT_OP_RULES, OpRules, read_overrides
 from jaxamp.sharding import check_axis_rules, state_shardings
 from jaxamp.transform import (
@@ -148,7 +148,8 @@ class TrainState(train_state.TrainState):
 
     Attributes:
       opt_state: the state of ``jaxamp.amp(tx)`` (:class:`jaxamp.transform.AmpState`): the
-        loss scale, ``tx``'s own state (``inner_state``), the skipped-step count.
+        loss scale, ``tx``'s own state (``inner_state``), the skipped-step count, and the
+        amax histories of ``fp8=delayed`` matmuls (``fp8``; the step's first call makes them).
       loss_scale: ``opt_state.loss_scale`` (read-only; ``state.replace(loss_scale=...)``).
       skipped_steps: ``opt_state.skipped_steps``, int32 count of skipped steps.
       rng: the base PRNG key, or ``None``; never changes: step ``s``, micro-batch ``m`` draws
@@ -338,8 +339,11 @@ class TrainStep:
     """
 
     def __init__(self, step, donate: bool, mesh: Mesh | None = None, axis_rules=None,
-                 program=None):
+                 program=None, calibrate=None):
         self._step = step
+        self._calibrate = calibrate  # (uses_delayed(state), calibrate(state, batch)) or None
+        self._calibrate_jit = None if calibrate is None else jax.jit(calibrate[1])
+        self._delayed: dict = {}  # policy -> whether its step has delayed FP8 matmuls
         self._donate = donate
         self._mesh = mesh
         self._axis_rules = axis_rules
@@ -392,7 +396,35 @@ class TrainStep:
         return _tracing_context(self._mesh, self._axis_rules)
 
     def __call__(self, state, batch):
-        return self._run(state, batch, lambda jitted, *a: jitted(*a))
+        """One step; a state without the amax histories its ``fp8=delayed`` matmuls need gets
+        them first (:meth:`calibrate`)."""
+        return self._run(self.calibrate(state, batch), batch,
+                         lambda jitted, *a: jitted(*a))
+
+    def calibrate(self, state: TrainState, batch: Any) -> TrainState:
+        """``state`` with the amax histories of its ``fp8=delayed`` matmuls
+        (``opt_state.fp8``), made from one pass over ``batch`` with current scaling, when the
+        policy asks for them and the state has none; else ``state`` as it is. The first call
+        does it; ``jax.eval_shape(step.calibrate, state, batch)`` gives a checkpoint's target."""
+        if self._calibrate is None or not isinstance(state, TrainState) \
+                or not isinstance(state.opt_state, AmpState) or state.opt_state.fp8 \
+                or not self._asks_delayed(state):
+            return state
+        self._check(state)
+        if self._mesh is not None:
+            state = self._prepare(state)[1]
+        with self._context(), _platform_of(self._mesh, state):
+            fp8 = self._calibrate_jit(state, batch)
+        if not fp8:  # no FP8 matmul of the step's top level: nothing to keep, ask no more
+            self._delayed[state.policy] = False
+            return state
+        return state.replace(opt_state=state.opt_state._replace(fp8=fp8))
+
+    def _asks_delayed(self, state) -> bool:
+        """Whether the policy (or an override) asks for ``fp8=delayed``, read once per policy."""
+        if state.policy not in self._delayed:
+            self._delayed[state.policy] = self._calibrate[0](state)
+        return self._delayed[state.policy]
 
     def lower(self, state, batch):
         return self._run(state, batch, lambda jitted, *a: jitted.lower(*a))
@@ -623,7 +655,8 @@ def make_train_step(model: Any = None, loss_fn: Callable | None = None,
         mutable=mutable, op_rules=op_rules, f32_weight_grads=f32_weight_grads,
         axis_name=axis_name)
     return TrainStep(functools.partial(_train_step, opts), donate, opts.mesh, opts.axis_rules,
-                     functools.partial(_step_program, opts))
+                     functools.partial(_step_program, opts),
+                     (functools.partial(_uses_delayed, opts), functools.partial(_calibrate, opts)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -771,62 +804,90 @@ def _train_step(opts: _StepOptions, state: TrainState, batch: Any, shardings: An
                                                                 None),
                  clip_norm=opts.clip_norm, group_vectors=opts.mesh is None)
     _check_step(opts, state, batch, tx)  # trace time: before compiling
-    amp_loss = autocast(loss_of, policy.with_output_dtype(jnp.float32),
-                        overrides=opts.overrides, op_rules=opts.op_rules,
-                        f32_weight_grads=opts.f32_weight_grads)
-    grad_fn = jax.grad(functools.partial(_scaled_loss, amp_loss, state.collections),
-                       has_aux=True)
+    grad_fn = _grad_fn(_amp_loss(opts, policy, loss_of), state, calibrate=False)
     key = _step_key(state) if loss_of.use_rng else None
-    if opts.mesh is not None:  # the batch split over the data axis, whatever it arrived as
-        batch = jax.tree.map(lambda x: lax.with_sharding_constraint(
-            x, NamedSharding(opts.mesh, PartitionSpec(opts.data_axis))), batch)
-    loss, aux, new_coll, scaled_grads = _gradients(opts, grad_fn, state, batch, key,
-                                                   shardings)
-    new_state, metrics = _update(tx, state, loss, new_coll, scaled_grads)
+    loss, aux, new_coll, scaled_grads, amaxes = _gradients(
+        opts, grad_fn, state, _on_data_axis(opts, batch), key, shardings,
+        state.opt_state.fp8)
+    new_state, metrics = _update(tx, state, loss, new_coll, scaled_grads, amaxes)
     if opts.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
 
 
-def _scaled_loss(amp_loss, collections0, params, collections, batch, loss_scale, weight, rng):
-    """-> (scaled weighted float32 loss, (loss, aux, new collections in their old dtypes))."""
-    loss, aux, new_coll = amp_loss(params, collections, batch, rng)
+def _amp_loss(opts: _StepOptions, policy, loss_of: _StepLoss) -> Callable:
+    return autocast(loss_of, policy.with_output_dtype(jnp.float32), overrides=opts.overrides,
+                    op_rules=opts.op_rules, f32_weight_grads=opts.f32_weight_grads)
+
+
+def _grad_fn(amp_loss, state: TrainState, *, calibrate: bool) -> Callable:
+    """The gradient of the scaled loss w.r.t. (params, FP8 histories) (:func:`_scaled_loss`)."""
+    return jax.grad(functools.partial(_scaled_loss, amp_loss, state.collections, calibrate),
+                    argnums=(0, 1), has_aux=True)
+
+
+def _on_data_axis(opts: _StepOptions, batch: Any) -> Any:
+    """On a mesh: the batch split over the data axis, whatever it arrived as."""
+    if opts.mesh is None:
+        return batch
+    return jax.tree.map(lambda x: lax.with_sharding_constraint(
+        x, NamedSharding(opts.mesh, PartitionSpec(opts.data_axis))), batch)
+
+
+def _scaled_loss(amp_loss, collections0, calibrate, params, fp8, collections, batch, loss_scale,
+                 weight, rng):
+    """-> (scaled weighted float32 loss, (loss, aux, new collections in their old dtypes)).
+    ``fp8``: the ``fp8=delayed`` histories (:func:`jaxamp.fp8.delayed_scope`): their gradients
+    are this pass's amaxes; ``calibrate``: the first pass, current scaling."""
+    with delayed_scope(fp8, calibrate=calibrate) if fp8 or calibrate \
+            else contextlib.nullcontext():
+        loss, aux, new_coll = amp_loss(params, collections, batch, rng)
     loss = loss.astype(jnp.float32)
     new_coll = jax.tree.map(lambda n, o: n.astype(o.dtype), new_coll, collections0)
     return loss_scale.scale(loss * weight), (loss, aux, new_coll)
 
 
-def _gradients(opts: _StepOptions, grad_fn, state: TrainState, batch, key, shardings):
-    """Mean loss, aux, new collections and float32 *scaled* grads of the loss: at once, or
-    accumulated over micro-batches (collections threaded through them in order)."""
+def _gradients(opts: _StepOptions, grad_fn, state: TrainState, batch, key, shardings, fp8):
+    """Mean loss, aux, new collections, float32 *scaled* grads of the loss and the amaxes of
+    the ``fp8`` histories' matmuls (site -> ``f32[3]``): at once, or over micro-batches
+    (collections threaded through them in order; grads summed, amaxes their maximum)."""
     params, loss_scale = state.params, state.loss_scale
     if opts.micro_batches == 1:
         k = None if key is None else jax.random.fold_in(key, 0)
-        grads, (loss, aux, coll) = grad_fn(params, state.collections, batch, loss_scale, 1.0,
-                                           k)
-        return loss, aux, coll, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        (grads, amaxes), (loss, aux, coll) = grad_fn(params, fp8, state.collections, batch,
+                                                     loss_scale, 1.0, k)
+        return (loss, aux, coll, jax.tree.map(lambda g: g.astype(jnp.float32), grads),
+                _newest(amaxes))
     micro = jax.tree.map(functools.partial(_split_micro, opts), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if shardings is not None:  # the f32 accumulator sharded like the params
         zeros = jax.tree.map(lax.with_sharding_constraint, zeros, shardings.params)
-    body = functools.partial(_micro_step, grad_fn, params, loss_scale, key,
+    body = functools.partial(_micro_step, grad_fn, params, fp8, loss_scale, key,
                              1.0 / opts.micro_batches)
-    carry0 = (zeros, jnp.zeros((), jnp.float32), state.collections)
-    (grads, loss, coll), auxs = lax.scan(body, carry0,
-                                         (micro, jnp.arange(opts.micro_batches)))
+    carry0 = (zeros, {k: jnp.zeros((3,), jnp.float32) for k in fp8},
+              jnp.zeros((), jnp.float32), state.collections)
+    (grads, amaxes, loss, coll), auxs = lax.scan(body, carry0,
+                                                 (micro, jnp.arange(opts.micro_batches)))
     aux = None if auxs is None else _reduce_aux(
         auxs, _micro_size(opts, batch), strided=opts.mesh is not None)
-    return loss / opts.micro_batches, aux, coll, grads
+    return loss / opts.micro_batches, aux, coll, grads, amaxes
 
 
-def _micro_step(grad_fn, params, loss_scale, key, weight, carry, xs):
-    """One micro-batch: its float32 grads added to the accumulator (the scan's body)."""
-    acc, loss_acc, coll = carry
+def _newest(history_grads: dict) -> dict:
+    """site -> ``f32[3]``: the amaxes a pass wrote into column 0 of its histories' gradients."""
+    return {k: g[:, 0] for k, g in history_grads.items()}
+
+
+def _micro_step(grad_fn, params, fp8, loss_scale, key, weight, carry, xs):
+    """One micro-batch: its float32 grads added to the accumulator, its amaxes maxed into
+    theirs (an amax is of one tensor, not a sum: the scan's body)."""
+    acc, amax_acc, loss_acc, coll = carry
     mb, i = xs
     k = None if key is None else jax.random.fold_in(key, i)
-    grads, (loss, aux, coll) = grad_fn(params, coll, mb, loss_scale, weight, k)
+    (grads, amaxes), (loss, aux, coll) = grad_fn(params, fp8, coll, mb, loss_scale, weight, k)
     acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-    return (acc, loss_acc + loss, coll), aux
+    amax_acc = {k: jnp.maximum(a, amaxes[k][:, 0]) for k, a in amax_acc.items()}
+    return (acc, amax_acc, loss_acc + loss, coll), aux
 
 
 def _split_micro(opts: _StepOptions, x: jax.Array) -> jax.Array:
@@ -841,16 +902,20 @@ def _split_micro(opts: _StepOptions, x: jax.Array) -> jax.Array:
         x, NamedSharding(opts.mesh, PartitionSpec(None, opts.data_axis)))
 
 
-def _update(tx, state: TrainState, loss, new_coll, scaled_grads) -> tuple[TrainState, dict]:
-    """``tx`` (the state's ``jaxamp.amp``) updates once; the collections skip with the same
-    :func:`jaxamp.transform.skip`."""
+def _update(tx, state: TrainState, loss, new_coll, scaled_grads, amaxes
+            ) -> tuple[TrainState, dict]:
+    """``tx`` (the state's ``jaxamp.amp``) updates once; the collections and the FP8 amax
+    histories (``amaxes`` pushed in) skip with the same :func:`jaxamp.transform.skip`."""
     loss_finite = jnp.isfinite(loss)
     updates, out = tx.update(scaled_grads, state.opt_state, state.params,
                              loss_finite=loss_finite)
     grads_finite = out.grads_finite
     applied = grads_finite & loss_finite
+    old = state.opt_state.fp8
+    fp8 = skip(PerShape(applied), {k: push_amax(h, amaxes[k]) for k, h in old.items()}, old)
     new_state = state.replace(
-        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=out,
+        step=state.step + 1, params=optax.apply_updates(state.params, updates),
+        opt_state=out._replace(fp8=fp8) if old else out,
         collections=skip(PerShape(applied), new_coll, state.collections))
     metrics = {
         "loss": loss, "grad_norm": out.grad_norm, "loss_scale": state.loss_scale.loss_scale,
@@ -860,6 +925,40 @@ def _update(tx, state: TrainState, loss, new_coll, scaled_grads) -> tuple[TrainS
         "skipped_steps": out.skipped_steps, "loss_scale_at_min": out.loss_scale.at_min,
     }
     return new_state, metrics
+
+
+def _calibrate(opts: _StepOptions, state: TrainState, batch: Any) -> dict:
+    """The ``fp8=delayed`` histories of a state that has none (site -> ``f32[3, L]``): the
+    sites from a forward trace, their first amaxes from one pass over ``batch`` with current
+    scaling (column 0; the rest zeros). A zero history would scale the first step by 1: E5M2
+    flushes gradients below 1.5e-5 to zero, E4M3 clips activations beyond 448."""
+    policy, loss_of = _state_loss(opts, state)
+    key = _step_key(state) if loss_of.use_rng else None
+    batch = _on_data_axis(opts, batch)
+    amp_loss = _amp_loss(opts, policy, loss_of)
+    found: dict[str, int] = {}
+
+    def discover(params):  # the scope opens inside the trace: its matmuls at its top level
+        with delayed_scope({}, calibrate=True) as scope:
+            loss = amp_loss(params, state.collections, batch, None if key is None
+                            else jax.random.fold_in(key, 0))[0]
+        found.update(scope.found)
+        return loss
+
+    jax.eval_shape(discover, state.params)
+    probes = {site: jnp.zeros((3, 1), jnp.float32) for site in found}
+    grad_fn = _grad_fn(amp_loss, state, calibrate=True)
+    *_, amaxes = _gradients(opts, grad_fn, state, batch, key, None, probes)
+    return {site: jnp.zeros((3, n), jnp.float32).at[:, 0].set(amaxes[site])
+            for site, n in found.items()}
+
+
+def _uses_delayed(opts: _StepOptions, state: TrainState) -> bool:
+    """Whether the step's policy or an override asks for ``fp8=delayed`` (read, not traced)."""
+    policy = opts.policy or state.policy or get_policy(DEFAULT_POLICY)
+    given = [policy, *(opts.overrides or {}).values()]
+    return any((p.fp8 if isinstance(p, policy_spec.PolicySpec) else fp8_recipe(p))
+               == "delayed" for p in given)  # override strings are read by the builder
 
 
 def _step_program(opts: _StepOptions, state: TrainState, batch: Any, context) -> StepProgram:
@@ -892,7 +991,9 @@ def _check_step(opts: _StepOptions, state: TrainState, batch: Any, tx):
                          "one given to make_train_step; pass the same tx to both (or omit "
                          "it: the step uses the state's).")
     _check_not_amp(jax.eval_shape(state.tx.init, state.params), "step")
-    check_opt_state(tx, state.opt_state, state.params, "step")  # an AmpState of state.tx
+    opt = state.opt_state  # an AmpState of state.tx (its FP8 histories are the step's)
+    check_opt_state(tx, opt._replace(fp8={}) if isinstance(opt, AmpState) else opt,
+                    state.params, "step")
     _check_float_params(state.params, "step")
     _micro_size(opts, batch)
 

@@ -49,6 +49,9 @@ class AmpState(NamedTuple):
         (inf/nan on a skipped step).
       grads_finite: bool, whether the last update's gradients were finite (the update was
         applied when they were and ``update``'s ``loss_finite`` was true).
+      fp8: the amax histories of ``fp8=delayed`` matmuls (site -> ``f32[3, L]``,
+        :class:`jaxamp.fp8.DelayedScaling`), made and updated by :func:`jaxamp.make_train_step`
+        (skipped with the rest); empty otherwise. ``update`` passes it on unchanged.
     """
 
     loss_scale: Any
@@ -56,6 +59,7 @@ class AmpState(NamedTuple):
     skipped_steps: jax.Array
     grad_norm: jax.Array
     grads_finite: jax.Array
+    fp8: Any = {}  # never mutated: the step replaces it
 
 
 def default_loss_scale(policy: str | jmp.Policy) -> NoOpLossScale | DynamicLossScale:
@@ -288,7 +292,7 @@ def _update(inner_update, clip_norm, grads, state: AmpState, params, extra_args:
     return skip_updates(applied_by_shape, new_updates), AmpState(
         loss_scale=ls.adjust(grads_finite), inner_state=inner,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
-        grad_norm=grad_norm.astype(jnp.float32), grads_finite=grads_finite)
+        grad_norm=grad_norm.astype(jnp.float32), grads_finite=grads_finite, fp8=state.fp8)
 
 
 def _inner_update_selected(inner_update, applied, grads, inner_state, params,

@@ -312,7 +312,7 @@ def test_fp8_recipe_round_trips_and_current_is_the_default():
                            r"matmul=float8 \(matmul=unset\)\. Add matmul=float8"),
     ("c=bf16,matmul=bf16,fp8=rowwise", r"but not matmul=float8 \(matmul=bfloat16\)"),
     ("c=bf16,matmul=fp8,fp8=colwise", r"Unknown fp8 recipe 'colwise' in 'fp8=colwise'\. "
-                                      r"Allowed fp8 recipes: current, rowwise\."),
+                                      r"Allowed fp8 recipes: current, rowwise, delayed\."),
     ("fp8=rowwise", r"sets only fp8=.*as a whole policy it needs matmul=float8"),
     ("c=bf16,matmul=fp8,fp8=rowwise,fp8=current", r"Duplicate policy key 'fp8'"),
 ])

@@ -352,3 +352,11 @@ def device_target_config(device) -> str | bytes | None:
         return xla_client.get_topology_for_devices([device]).target_config
     except Exception:  # backends without a serializable topology
         return None
+
+
+def current_trace() -> Any:
+    """The trace code is being traced under now (an identity to compare: a function traced
+    inside a loop body, a ``jit`` or a ``checkpoint`` runs under another one than its caller)."""
+    from jax._src import core  # no public equivalent
+
+    return core.trace_ctx.trace
