@@ -15,8 +15,9 @@ fused attention, the default since issue 40; the others ``--attention manual``, 
 grouped-query attention) at gpt2-small size (12 layers, d 768, 12/4 heads, MLP 2048, vocabulary
 32768, batch 8 x 1024) and its twin ``bench/llama_handcast.py``; ``llama-fp8``: the same under
 bf16 and ``matmul=float8`` (``jaxamp-fp8``: default eligibility; ``jaxamp-fp8all``:
-``FP8Matmuls(small=(0, 0), min_size=0)``; ``-fp8rw``/``-fp8rwall``: the same with
-``fp8=rowwise``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
+``FP8Matmuls(small=(0, 0), min_size=0)``; ``-fp8rw``/``-fp8rwall``, ``-fp8dl``/``-fp8dlall``:
+the same with ``fp8=rowwise``, ``fp8=delayed``; a delayed step is lowered on the state its
+first call makes, ``step.calibrate``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
 32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--layers`` to cut layers. A
 ``hand/...`` variant is the twin's plain ``jax.jit`` step (``bench/_steps.py``'s
 ``hand_train_step``). Ratios are to ``hand/bfloat16``, else ``jaxamp-norecompute/bfloat16``,
@@ -56,7 +57,8 @@ MODELS = {"bench-gpt": VARIANTS,
                          "jaxamp-recompute/bfloat16 jaxamp/float32 hand/bfloat16 "
                          "hand/float16".split()),
           "llama-fp8": tuple(f"jaxamp{s}/bfloat16" for s in ("", "-fp8", "-fp8all", "-fp8rw",
-                                                             "-fp8rwall"))}
+                                                             "-fp8rwall", "-fp8dl", "-fp8dlall"))}
+RECIPES = {"jaxamp-fp8rw": ",fp8=rowwise", "jaxamp-fp8dl": ",fp8=delayed"}
 REFERENCE = "hand/bfloat16"
 CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
 BATCH = 16
@@ -191,11 +193,13 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
             lambda: HandCastLlama3(config, dtype=jnp.dtype(dt), rngs=nnx.Rngs(0))))
         return _hand(lambda p, b: loss(nnx.merge(graphdef, p), b), optax.adamw(1e-3), dt, sds,
                      params, batch, clip_norm=1.0)
-    policy = POLICY[dt] + (FP8 if side.startswith("jaxamp-fp8") else "") + (
-        ",fp8=rowwise" if side.startswith("jaxamp-fp8rw") else "")
+    policy = POLICY[dt] + (FP8 if side.startswith("jaxamp-fp8") else "") + RECIPES.get(
+        side.removesuffix("all"), "")
     state = jax.eval_shape(lambda: jaxamp.TrainState.create(
         m.Llama3(config, rngs=nnx.Rngs(0)), tx=optax.adamw(1e-3), policy=policy))
     step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0, op_rules=_rules(side))
+    if side.startswith("jaxamp-fp8dl"):  # with the amax histories the first call makes
+        state = jax.eval_shape(step.calibrate, state, batch)
     return lambda: step.lower(sds(state), sds(batch))
 
 

@@ -226,7 +226,8 @@ def test_gpu_estimate_hand_variants_lower(model, dots):
     (768, "jaxamp-fp8rwall/bfloat16", 3 * 6),  # the same, rowwise
     # at d 2048 o, gate, up, down (k/v: N 512 < 2048; q: the first)
     (2048, "jaxamp-fp8/bfloat16", 3 * 4),
-    (2048, "jaxamp-fp8rw/bfloat16", 3 * 4)])
+    (2048, "jaxamp-fp8rw/bfloat16", 3 * 4),
+    (2048, "jaxamp-fp8dl/bfloat16", 3 * 4)])
 def test_gpu_estimate_llama_fp8_variants_plan(d_model, variant, fp8_dots):
     """``--model llama-fp8``'s builders lower (one decoder layer, abstract values: no compile)
     with FP8 dots planned as the policy and the eligibility say: forward, dgrad and wgrad of
@@ -243,6 +244,10 @@ def test_gpu_estimate_llama_fp8_variants_plan(d_model, variant, fp8_dots):
                                                  layers=1)()
     assert len(planned_fp8_dots(lowered.as_text())) == fp8_dots
     assert variant in gpu_estimate.MODELS["llama-fp8"]
+    recipes = {m.split(".", 1)[1] for m in gpu_estimate.FP8_SCOPE.findall(
+        lowered.as_text(debug_info=True))}
+    want = "delayed" if "fp8dl" in variant else "rowwise" if "fp8rw" in variant else "current"
+    assert recipes == ({f"{want}>"} if fp8_dots else set()), recipes
 
 
 @pytest.mark.parametrize("recipe", ["current", "rowwise"])
