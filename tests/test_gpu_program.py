@@ -155,10 +155,12 @@ def test_gemm_libraries_and_temp_of_the_bench_gpt(policy, triton):
 
 
 @gpu_compile
-@pytest.mark.parametrize(("triton", "recipe"), [(False, "current"), (False, "rowwise")])
+@pytest.mark.parametrize(("triton", "recipe"), [(False, "current"), (False, "rowwise"),
+                                                (False, "delayed")])
 def test_planned_fp8_dots_are_formed_fp8_gemms(triton, recipe):
     """Every planned FP8 dot is an FP8 GEMM for each ``fp8=`` recipe (rowwise: the GEMM with
-    unit scales, its scale vectors applied after), and the report names the recipe."""
+    unit scales, its scale vectors applied after; delayed: compiled on the state the step's
+    first call makes), and the report names the recipe."""
     rules = jaxamp.DEFAULT_OP_RULES.extend(
         handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
     step, state, batch = tiny_gpt(f"{FP8},fp8={recipe}", op_rules=rules)

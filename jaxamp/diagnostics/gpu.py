@@ -457,6 +457,8 @@ def gpu_program(fn: Callable, *args: Any, target: Any = "h200", triton_gemm: boo
         raise ValueError("gpu_program: this step was built with mesh=; the GPU program is "
                          "compiled for one GPU. Build the step without mesh= to see the "
                          "program one device runs on its share of the batch.")
+    if isinstance(fn, TrainStep) and len(args) == 2:  # fp8=delayed: the state it would run
+        args = (jax.eval_shape(fn.calibrate, *args), args[1])
     device = tgt.compile_device()
     sharding = jax.sharding.SingleDeviceSharding(device)
     abstract = jax.tree.map(lambda x: _abstract(x, sharding), args,
