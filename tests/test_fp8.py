@@ -437,38 +437,46 @@ def _fp8_case(name):
     return case, batch, (float(loss), grads)
 
 
-def fp8_corpus_row(name) -> dict:
+def fp8_corpus_row(name, recipe: str = "current") -> dict:
     """FP8 forward dots, loss relative difference and gradient cosine of ``name`` vs float32
     (``python tests/test_fp8.py`` prints them for every model)."""
     case, batch, (ref_loss, ref_grads) = _fp8_case(name)
     fn = functools.partial(case.loss, case.model.apply)
-    amp = jaxamp.autocast(fn, FP8, op_rules=RULES)
+    amp = jaxamp.autocast(fn, f"{FP8},fp8={recipe}", op_rules=RULES)
     count, (loss, grads) = _fp8_run(jax.value_and_grad(amp), case.params, batch)
     return {"fp8_dots": count, "loss_diff": abs(float(loss) - ref_loss) / abs(ref_loss),
             "grad_cos": _cosine(grads, ref_grads)}
 
 
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
 @pytest.mark.parametrize("name", CORPUS_FP8)
-def test_corpus_models_in_fp8_stay_close_to_float32(name):
-    row = fp8_corpus_row(name)
+def test_corpus_models_in_fp8_stay_close_to_float32(name, recipe):
+    """Per recipe (``fp8=delayed``'s first step is ``current``'s, bit for bit:
+    tests/test_fp8_delayed.py; its later steps: the twenty-step test below)."""
+    row = fp8_corpus_row(name, recipe)
     assert row["fp8_dots"] >= 4  # FP8 did run
     assert row["loss_diff"] < 0.02
     assert row["grad_cos"] >= 0.99
 
 
-def test_twenty_fp8_train_steps_decrease_the_loss():
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_twenty_fp8_train_steps_decrease_the_loss(recipe):
     import corpus
 
     case = corpus._case("gpt2")
     tx = optax.adam(3e-3)
-    state = jaxamp.TrainState.create(case.model, case.params, tx, policy=FP8)
-    step = jaxamp.make_train_step(case.model, case.loss, tx, policy=FP8, op_rules=RULES)
+    state = jaxamp.TrainState.create(case.model, case.params, tx,
+                                     policy=f"{FP8},fp8={recipe}")
+    step = jaxamp.make_train_step(case.model, case.loss, tx, op_rules=RULES)
     losses = []
     for _ in range(20):
         state, m = step(state, case.batch)
         losses.append(float(m["loss"]))
         assert not bool(m["skipped"])
     assert losses[-1] < 0.7 * losses[0]
+    if recipe == "delayed":  # it ran from histories, each with 20 amaxes of its tensors
+        hist = state.opt_state.fp8
+        assert len(hist) >= 4 and all(np.all(np.asarray(h)[:2, :20] > 0) for h in hist.values())
 
 
 def test_an_nnx_twin_runs_the_linen_fp8_program_close_to_float32():
