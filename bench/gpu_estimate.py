@@ -18,7 +18,9 @@ bf16 and ``matmul=float8`` (``jaxamp-fp8``: default eligibility; ``jaxamp-fp8all
 ``FP8Matmuls(small=(0, 0), min_size=0)``; ``-fp8rw``/``-fp8rwall``, ``-fp8dl``/``-fp8dlall``:
 the same with ``fp8=rowwise``, ``fp8=delayed``; a delayed step is lowered on the state its
 first call makes, ``step.calibrate``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
-32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--layers`` to cut layers. A
+32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--layers`` to cut layers;
+``llama-fp8-fused``: the same with the attention as ``jax.nn.dot_product_attention`` (cuDNN's
+fused attention; tunix writes it out with float32 scores). A
 ``hand/...`` variant is the twin's plain ``jax.jit`` step (``bench/_steps.py``'s
 ``hand_train_step``). Ratios are to ``hand/bfloat16``, else ``jaxamp-norecompute/bfloat16``,
 else ``jaxamp/bfloat16``. GEMMs as cuBLAS calls (no autotuner without a GPU; ``--triton-gemm``
@@ -32,6 +34,7 @@ step by target and dtypes; ``ms_by_part``: :func:`breakdown`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -58,6 +61,7 @@ MODELS = {"bench-gpt": VARIANTS,
                          "hand/float16".split()),
           "llama-fp8": tuple(f"jaxamp{s}/bfloat16" for s in ("", "-fp8", "-fp8all", "-fp8rw",
                                                              "-fp8rwall", "-fp8dl", "-fp8dlall"))}
+MODELS["llama-fp8-fused"] = MODELS["llama-fp8"]
 RECIPES = {"jaxamp-fp8rw": ",fp8=rowwise", "jaxamp-fp8dl": ",fp8=delayed"}
 REFERENCE = "hand/bfloat16"
 CONFIG = dict(layers=12, d_model=768, heads=12, seq=1024)
@@ -159,7 +163,22 @@ def _example(name: str, sds, device):
     return lambda: step.lower(sds(state), sds(batch))
 
 
-def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None):
+def _fused_block(self, x, segment_pos, cache, attn_mask):
+    """tunix Llama3's ``Attention.block`` (no cache) with the attention itself as
+    ``jax.nn.dot_product_attention(is_causal=True)`` (cuDNN's fused flash attention on a GPU,
+    grouped-query heads as they are): ``--model llama-fp8-fused``."""
+    import jax
+    from third_party import import_bare
+
+    rope = import_bare("tunix.models.llama3.model").apply_rope
+    q = rope(self.q_proj(x), segment_pos, head_dim=self.head_dim)
+    k = rope(self.k_proj(x), segment_pos, head_dim=self.head_dim)
+    out = jax.nn.dot_product_attention(q, k, self.v_proj(x), scale=self.scale, is_causal=True)
+    return None, self.o_proj(out)
+
+
+def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None,
+           attention: str = "manual"):
     """tunix's Llama3 (NNX) at ``LLAMA_SHAPES[d_model]`` under jaxamp's step, as its users run
     it (``jaxamp-fp8*``: with ``matmul=float8``); or its hand-cast twin in a plain jit step
     (``hand/...``)."""
@@ -175,6 +194,8 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
     import jaxamp
 
     m = import_bare("tunix.models.llama3.model")
+    if attention == "fused":  # this process compiles only this model's variants
+        m.Attention.block = _fused_block
     side, dt = name.split("/")
     shape, batch_size, seq = LLAMA_SHAPES[d_model]
     config = m.ModelConfig(**dict(shape, num_layers=layers or shape["num_layers"]))
@@ -203,7 +224,8 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
     return lambda: step.lower(sds(state), sds(batch))
 
 
-BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama, "llama-fp8": _llama}
+BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama, "llama-fp8": _llama,
+            "llama-fp8-fused": functools.partial(_llama, attention="fused")}
 
 
 def child(out: Path, triton_gemm: bool, model: str, names: list[str], **shape) -> None:

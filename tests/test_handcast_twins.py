@@ -267,3 +267,35 @@ def test_gpu_estimate_reads_the_fp8_scope_the_engine_writes(recipe):
                         op_rules=rules)
     names = gpu_estimate.FP8_SCOPE.findall(jax.jit(f).lower(params, x).as_text(debug_info=True))
     assert names and all(n.endswith(f".{recipe}>") for n in names)
+
+
+@needs_tunix
+def test_gpu_estimate_llama_with_fused_attention_is_tunix_llama_but_its_attention():
+    """``--model llama-fp8-fused``: tunix's Llama3 whose attention is
+    ``jax.nn.dot_product_attention`` (cuDNN's on a GPU): the same params, the same loss as
+    tunix's own attention (a causal mask) to float32 rounding, FP8 planned as in tunix's."""
+    import gpu_estimate
+
+    from jaxamp.diagnostics._hlo import planned_fp8_dots
+
+    m = third_party.import_bare("tunix.models.llama3.model")
+    case = third_party.case("tunix", "llama3")
+    want = float(case.loss(case.model, case.batch))
+    manual = m.Attention.block
+    try:
+        m.Attention.block = gpu_estimate._fused_block
+        got = float(case.loss(case.model, case.batch))
+    finally:
+        m.Attention.block = manual
+    assert got == pytest.approx(want, rel=1e-5)  # (bit for bit here: XLA's own attention)
+
+    def sds(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                            if hasattr(x, "shape") else x, tree)
+    try:
+        lowered = gpu_estimate.BUILDERS["llama-fp8-fused"]("jaxamp-fp8/bfloat16", sds, None,
+                                                           d_model=2048, layers=1)()
+    finally:
+        m.Attention.block = manual
+    assert len(planned_fp8_dots(lowered.as_text())) == 3 * 4
+    assert "BHGTS" not in lowered.as_text(debug_info=True)  # tunix's attention einsum is gone
