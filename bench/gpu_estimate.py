@@ -79,12 +79,13 @@ FP8 = ",matmul=float8"  # "jaxamp-fp8": default eligibility; "jaxamp-fp8all": ev
 
 def _rules(side: str):
     """A variant's op rules: recompute off / everywhere (issue 40's old default), FP8 for every
-    aligned matmul (``jaxamp-fp8all``), else the default."""
+    aligned matmul but the first and the head (``jaxamp-fp8all``) or for those too
+    (``...every``: the head in FP8, which no anchor recipe does), else the default."""
     import jaxamp
 
-    if side.startswith("jaxamp-fp8") and side.endswith("all"):
-        return jaxamp.DEFAULT_OP_RULES.extend(
-            handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
+    if side.startswith("jaxamp-fp8") and side.endswith(("all", "every")):
+        return jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
+            small=(0, 0), min_size=0, keep_first_last=not side.endswith("every"))})
     return jaxamp.DEFAULT_OP_RULES.extend(
         recompute={"jaxamp-norecompute": False, "jaxamp-recompute": True}.get(side))
 
@@ -215,7 +216,7 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
         return _hand(lambda p, b: loss(nnx.merge(graphdef, p), b), optax.adamw(1e-3), dt, sds,
                      params, batch, clip_norm=1.0)
     policy = POLICY[dt] + (FP8 if side.startswith("jaxamp-fp8") else "") + RECIPES.get(
-        side.removesuffix("all"), "")
+        side.removesuffix("all").removesuffix("every"), "")
     state = jax.eval_shape(lambda: jaxamp.TrainState.create(
         m.Llama3(config, rngs=nnx.Rngs(0)), tx=optax.adamw(1e-3), policy=policy))
     step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0, op_rules=_rules(side))
