@@ -304,6 +304,9 @@ class StepProgram:
       params, opt_state: the state's (``loss_scale``: ``opt_state``'s).
       policy: the policy the step runs (the state's, output float32).
       context: ``context()`` enters what the step traces under (its mesh and axis rules).
+      fp8_scope: ``fp8_scope()`` is the context an autocast of ``loss`` runs in, in the trace
+        that evaluates it: the ``fp8=delayed`` scope with the state's amax histories (a
+        calibration scope when it has none), else nothing.
     """
 
     loss: Callable
@@ -314,6 +317,7 @@ class StepProgram:
     op_rules: OpRules
     f32_weight_grads: bool | None
     context: Callable
+    fp8_scope: Callable = contextlib.nullcontext
 
     @property
     def loss_scale(self) -> Any:
@@ -967,9 +971,12 @@ def _step_program(opts: _StepOptions, state: TrainState, batch: Any, context) ->
     policy, loss_of = _state_loss(opts, state)
     key = jax.random.fold_in(_step_key(state), 0) if loss_of.use_rng else None
     loss = functools.partial(_loss_only, loss_of, state.collections, batch, key)
+    fp8 = getattr(state.opt_state, "fp8", None) or {}
+    scope = functools.partial(delayed_scope, fp8, calibrate=not fp8) \
+        if _uses_delayed(opts, state) else contextlib.nullcontext
     return StepProgram(loss, state.params, state.opt_state,
                        policy.with_output_dtype(jnp.float32), opts.overrides, opts.op_rules,
-                       opts.f32_weight_grads, context)
+                       opts.f32_weight_grads, context, scope)
 
 
 def _loss_only(loss_of: _StepLoss, collections, batch, key, params):

@@ -71,9 +71,15 @@ def test_fp8_delayed_per_policy_and_per_override():
     step = jaxamp.make_train_step(model, _loss, overrides={"proj": "fp8=delayed"},
                                   op_rules=_rules(), donate=False)
     state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=CURRENT)
+    # the audit of the step lists each FP8 matmul's recipe, before the first call and after
+    before = {m["module"]: m["recipe"] for m in jaxamp.audit(step, state, batch).matmuls
+              if m["fp8"] == "yes"}
     state, _ = step(state, batch)
     assert sorted(state.opt_state.fp8) == ["Net/proj#0"]
     assert state.opt_state.fp8["Net/proj#0"].shape == (3, 4)
+    after = {m["module"]: m["recipe"] for m in jaxamp.audit(step, state, batch).matmuls
+             if m["fp8"] == "yes"}
+    assert before == after and after["proj"] == "delayed" and after["fc"] == "current", after
     with pytest.raises(ValueError, match=r"Allowed fp8 recipes: current, rowwise, delayed"):
         get_policy("c=bf16,matmul=fp8,fp8=late")
 

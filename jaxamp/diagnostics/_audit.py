@@ -95,7 +95,8 @@ def _traced(where: str, fn, args, policy, overrides, op_rules, argnums):
         return call, trace_model(call.fn, call.args, policy=call.policy,
                                  overrides=call.overrides, op_rules=call.op_rules,
                                  argnums=argnums if call.program is None else 0,
-                                 f32_weight_grads=call.f32_weight_grads)
+                                 f32_weight_grads=call.f32_weight_grads,
+                                 scope=getattr(call.program, "fp8_scope", None))
 
 
 

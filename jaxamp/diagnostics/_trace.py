@@ -549,7 +549,10 @@ def _has_float(tree) -> bool:
 
 
 def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rules: OpRules,
-                argnums: int | None, f32_weight_grads: bool | None = None) -> Trace:
+                argnums: int | None, f32_weight_grads: bool | None = None,
+                scope: Callable | None = None) -> Trace:
+    """``fn(*args)`` traced under autocast (and its gradient w.r.t. ``args[argnums]``);
+    ``scope()``: the context the autocast is evaluated in (:attr:`StepProgram.fp8_scope`)."""
     pol = get_policy(policy)
     rules = ModuleRules.create(pol, overrides)
     recorder = Recorder(rules)
@@ -561,9 +564,13 @@ def trace_model(fn: Callable, args: Sequence[Any], *, policy, overrides, op_rule
 
     # Read with recompute off: recompute changes what the backward keeps, not the dtype any op
     # runs in, and its checkpoints would show replayed forward ops as backward ones.
-    amp = autocast(recorded, pol, overrides=overrides,
-                   op_rules=op_rules.extend(recompute=False),
-                   f32_weight_grads=f32_weight_grads)
+    autocast_fn = autocast(recorded, pol, overrides=overrides,
+                           op_rules=op_rules.extend(recompute=False),
+                           f32_weight_grads=f32_weight_grads)
+
+    def amp(*a):
+        with scope() if scope else contextlib.nullcontext():  # in the evaluating trace
+            return autocast_fn(*a)
     grad = argnums is not None and _has_float(args[argnums])
 
     def scalar(*a):
