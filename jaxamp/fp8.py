@@ -459,6 +459,15 @@ def _delayed_matmul(call, site: str, rule: FP8Matmuls) -> jax.Array:
             "the state's opt_state.fp8 was made for another model or policy. Start its "
             "histories again with state.replace(opt_state=state.opt_state._replace(fp8={})) "
             "(the next step calibrates them).")
+    if not scope.calibrate and history is not None \
+            and np.shape(history)[1] != rule.delayed.history:
+        raise ValueError(
+            f"fp8=delayed: the state's amax history of {site!r} holds {np.shape(history)[1]} "
+            f"steps, but the step's FP8Matmuls(delayed=DelayedScaling(history="
+            f"{rule.delayed.history})) keeps {rule.delayed.history}: the state was made with "
+            f"other settings. Resume with DelayedScaling(history={np.shape(history)[1]}), or "
+            "start the histories again with state.replace(opt_state=state.opt_state._replace("
+            "fp8={})) (the next step calibrates them).")
     lhs, rhs = call.args
     return _delayed_dot(lhs, rhs, jnp.zeros((3, 1), jnp.float32) if history is None
                         else history, _dims(dot_dimension_numbers(call.eqn)),

@@ -341,6 +341,20 @@ def test_a_state_whose_histories_do_not_match_the_program_is_refused():
         step(state, batch)
 
 
+def test_a_resume_with_another_history_length_names_both():
+    """A state whose histories keep 4 steps, resumed by a step that keeps 8: refused while the
+    step is traced (the new length was silently ignored), naming both lengths and the fixes."""
+    model, params, batch = _net()
+    state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=DELAYED)
+    state, _ = jaxamp.make_train_step(model, _loss, op_rules=_rules(history=4),
+                                      donate=False)(state, batch)
+    longer = jaxamp.make_train_step(model, _loss, op_rules=_rules(history=8), donate=False)
+    with pytest.raises(ValueError, match=r"amax history of 'Net/\w+#0' holds 4 steps, but the "
+                                         r"step's FP8Matmuls\(delayed=DelayedScaling\(history="
+                                         r"8\)\) keeps 8.*DelayedScaling\(history=4\)"):
+        longer(state, batch)
+
+
 # ---- checkpoints ------------------------------------------------------------------------------
 
 
