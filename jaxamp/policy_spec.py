@@ -25,8 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["DEFAULT_POLICY", "DTYPE_ALIASES", "EXTRA_FIELDS", "FIELDS", "FLOAT8", "FP8_RECIPES",
-           "HALF",
-           "MATMUL_ALIASES", "OPT_STATE_ALIASES", "OPT_STATE_FLOAT16", "PolicySpec",
+           "HALF", "MATMUL_ALIASES", "OPT_STATE_ALIASES", "OPT_STATE_FLOAT16", "PolicySpec",
            "loss_scaling", "parse", "parse_given", "read", "to_str"]
 
 #: What jaxamp uses when no policy is given: float32 master weights, float16 compute, float32
