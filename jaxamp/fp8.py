@@ -124,8 +124,15 @@ def _transpose_lhs(g, lhs_ndim: int, rhs, dims, out_dtype, scale, *, swap=False)
     out = _dequant(lax.dot_general(g, rhs, ((ans_r, r_kept), (ans_b, list(rb))),
                                    precision=lax.Precision.HIGHEST,
                                    preferred_element_type=out_dtype), scale, out_dtype)
-    lc_by_r = list(np.take(lc, np.argsort(rc))) if lc else []
-    return lax.transpose(out, tuple(int(a) for a in np.argsort(list(lb) + l_kept + lc_by_r)))
+    return lax.transpose(out, _back_order(lb, l_kept, lc, rc))
+
+
+def _back_order(batch, kept, contracted, partner) -> tuple[int, ...]:
+    """The transpose that puts an operand's cotangent back in the operand's axis order: the dot
+    that makes it outputs ``batch``, the operand's ``kept`` dims, then its ``contracted`` dims
+    in the ascending order of their ``partner`` dims in the other operand."""
+    by_partner = list(np.take(contracted, np.argsort(partner))) if contracted else []
+    return tuple(int(a) for a in np.argsort(list(batch) + list(kept) + by_partner))
 
 
 def _dequant(y, scale, dtype):
@@ -172,12 +179,12 @@ def _axiswise(a, b, ca, cb, formats, out_dtype, margin, precision):
     return y * sa * sb
 
 
-def _rowwise_grad(g, x, g_contract, x_contract, x_kept_of, out_dtype, margin, ndim):
+def _rowwise_grad(g, x, g_contract, x_contract, order, out_dtype, margin):
     """An operand's cotangent, ``g`` against the other operand ``x``, rowwise in both, with the
-    axes put back: ``x_kept_of[d]`` is where operand dimension ``d`` comes out of the dot."""
+    axes put back (``order``: :func:`_back_order`)."""
     out = _axiswise(g, x, g_contract, x_contract, (E5M2, E4M3), out_dtype, margin,
                     lax.Precision.HIGHEST)
-    return lax.transpose(out, tuple(x_kept_of[d] for d in range(ndim)))
+    return lax.transpose(out, order)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -196,13 +203,8 @@ def _rowwise_bwd(dims, out_dtype, margin, res, g):
     (lc, rc), _ = dims
     lk, rk = _remaining(lhs.ndim, lc), _remaining(rhs.ndim, rc)
     g_l, g_r = list(range(len(lk))), list(range(len(lk), g.ndim))
-    # dlhs = g . rhs over rhs's free dims: out (lk..., rhs's rc dims in ascending order)
-    at_l = {d: i for i, d in enumerate(lk)}
-    at_l |= {d: len(lk) + sorted(rc).index(r) for d, r in zip(lc, rc, strict=True)}
-    at_r = {d: i for i, d in enumerate(rk)}
-    at_r |= {d: len(rk) + sorted(lc).index(c) for d, c in zip(rc, lc, strict=True)}
-    return (_rowwise_grad(g, rhs, g_r, rk, at_l, lhs.dtype, margin, lhs.ndim),
-            _rowwise_grad(g, lhs, g_l, lk, at_r, rhs.dtype, margin, rhs.ndim))
+    return (_rowwise_grad(g, rhs, g_r, rk, _back_order((), lk, lc, rc), lhs.dtype, margin),
+            _rowwise_grad(g, lhs, g_l, lk, _back_order((), rk, rc, lc), rhs.dtype, margin))
 
 
 _rowwise_dot.defvjp(_rowwise_fwd, _rowwise_bwd)

@@ -779,6 +779,11 @@ class _StepLoss:
         return loss, aux, {**collections, **updates}
 
 
+def _step_policy(opts: _StepOptions, state: TrainState) -> jmp.Policy:
+    """The policy the step runs: its own, else the state's, else the default."""
+    return opts.policy or state.policy or get_policy(DEFAULT_POLICY)
+
+
 def _state_loss(opts: _StepOptions, state: TrainState) -> tuple[jmp.Policy, _StepLoss]:
     """Trace-time: what the state decides (policy, apply_fn, collections, rng)."""
     if opts.policy is not None and state.policy is not None and opts.policy != state.policy:
@@ -787,7 +792,7 @@ def _state_loss(opts: _StepOptions, state: TrainState) -> tuple[jmp.Policy, _Ste
             f"was created with policy={policy_to_str(state.policy)!r} (and a loss scale "
             f"for it). Give the policy once, to TrainState.create(..., policy=...); "
             "make_train_step then uses the state's.")
-    policy = opts.policy or state.policy or get_policy(DEFAULT_POLICY)
+    policy = _step_policy(opts, state)
     apply_fn = opts.apply_fn or state.apply_fn
     nnx = isinstance(apply_fn, nnx_frontend.Apply)
     wants_rng, needs_rng = _takes_rng(opts.loss_fn)
@@ -959,8 +964,7 @@ def _calibrate(opts: _StepOptions, state: TrainState, batch: Any) -> dict:
 
 def _uses_delayed(opts: _StepOptions, state: TrainState) -> bool:
     """Whether the step's policy or an override asks for ``fp8=delayed`` (read, not traced)."""
-    policy = opts.policy or state.policy or get_policy(DEFAULT_POLICY)
-    given = [policy, *(opts.overrides or {}).values()]
+    given = [_step_policy(opts, state), *(opts.overrides or {}).values()]
     return any((p.fp8 if isinstance(p, policy_spec.PolicySpec) else fp8_recipe(p))
                == "delayed" for p in given)  # override strings are read by the builder
 

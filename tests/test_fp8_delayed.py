@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import flax.linen as nn
+import fp8_reference
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -40,14 +41,9 @@ def _rules(history=4, reduction="max"):
 
 
 def _ref_quantize(x, amax, dtype):
-    """Quantised with the scale of ``amax`` (not the tensor's own), written without jaxamp:
-    scale = amax / max rounded up to a power of two (1 for a zero or non-finite amax),
-    q = clip(x / scale) rounded to the FP8 dtype (ml_dtypes): what exceeds the range
-    saturates."""
-    fmax = float(ml_dtypes.finfo(dtype).max)
-    scale = 2.0 ** np.ceil(np.log2(amax / fmax)) if amax > 0 and np.isfinite(amax) else 1.0
-    x = np.asarray(x, np.float64)
-    return np.clip(x / scale, -fmax, fmax).astype(dtype).astype(np.float64), scale
+    """Quantised with the scale of ``amax`` (not the tensor's own): :func:`fp8_reference.quantize`,
+    written without jaxamp; what exceeds the range saturates."""
+    return fp8_reference.quantize(x, dtype, amax=amax)
 
 
 def _ref_amax(history, reduction):

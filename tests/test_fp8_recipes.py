@@ -19,6 +19,7 @@ import jaxamp
 from jaxamp.fp8 import fp8_dot_general, fp8_eligible
 
 sys.path.insert(0, str(Path(__file__).parent))
+import fp8_reference  # noqa: E402
 import third_party as tp  # noqa: E402
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -29,14 +30,10 @@ ALL = jaxamp.DEFAULT_OP_RULES.extend(handlers={"dot_general": jaxamp.FP8Matmuls(
 
 
 def _ref(x, dtype, axis=None):
-    """``x`` quantised to ``dtype`` and dequantised, written without jaxamp: per ``axis``-reduced
-    amax (all axes: per tensor), scale = amax / max rounded up to a power of two (1 for 0)."""
-    fmax = float(ml_dtypes.finfo(dtype).max)
-    x = np.asarray(x, np.float64)
-    amax = np.max(np.abs(x), axis=axis, keepdims=True)
-    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / fmax)),
-                     1.0)
-    return np.clip(x / scale, -fmax, fmax).astype(dtype).astype(np.float64) * scale
+    """``x`` quantised to ``dtype`` and dequantised by :func:`fp8_reference.quantize` (written
+    without jaxamp), one scale per ``axis``-reduced amax (all axes: per tensor)."""
+    q, scale = fp8_reference.quantize(x, dtype, axis=axis)
+    return q * scale
 
 
 def _rows_apart():
