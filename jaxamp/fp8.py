@@ -12,7 +12,8 @@ float16 compute with FP8 matmuls is refused by :func:`jaxamp.get_policy`: only b
 The policy's ``fp8=`` key picks the recipe (:data:`jaxamp.policy_spec.FP8_RECIPES`): ``current``
 (the above), or ``rowwise``, torchao's rowwise recipe: one scale per row of each operand (per
 element of its free dimensions, the amax over the contracted ones), so an outlier only coarsens
-its own row. XLA forms its FP8 GEMM with unit scales and multiplies the output by the outer
+its own row, and the output gradient in E4M3 as well (per-row scales leave E5M2's range
+unneeded). XLA forms its FP8 GEMM with unit scales and multiplies the output by the outer
 product of the scale vectors in one more elementwise pass (cuBLASLt's outer-vector scale mode is
 not used by XLA's GEMM rewriter; BENCHMARKS.md, "FP8 recipes"). Or ``delayed``, Transformer
 Engine's ``DelayedScaling``: per-tensor scales from an amax history of earlier steps that the
@@ -180,9 +181,11 @@ def _axiswise(a, b, ca, cb, formats, out_dtype, margin, precision):
 
 
 def _rowwise_grad(g, x, g_contract, x_contract, order, out_dtype, margin):
-    """An operand's cotangent, ``g`` against the other operand ``x``, rowwise in both, with the
-    axes put back (``order``: :func:`_back_order`)."""
-    out = _axiswise(g, x, g_contract, x_contract, (E5M2, E4M3), out_dtype, margin,
+    """An operand's cotangent, ``g`` against the other operand ``x``, rowwise in both and both
+    in E4M3 as torchao's rowwise recipe casts them (a row's own scale leaves E5M2's range
+    unneeded, and E4M3's extra mantissa bit halves the rounding), with the axes put back
+    (``order``: :func:`_back_order`)."""
+    out = _axiswise(g, x, g_contract, x_contract, (E4M3, E4M3), out_dtype, margin,
                     lax.Precision.HIGHEST)
     return lax.transpose(out, order)
 
@@ -232,8 +235,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 operands, a ``jax.custom_vjp``:
     E4M3 operands with per-tensor current scales forward (DEFAULT precision), the output
     gradient in E5M2 for dgrad and wgrad (HIGHEST); the result in ``compute_dtype``, each
-    operand's gradient in its own dtype. ``recipe="rowwise"`` scales each row instead (see the
-    module's docstring; no batch dimensions; ``shards`` is then moot: a row's scale needs no
+    operand's gradient in its own dtype. ``recipe="rowwise"`` scales each row instead, with an
+    E4M3 output gradient (see the module's docstring; no batch dimensions; ``shards`` is then moot: a row's scale needs no
     other device's rows).
 
     Args:

@@ -55,8 +55,8 @@ def test_rowwise_matmul_equals_the_reference_forward_dgrad_and_wgrad():
                                                   recipe="rowwise"), x, w)
     dx, dw = vjp(g)
     want_y = _ref(x, E4M3, 1) @ _ref(w, E4M3, 0)
-    want_dx = _ref(g, E5M2, 1) @ _ref(w, E4M3, 1).T
-    want_dw = _ref(x, E4M3, 0).T @ _ref(g, E5M2, 0)
+    want_dx = _ref(g, E4M3, 1) @ _ref(w, E4M3, 1).T  # E4M3 gradients, as torchao's rowwise
+    want_dw = _ref(x, E4M3, 0).T @ _ref(g, E4M3, 0)
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6 * np.abs(want).max())
     # per tensor, the small rows lose most of their digits: rowwise keeps them
@@ -141,29 +141,94 @@ def test_the_step_runs_each_recipe_where_the_policy_and_overrides_say():
     assert abs(float(y) - float(ref)) / float(ref) < 0.05
 
 
-def test_tunix_llama3_in_fp8_stays_close_to_float32_for_every_recipe():
+def _forward_only_fp8(lhs, rhs, dimension_numbers, **kwargs):
+    """``fp8_dot_general``'s forward with the exact backward of the plain dot: what the
+    gradient would be if no backward recipe rounded anything."""
+    @jax.custom_vjp
+    def dot(a, b):
+        return fp8_dot_general(a, b, dimension_numbers, **kwargs)
+
+    def bwd(res, g):
+        a, b = res
+        _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(
+            a, b, dimension_numbers, preferred_element_type=jnp.float32), a, b)
+        da, db = vjp(g.astype(jnp.float32))
+        return da.astype(a.dtype), db.astype(b.dtype)
+
+    dot.defvjp(lambda a, b: (dot(a, b), (a, b)), bwd)
+    return dot(lhs, rhs)
+
+
+def test_tunix_llama3_in_fp8_stays_close_to_float32_for_every_recipe(monkeypatch):
     """A model we did not write, every projection but the first and the head in FP8, against
-    float32: loss within 2% for both recipes. The gradient cosine is 0.981 for both (bf16:
-    0.9998; 0.987 with the k/v projections in bf16; the same at batch 8 x 32 and 16 x 64),
-    short of the issue's 0.99: E4M3's 3-bit mantissa in every projection of a 64-wide model
-    (BENCHMARKS.md, "FP8 recipes"). Asserted at what it is, so a regression shows."""
+    float32: loss within 2% for both recipes. The gradient cosine (bf16: 0.9998) is 0.981 with
+    current's E5M2 gradients and 0.987 with rowwise's E4M3 ones, short of the issue's 0.99; with
+    the forward alone in FP8 (the backward exact) it is 0.989: on this 64-wide model E4M3's
+    3-bit mantissa in every forward projection is already below 0.99, whatever the backward
+    does (BENCHMARKS.md, "FP8 recipes"). Asserted at what it is, so a regression shows."""
     case = tp.case("tunix", "llama3")
     params, f = case.functional()
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(f))(params, case.batch)
-    ref = np.concatenate([np.ravel(np.asarray(g, np.float64))
-                          for g in jax.tree.leaves(ref_grads)])
-    cosines = {}
-    for recipe in ("current", "rowwise"):
+
+    def cosine(recipe):
         amp = jaxamp.autocast(f, f"{BF16},matmul=float8,fp8={recipe}", op_rules=ALL)
         lowered = jax.jit(jax.value_and_grad(amp)).lower(params, case.batch)
         assert lowered.as_text().count("f8E4M3FN") > 20  # its projections did run in FP8
         loss, grads = lowered.compile()(params, case.batch)
-        got = np.concatenate([np.ravel(np.asarray(g, np.float64))
-                              for g in jax.tree.leaves(grads)])
-        cosines[recipe] = got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref))
         assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 0.02, recipe
-    assert all(c >= 0.978 for c in cosines.values()), cosines
-    assert abs(cosines["rowwise"] - cosines["current"]) < 0.002, cosines
+        got, ref = (np.concatenate([np.ravel(np.asarray(g, np.float64))
+                                    for g in jax.tree.leaves(t)]) for t in (grads, ref_grads))
+        return got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref))
+
+    cosines = {recipe: cosine(recipe) for recipe in ("current", "rowwise")}
+    monkeypatch.setattr(jaxamp.fp8, "fp8_dot_general", _forward_only_fp8)
+    cosines["forward only"] = cosine("current")
+    assert 0.978 <= cosines["current"] < cosines["rowwise"] < cosines["forward only"] < 0.99, \
+        cosines
+
+
+@pytest.mark.skipif(not tp.installed("tunix"), reason="tunix is not installed (.ci/run has it)")
+def test_tunix_llama3_at_llama_1b_widths_under_the_default_policy_stays_close_to_float32():
+    """The issue's tunix Llama at the widths FP8 is for: Llama 3.2 1B's layers (d 2048, MLP
+    8192, 32/8 heads; 2 of them, vocabulary 512), tunix's own dummy weights (std 0.02), under
+    plain ``matmul=float8``, so the default eligibility decides: q, o, gate, up and down in
+    FP8 (k/v, N = 512, and the first matmul stay bf16). Loss within 2% and gradient cosine
+    >= 0.99 of float32 for each recipe, overall and for every parameter (each projection's
+    weight gradient reads 0.996-0.998)."""
+    from flax import nnx
+
+    from jaxamp.diagnostics._hlo import planned_fp8_dots
+
+    m = tp.import_bare("tunix.models.llama3.model")
+    creator = tp.import_bare("tunix.models.dummy_model_creator")
+    config = m.ModelConfig(num_layers=2, vocab_size=512, embed_dim=2048, hidden_dim=8192,
+                           num_heads=32, head_dim=64, num_kv_heads=8, rope_theta=500_000,
+                           norm_eps=1e-5, weight_tying=True)
+    model = creator.create_dummy_model(m.Llama3, config, random_seed=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jax.random.randint(jax.random.key(2), (2, 65), 0, 512)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+
+    def f(params, batch):
+        return tp._tunix_loss(nnx.merge(graphdef, params, rest, copy=True), batch)
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(f))(params, batch)
+    ref = [np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(ref_grads)]
+
+    def cos(a, b):
+        return a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+
+    for recipe in ("current", "rowwise"):
+        amp = jaxamp.autocast(f, f"{BF16},matmul=float8,fp8={recipe}")
+        lowered = jax.jit(jax.value_and_grad(amp)).lower(params, batch)
+        # 9 projections (5 a layer, less the first) x forward, dgrad, wgrad
+        assert len(planned_fp8_dots(lowered.as_text())) == 27, recipe
+        loss, grads = lowered.compile()(params, batch)
+        assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 0.02, recipe
+        got = [np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)]
+        assert cos(np.concatenate(got), np.concatenate(ref)) >= 0.99, recipe
+        worst = min(cos(a, b) for a, b in zip(got, ref))
+        assert worst >= 0.99, (recipe, worst)
 
 
 # ---- the size threshold: min(K, N) >= 2048 by the H200 estimate (BENCHMARKS.md) ------------
