@@ -18,7 +18,9 @@ bf16 and ``matmul=float8`` (``jaxamp-fp8``: default eligibility; ``jaxamp-fp8all
 ``FP8Matmuls(small=(0, 0), min_size=0)``; ``-fp8rw``/``-fp8rwall``, ``-fp8dl``/``-fp8dlall``:
 the same with ``fp8=rowwise``, ``fp8=delayed``; a delayed step is lowered on the state its
 first call makes, ``step.calibrate``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
-32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--layers`` to cut layers;
+32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--d-model 4096`` for Llama 3.1
+8B's layers (MLP 14336, head 128, untied head; ``--layers 16`` fits AdamW on one H200),
+``--layers`` to cut layers;
 ``llama-fp8-fused``: the same with the attention as ``jax.nn.dot_product_attention`` (cuDNN's
 fused attention; tunix writes it out with float32 scores). A
 ``hand/...`` variant is the twin's plain ``jax.jit`` step (``bench/_steps.py``'s
@@ -73,7 +75,11 @@ SMALL_BATCH = 8  # the example's and the Llama's steps: 8 x 1024 tokens
 LLAMA_1B = dict(num_layers=16, vocab_size=128256, embed_dim=2048, hidden_dim=8192,
                 num_heads=32, head_dim=64, num_kv_heads=8, rope_theta=500_000, norm_eps=1e-5,
                 weight_tying=True)
-LLAMA_SHAPES = {768: (LLAMA, SMALL_BATCH, 1024), 2048: (LLAMA_1B, 4, 2048)}
+# --d-model 4096: Llama 3.1 8B (tunix's llama3p1_8b, untied head), batch 4 x 2048
+LLAMA_8B = dict(LLAMA_1B, num_layers=32, embed_dim=4096, hidden_dim=14336, head_dim=128,
+                weight_tying=False)
+LLAMA_SHAPES = {768: (LLAMA, SMALL_BATCH, 1024), 2048: (LLAMA_1B, 4, 2048),
+                4096: (LLAMA_8B, 4, 2048)}
 FP8 = ",matmul=float8"  # "jaxamp-fp8": default eligibility; "jaxamp-fp8all": every matmul
 
 
@@ -391,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=None, help="comma-separated (default: the model's)")
     ap.add_argument("--triton-gemm", action="store_true")
     ap.add_argument("--d-model", type=int, choices=sorted(LLAMA_SHAPES), default=768,
-                    help="llama, llama-fp8: 768 (gpt2-small shape) or 2048 (Llama 3.2 1B)")
+                    help="llama*: 768 (gpt2-small shape), 2048 (Llama 3.2 1B) or 4096 (3.1 8B)")
     ap.add_argument("--layers", type=int, default=None, help="llama*: fewer decoder layers")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
