@@ -143,8 +143,10 @@ def train(s: Setup, run: lm_stop.Run) -> int:
     tx = make_optimizer(args)
     start_step, meta, corrupted, kept = 0, None, [], []
     run.phase = "reading the checkpoint" if args.resume else "initialising"
-    if args.resume:
-        abstract = lm_mesh.place(create_state(model, tx, s, abstract=True), mesh)
+    step_fn = make_step(model, tx, s, mesh)
+    if args.resume:  # fp8=delayed: the target holds the amax histories the checkpoint has
+        abstract = lm_mesh.place(jax.eval_shape(step_fn.calibrate, create_state(
+            model, tx, s, abstract=True), batch_at(0)), mesh)
         state, meta, corrupted = lm_checkpoint.resume(s, abstract)  # onto the mesh, if any
         start_step = int(meta["step"])
         kept = lm_checkpoint.metrics_before(metrics_path, start_step)
@@ -159,7 +161,7 @@ def train(s: Setup, run: lm_stop.Run) -> int:
     state = lm_mesh.shard_state(state, mesh) if mesh else state
 
     # ---- step: compiled once; its memory read from the compiled program ----
-    step_fn = make_step(model, tx, s, mesh)
+    state = step_fn.calibrate(state, batch_at(0))  # fp8=delayed's histories (else as it is)
     eval_fn = jaxamp.make_eval_step(model, loss_fn, policy=s.policy, op_rules=s.op_rules)
 
     def evaluate(params) -> float:

@@ -248,12 +248,14 @@ def _autocast(fn: Callable, rules: ModuleRules, op_rules: OpRules,
             _warn_no_fp8_rule(regions.policies, op_rules)
         calls = {attention.jit_name(regions.marks.call, i): c
                  for i, c in enumerate(regions.attention.calls)}
+        # fp8=delayed keeps a history per layer: repeated and scanned layers in place
+        delayed = delayed_active()
         evaluator = Evaluator(regions.policies, op_rules, regions.marks, calls,
                               _sums_across_devices()
                               if f32_weight_grads is None else f32_weight_grads,
-                              share=SHARE_REPEATED_CALLS and not delayed_active(),
+                              share=SHARE_REPEATED_CALLS and not delayed,
                               matmul_ends=_matmul_ends(closed.jaxpr) if sets_matmul else None,
-                              rules=rule_table(op_rules))
+                              rules=rule_table(op_rules), layers_in_place=delayed)
         consts = [Value(c, True, not isinstance(c, Tracer), (0,)) for c in closed.consts]
         ins = [Value(leaves[i], True, False, ()) for i in dyn]
         outs = evaluator.eval(closed.jaxpr, consts, ins, (0,))

@@ -236,8 +236,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
     E4M3 operands with per-tensor current scales forward (DEFAULT precision), the output
     gradient in E5M2 for dgrad and wgrad (HIGHEST); the result in ``compute_dtype``, each
     operand's gradient in its own dtype. ``recipe="rowwise"`` scales each row instead, with an
-    E4M3 output gradient (see the module's docstring; no batch dimensions; ``shards`` is then moot: a row's scale needs no
-    other device's rows).
+    E4M3 output gradient (see the module's docstring; no batch dimensions; ``shards`` is then
+    moot: a row's scale needs no other device's rows).
 
     Args:
       lhs, rhs: float operands (any float dtype; quantised from it).
@@ -432,14 +432,16 @@ def delayed_scope(histories: Mapping[str, jax.Array], *, calibrate: bool = False
 
 def delayed_active() -> bool:
     """Whether a :func:`delayed_scope` is open in this thread (autocast then evaluates every
-    module call in place: a shared evaluation of repeated layers would share one history)."""
+    module call in place and a scan over stacked layers one layer at a time: a shared
+    evaluation of repeated layers would share one history)."""
     return bool(getattr(_SCOPES, "stack", None))
 
 
 def _delayed_site(eqn, delayed: DelayedScaling) -> tuple[str | None, str]:
     """``(site, mark)``: this matmul's history key and ``"delayed"``, or ``None`` and the
-    audit's mark for current scaling: outside a train step (no history), or in a loop body,
-    ``jit`` or ``checkpoint`` body (one equation for every iteration: no history each)."""
+    audit's mark for current scaling: outside a train step (no history), or in a loop body
+    that is not a stack of layers, a ``jit`` or ``checkpoint`` body (one equation for every
+    iteration: no history each)."""
     stack = getattr(_SCOPES, "stack", None)
     if not stack:
         return None, "current (no history)"

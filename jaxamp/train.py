@@ -431,6 +431,18 @@ class TrainStep:
         return self._delayed[state.policy]
 
     def lower(self, state, batch):
+        """The step lowered for ``state``'s shapes, which must already hold any amax
+        histories the policy needs: a program lowered without them would run every
+        ``fp8=delayed`` matmul with current scaling, silently."""
+        if self._calibrate is not None and isinstance(state, TrainState) \
+                and isinstance(state.opt_state, AmpState) and not state.opt_state.fp8 \
+                and self._asks_delayed(state) \
+                and jax.eval_shape(self.calibrate, state, batch).opt_state.fp8:
+            raise ValueError(
+                f"step.lower: the policy {state.policy!r} asks for fp8=delayed, and the state "
+                "holds no amax histories yet (a call of the step makes them first; lower does "
+                "not). Lower the calibrated state: state = step.calibrate(state, batch), or, "
+                "for its shapes only, jax.eval_shape(step.calibrate, state, batch).")
         return self._run(state, batch, lambda jitted, *a: jitted.lower(*a))
 
     def _run(self, state, batch, how):

@@ -619,19 +619,25 @@ def test_real_process_exit_status_and_stderr(runs, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
 
 
-def test_fp8_policy_trains_the_tiny_preset_close_to_bf16(tmp_path):
+@pytest.mark.parametrize("recipe", ["", ",fp8=delayed"])
+def test_fp8_policy_trains_the_tiny_preset_close_to_bf16(tmp_path, recipe):
     """``--policy ...,matmul=float8`` with ``--fp8-small 0,0`` (the tiny preset's matmuls are
     below torchao's threshold): its projections run in FP8 (read from the run's program in
-    precision.json) and the final validation loss is within 3% of the bf16 run's."""
+    precision.json) and the final validation loss is within 3% of the bf16 run's. Delayed:
+    the blocks' ``nn.scan`` keeps a history per layer, saved with the state."""
     common = ["--preset", "tiny", "--steps", "30", "--warmup", "5", "--batch-size", "8",
               "--eval-interval", "0", "--eval-batches", "2", "--checkpoint-interval", "0",
               "--no-compare-f32"]
     bf16 = "params=float32,compute=bfloat16,output=float32"
     assert train_lm.main([*common, "--policy", bf16, "--out", str(tmp_path / "bf16")]) == 0
-    assert train_lm.main([*common, "--policy", bf16 + ",matmul=float8", "--fp8-small", "0,0",
-                          "--out", str(tmp_path / "fp8")]) == 0
+    assert train_lm.main([*common, "--policy", bf16 + ",matmul=float8" + recipe, "--fp8-small",
+                          "0,0", "--out", str(tmp_path / "fp8")]) == 0
     fp8, ref = summary(tmp_path / "fp8"), summary(tmp_path / "bf16")
-    assert fp8["policy"] == bf16 + ",matmul=float8"
+    assert fp8["policy"] == bf16 + ",matmul=float8" + recipe
+    tree = (tmp_path / "fp8" / "checkpoints" / "30" / "state" / "_METADATA").read_text()
+    sites = {f"blocks/{m}#{i}" for m in ("attn/qkv", "attn/proj", "mlp/fc", "mlp/proj")
+             for i in range(2)}
+    assert {s for s in sites if s in tree} == (sites if recipe else set())
     rows = json.loads((tmp_path / "fp8" / "precision.json").read_text())
     fp8_modules = sorted(r["module"] for r in rows
                          if r["op"] == "matmul" and "float8_e4m3fn" in r["forward"])

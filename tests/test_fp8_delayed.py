@@ -299,11 +299,28 @@ class _Layer(nn.Module):
 
 
 class Scanned(nn.Module):
+    """Three layers as one ``nn.scan`` (params stacked on axis 0), or (``shared``) one layer's
+    params for every iteration (``variable_broadcast``: a loop over shared weights)."""
+
+    shared: bool = False
+
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(32, name="inp")(x)
-        h, _ = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                       length=3)(name="layers")(h, None)
+        how = dict(variable_broadcast="params", split_rngs={"params": False}) if self.shared \
+            else dict(variable_axes={"params": 0}, split_rngs={"params": True})
+        h, _ = nn.scan(_Layer, length=3, **how)(name="layers")(h, None)
+        return nn.Dense(16, name="head")(h)
+
+
+class Unrolled(nn.Module):
+    """:class:`Scanned` written out: the same layers, one module each."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="inp")(x)
+        for i in range(3):
+            h, _ = _Layer(name=f"layers_{i}")(h, None)
         return nn.Dense(16, name="head")(h)
 
 
@@ -312,19 +329,102 @@ def _decisions(jaxpr) -> set:
             if p.name in MARKS and MARKS[p.name].decision}
 
 
-def test_a_matmul_in_a_loop_body_falls_back_to_current_and_says_so():
-    """One equation runs every scanned layer: it cannot keep a history per layer."""
-    _, _, batch = _net()
-    model = Scanned()
-    params = model.init(jax.random.key(1), batch["x"])["params"]
-    state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=DELAYED)
+def _steps(model, params, batch, n=3):
     step = jaxamp.make_train_step(model, _loss, op_rules=_rules(), donate=False)
-    state = step.calibrate(state, batch)
-    assert sorted(state.opt_state.fp8) == ["Scanned/head#0", "Scanned/inp#0"]
+    state = step.calibrate(jaxamp.TrainState.create(model, params, optax.sgd(0.1),
+                                                    policy=DELAYED), batch)
     decisions = _decisions(jax.make_jaxpr(step.traceable)(state, batch).jaxpr)
-    assert {"delayed", "current (loop body)"} <= decisions
+    for _ in range(n):
+        state, metrics = step(state, batch)
+        assert not bool(metrics["skipped"])
+    return state, decisions
+
+
+def test_scanned_layers_keep_a_history_each_as_the_unrolled_model_does():
+    """A scan over stacked layers is evaluated layer by layer under a delayed policy: each
+    layer keeps its own history, and three steps equal the unrolled model's bit for bit
+    (params and histories)."""
+    _, _, batch = _net()
+    params = Scanned().init(jax.random.key(1), batch["x"])["params"]
+    scanned, decisions = _steps(Scanned(), params, batch)
+    assert sorted(scanned.opt_state.fp8) == ["Scanned/head#0", "Scanned/inp#0", "layers/d#0",
+                                             "layers/d#1", "layers/d#2"]
+    assert decisions == {"delayed"}
+    layers = {f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], params["layers"])
+              for i in range(3)}
+    unrolled, decisions = _steps(Unrolled(), {**params, **layers}, batch)
+    assert decisions == {"delayed"}
+    for i in range(3):
+        assert _bits(jax.tree.map(lambda a, i=i: a[i], scanned.params["layers"])) == \
+            _bits(unrolled.params[f"layers_{i}"])
+        assert _bits(scanned.opt_state.fp8[f"layers/d#{i}"]) == \
+            _bits(unrolled.opt_state.fp8[f"Unrolled/layers_{i}/d#0"])
+    assert _bits(scanned.opt_state.fp8["Scanned/inp#0"]) == \
+        _bits(unrolled.opt_state.fp8["Unrolled/inp#0"])
+
+
+def test_nnx_scanned_layers_keep_a_history_each():
+    """``nnx.scan`` over layers made by ``nnx.vmap`` (the NNX example's blocks)."""
+    from flax import nnx
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.inp = nnx.Linear(16, 32, rngs=rngs)
+
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def layers(rngs):
+                return nnx.Linear(32, 32, rngs=rngs)
+
+            self.layers = layers(rngs)
+            self.head = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def run(layer, h):
+                return nnx.gelu(layer(h))
+
+            return self.head(run(self.layers, self.inp(x)))
+
+    _, _, batch = _net()
+    step = jaxamp.make_train_step(
+        loss_fn=lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2), op_rules=_rules(),
+        donate=False)
+    state = jaxamp.TrainState.create(Stack(nnx.Rngs(0)), tx=optax.sgd(0.1), policy=DELAYED)
+    state = step.calibrate(state, batch)
+    layers = sorted(k for k in state.opt_state.fp8 if k not in ("Stack/inp#0", "Stack/head#0"))
+    assert len(layers) == 3 and len(state.opt_state.fp8) == 5, sorted(state.opt_state.fp8)
+    assert _decisions(jax.make_jaxpr(step.traceable)(state, batch).jaxpr) == {"delayed"}
     new, metrics = step(state, batch)
-    assert not bool(metrics["skipped"]) and new.opt_state.fp8.keys() == state.opt_state.fp8.keys()
+    assert not bool(metrics["skipped"])
+    assert all(float(new.opt_state.fp8[k][0, 1]) > 0 for k in layers)  # pushed per layer
+
+
+def test_a_matmul_in_a_loop_over_shared_weights_falls_back_to_current_and_says_so():
+    """One weight for every iteration (no stack of layers): one equation runs them all and
+    cannot keep a history each."""
+    _, _, batch = _net()
+    model = Scanned(shared=True)
+    params = model.init(jax.random.key(1), batch["x"])["params"]
+    state, decisions = _steps(model, params, batch, n=1)
+    assert sorted(state.opt_state.fp8) == ["Scanned/head#0", "Scanned/inp#0"]
+    assert decisions == {"delayed", "current (loop body)"}
+
+
+def test_lowering_a_state_without_its_histories_is_refused_naming_the_fix():
+    """``step.lower`` does not calibrate: a program lowered without the histories would run
+    every delayed matmul with current scaling, silently (the example compiled its step so)."""
+    model, params, batch = _net()
+    step = jaxamp.make_train_step(model, _loss, op_rules=_rules(), donate=False)
+    state = jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=DELAYED)
+    with pytest.raises(ValueError, match=r"step.lower: the policy .*fp8=delayed.*no amax "
+                                         r"histories.*state = step.calibrate\(state, batch\)"):
+        step.lower(state, batch)
+    calibrated = step.calibrate(state, batch)
+    new, _ = step.lower(calibrated, batch).compile()(calibrated, batch)
+    assert _bits(new.params) == _bits(step(state, batch)[0].params)
+    # a policy without delayed matmuls lowers as it is
+    step.lower(jaxamp.TrainState.create(model, params, optax.sgd(0.1), policy=CURRENT), batch)
 
 
 def test_a_state_whose_histories_do_not_match_the_program_is_refused():

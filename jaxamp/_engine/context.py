@@ -164,12 +164,16 @@ class Context:
         param (:attr:`jaxamp.rules.RuleCall.position`).
       interpreter: evaluates sub-programs (``eval``, ``body``, ``cached_body``, ``run_eqn``:
         :class:`jaxamp._engine.evaluator.Evaluator`); the context forwards to it.
+      layers_in_place: a ``lax.scan`` whose body multiplies by a per-iteration input (a stack
+        of layers' weights) is evaluated one iteration at a time in the current trace, so a
+        rule sees each layer's own equations (``fp8=delayed``: a history per layer).
     """
 
     def __init__(self, policies: Sequence[jmp.Policy | None], op_rules, *,
                  marks: Marks | None = None, attention: Mapping[str, Any] | None = None,
                  f32_weight_grads: bool = False,
-                 matmul_ends: Mapping[int, str] | None = None, interpreter: Any = None):
+                 matmul_ends: Mapping[int, str] | None = None, interpreter: Any = None,
+                 layers_in_place: bool = False):
         self.policies = policies
         self.op_rules = op_rules
         self.marks = Marks(0) if marks is None else marks
@@ -177,6 +181,7 @@ class Context:
         self.f32_weight_grads = f32_weight_grads
         self.matmul_ends: Mapping[int, str] = dict(matmul_ends or {})
         self._interpreter = interpreter
+        self.layers_in_place = layers_in_place
         # what the rules report: primitives in no op list (warned once), and the
         # low-precision matmul dtypes of regions whose matmuls ran in float64 (warned once)
         self.unknown: set[str] = set()

@@ -29,14 +29,19 @@ from jaxamp._engine.compat import (
     while_params,
 )
 from jaxamp._engine.context import Context, Rule, Site
+from jaxamp._engine.jaxpr import param_matmuls
 from jaxamp._engine.op_rules import RuleCall, as_traced, first_order
-from jaxamp._engine.primitives import CALLS, REMAT
+from jaxamp._engine.primitives import CALLS, PARAM_READS, REMAT
 from jaxamp._engine.values import Value, cast, dtype_of, is_float, spec, widest
 
 __all__ = ["HIGHER_ORDER", "INLINE", "rule_table"]
 
 #: Calls evaluated in line, in the caller's context.
 INLINE = CALLS
+#: The longest scan ``Context.layers_in_place`` takes for a stack of layers (a longer one is a
+#: loop over data, an RNN's time steps: it stays a loop).
+LAYERS_AT_MOST = 256
+DOT = frozenset({"dot_general"})
 
 
 def inline(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
@@ -109,6 +114,9 @@ def _scan(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     nc, nk = p.num_consts, p.num_carry
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     live = [v.live() for v in init]
+    if ctx.layers_in_place and p.length <= LAYERS_AT_MOST and param_matmuls(
+            p.jaxpr, DOT, PARAM_READS, range(nc + nk, nc + nk + len(xs))):
+        return _layer_by_layer(ctx, p, consts, live, xs, site)
     x_specs = [jax.ShapeDtypeStruct(np.shape(v.val)[1:], v.dtype) for v in xs]
 
     def body_for(dtypes):
@@ -131,6 +139,22 @@ def _scan(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     carry, ys = lax.scan(f, [cast(v, d) for v, d in zip(init, dtypes)], [v.val for v in xs],
                          length=p.length, reverse=p.reverse, unroll=p.unroll)
     return [Value(o, False, False, site.region) for o in (*carry, *ys)]
+
+
+def _layer_by_layer(ctx: Context, p, consts, carry, xs, site: Site) -> list[Value]:
+    """A scan over stacked layers evaluated one iteration at a time in the current trace
+    (``Context.layers_in_place``): the carry as each iteration leaves it, each output of the
+    iterations stacked in their widest dtype."""
+    ys: list = [None] * p.length
+    for i in (reversed(range(p.length)) if p.reverse else range(p.length)):
+        x = [Value(v.val[i], v.stored, v.const, v.region) for v in xs]
+        outs = ctx.eval(p.jaxpr, None, [*consts, *carry, *x], site.region)
+        carry, ys[i] = outs[:p.num_carry], outs[p.num_carry:]
+    stacked = []
+    for column in zip(*ys):
+        dtype = widest([v.dtype for v in column]) if column[0].is_float else column[0].dtype
+        stacked.append(jnp.stack([cast(v, dtype) for v in column]))
+    return [*carry, *(Value(y, False, False, site.region) for y in stacked)]
 
 
 def while_loop(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:

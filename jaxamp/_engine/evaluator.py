@@ -58,10 +58,10 @@ class Evaluator:
                  marks: Marks | None = None, attention: Mapping[str, Any] | None = None,
                  f32_weight_grads: bool = False, share: bool = True, *,
                  matmul_ends: Mapping[int, str] | None = None,
-                 rules: Mapping[str, Rule] | None = None):
+                 rules: Mapping[str, Rule] | None = None, layers_in_place: bool = False):
         self.ctx = Context(policies, op_rules, marks=marks, attention=attention,
                            f32_weight_grads=f32_weight_grads, matmul_ends=matmul_ends,
-                           interpreter=self)
+                           interpreter=self, layers_in_place=layers_in_place)
         self.op_rules = op_rules
         self.rules = rule_table(op_rules) if rules is None else rules
         self.bodies: dict[Any, Body] = {}  # Body cache (see body() and cached_body())

@@ -363,11 +363,12 @@ def containing(j: Any, eqn) -> jcore.Jaxpr | None:
     return None
 
 
-def param_matmuls(j: Any, matmuls: frozenset[str],
-                  passes: frozenset[str]) -> list[tuple[Any, bool]]:
-    """The ``matmuls`` equations with an operand that is an input or const of ``j``, directly
-    or through ``passes`` only (reshape, transpose, convert), in execution order, each with
-    whether it sits in a loop body."""
+def param_matmuls(j: Any, matmuls: frozenset[str], passes: frozenset[str],
+                  inputs: Sequence[int] | None = None) -> list[tuple[Any, bool]]:
+    """The ``matmuls`` equations with an operand that is an input or const of ``j`` (only the
+    inputs at positions ``inputs``, and no const, where given), directly or through
+    ``passes`` only (reshape, transpose, convert), in execution order, each with whether it
+    sits in a loop body."""
     found: list[tuple[Any, bool]] = []
 
     def visit(jaxpr, consts_params: bool, params: set, in_loop: bool) -> None:
@@ -396,7 +397,10 @@ def param_matmuls(j: Any, matmuls: frozenset[str],
                 params.update(eqn.outvars)
 
     top = as_jaxpr(j)
-    visit(top, True, set(top.invars), False)
+    if inputs is None:
+        visit(top, True, set(top.invars), False)
+    else:
+        visit(top, False, {top.invars[i] for i in inputs}, False)
     return found
 
 
