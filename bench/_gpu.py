@@ -336,7 +336,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
         for name, r in runners.items():
             res["variants"][name].update(_rates(tokens, times[name], fpt, peak))
             res["variants"][name]["skipped_steps"] = r.skipped()
-            p = r.state.params if hasattr(r, "state") else r.params
+            p = r.state.params if hasattr(r, "state") else r.carry[0]
             res["variants"][name]["params_finite"] = bool(
                 jax.tree_util.tree_reduce(lambda a, x: a and bool(jnp.isfinite(x).all()), p,
                                           True))
