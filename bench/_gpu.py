@@ -147,14 +147,28 @@ def _footprint(ma: dict | None) -> int | None:  # memory_analysis' peak, else it
         + ma["temp_size_in_bytes"])
 
 
-def _rates(tokens: int, times: list[float], fpt: int, peak: float | None) -> dict:
-    from _steps import med
+def time_variants(res: dict, runners: dict, size: dict, round_key: str, warmup: int,
+                  hard_deadline: float) -> None:
+    """Times the built ``runners`` interleaved, in the repeats that fit before
+    ``hard_deadline`` (a round: each variant's ``round_key`` seconds): per variant step time,
+    tokens/s, MFU and the samples; ``res["timing"]``."""
+    from _steps import interleaved_runtime, med
 
-    tps = tokens / med(times)
-    return {"step_ms": med(times) * 1e3, "tokens_per_s": tps,
-            "model_tflops_per_s": fpt * tps / 1e12,
-            "mfu": fpt * tps / peak if peak else None,
-            "samples_ms": [round(t * 1e3, 3) for t in times]}
+    repeats = size["repeats"]
+    if runners:
+        per_round = sum(res["variants"][k][round_key] for k in runners)
+        repeats = fit_repeats(dict(size, warmup=warmup + 1), per_round,
+                              hard_deadline - time.monotonic() - 5)
+        wall = interleaved_runtime(runners, repeats=repeats, steps=size["steps"], warmup=warmup)
+        fpt, peak = res["flops_per_token"], res["peak_flops"]
+        for name, times in wall.items():
+            tps = size["batch"] * size["config"]["seq"] / med(times)
+            res["variants"][name].update(
+                step_ms=med(times) * 1e3, tokens_per_s=tps, model_tflops_per_s=fpt * tps / 1e12,
+                mfu=fpt * tps / peak if peak else None,
+                samples_ms=[round(t * 1e3, 3) for t in times])
+    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
+                     "steps": size["steps"], "warmup": size["warmup"]}
 
 
 def fit_repeats(size: dict, per_round_s: float, time_left_s: float) -> int:
@@ -175,11 +189,19 @@ def memory_dict(ma) -> dict:
     return out
 
 
-def metadata(mode: str, started: float) -> dict:
-    """Date, command, machine and versions, as this (JAX) process sees them."""
+def run_info(mode: str, started: float) -> dict:
+    """Date, command, mode and wall time of this run."""
     import datetime
-    import platform
     import shlex
+
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", *sys.argv]), "mode": mode,
+            "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def metadata(mode: str, started: float) -> dict:
+    """:func:`run_info`, machine and versions, as this (JAX) process sees them."""
+    import platform
 
     import flax
     import jax
@@ -189,11 +211,7 @@ def metadata(mode: str, started: float) -> dict:
     import jaxamp
 
     dev = jax.devices()[0]
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", *sys.argv]),
-        "mode": mode,
-        "wall_s": round(time.perf_counter() - started, 1),
+    return run_info(mode, started) | {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "machine": platform.machine(), "cpu_count": os.cpu_count(),
                     "backend": jax.default_backend(), "device_kind": dev.device_kind,
@@ -234,7 +252,7 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     """jaxamp and hand-cast variants in this process; written to ``out`` as they complete."""
     import jax
     import jax.numpy as jnp
-    from _steps import POLICIES, AmpRunner, HandRunner, interleaved_runtime, make_tx, setup
+    from _steps import POLICIES, AmpRunner, HandRunner, make_tx, setup
     from gpt import GPT, GPTConfig, flops_per_token, param_count
 
     import jaxamp
@@ -248,11 +266,10 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
                                                               "batch": batch_size},
                  "variants": {}, "complete": False}
     model, params, batch = setup(cfg, batch_size)
-    fpt = flops_per_token(cfg, params)
     peak, peak_note = peak_flops(dev.device_kind, dev.platform)
-    res.update(params=param_count(params), flops_per_token=fpt, peak_flops=peak,
-               peak_note=peak_note, flops_formula="6 * N + 12 * layers * d_model * seq "
-               "(N: parameters in matmuls; full T x T attention scores)")
+    res.update(params=param_count(params), flops_per_token=flops_per_token(cfg, params),
+               peak_flops=peak, peak_note=peak_note, flops_formula="6 * N + 12 * layers * "
+               "d_model * seq (N: parameters in matmuls; full T x T attention scores)")
     tx = make_tx()
     runners: dict = {}
     recompute = {"jaxamp-norecompute": False, "jaxamp-recompute": True}
@@ -326,22 +343,11 @@ def jax_side(size: dict, deadline: float, out: Path | None, hard_deadline: float
     res["process_peak_bytes_in_use"] = (stats or {}).get("peak_bytes_in_use")
     res["recompute_peak_memory"] = recompute_memory(res["variants"])
     _write(out, res)
-    repeats = size["repeats"]
-    if runners:
-        per_round = sum(res["variants"][k]["first_step_s"] for k in runners)
-        repeats = fit_repeats(size, per_round, hard_deadline - time.monotonic() - 5)
-        times = interleaved_runtime(runners, repeats=repeats, steps=size["steps"],
-                                       warmup=max(size["warmup"] - 1, 0))
-        tokens = batch_size * cfg.seq
-        for name, r in runners.items():
-            res["variants"][name].update(_rates(tokens, times[name], fpt, peak))
-            res["variants"][name]["skipped_steps"] = r.skipped()
-            p = r.state.params if hasattr(r, "state") else r.params
-            res["variants"][name]["params_finite"] = bool(
-                jax.tree_util.tree_reduce(lambda a, x: a and bool(jnp.isfinite(x).all()), p,
-                                          True))
-    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
-                     "steps": size["steps"], "warmup": size["warmup"]}
+    time_variants(res, runners, size, "first_step_s", max(size["warmup"] - 1, 0), hard_deadline)
+    for name, r in runners.items():
+        p = r.state.params if hasattr(r, "state") else r.carry[0]
+        res["variants"][name].update(skipped_steps=r.skipped(), params_finite=bool(
+            jax.tree_util.tree_reduce(lambda a, x: a and bool(jnp.isfinite(x).all()), p, True)))
     res["metadata"] = metadata("gpu-dry-run" if size is GPU_SIZES["dry"] else "gpu", started)
     res["complete"] = True
     _write(out, res)
@@ -388,7 +394,7 @@ def recompute_memory(variants: dict) -> dict:
 def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: float) -> dict:
     """PyTorch AMP variants in this process (JAX only builds the weights, on the CPU)."""
     import numpy as np
-    from _steps import interleaved_runtime, setup
+    from _steps import setup
     from gpt import GPTConfig, flops_per_token, param_count
 
     torch, why = import_torch()
@@ -409,11 +415,9 @@ def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: flo
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls, as XLA does
     _, params, batch = setup(cfg, batch_size)
-    fpt = flops_per_token(cfg, params)
-    kind = torch.cuda.get_device_name(0) if cuda else "cpu"
-    peak, peak_note = peak_flops(kind, "gpu" if cuda else "cpu")
-    res.update(params=param_count(params), flops_per_token=fpt, peak_flops=peak,
-               peak_note=peak_note,
+    peak, peak_note = peak_flops(res["device"], "gpu" if cuda else "cpu")
+    res.update(params=param_count(params), flops_per_token=flops_per_token(cfg, params),
+               peak_flops=peak, peak_note=peak_note,
                float32_matmul_precision=torch.get_float32_matmul_precision())
     batch_np = {k: np.asarray(v) for k, v in batch.items()}
     trainers: dict = {}
@@ -448,22 +452,11 @@ def torch_side(size: dict, deadline: float, out: Path | None, hard_deadline: flo
         trainers[name] = tr
         log(f"[gpu] {name}: first step (compile) {first:.1f} s")
         _write(out, res)
-    repeats = size["repeats"]
-    if trainers:
-        per_round = sum(res["variants"][k]["warm_step_s"] for k in trainers)
-        repeats = fit_repeats(dict(size, warmup=1), per_round,
-                              hard_deadline - time.monotonic() - 5)
-        times = interleaved_runtime(trainers, repeats=repeats, steps=size["steps"],
-                                       warmup=0)
-        tokens = batch_size * cfg.seq
-        for name, tr in trainers.items():
-            v = res["variants"][name]
-            v.update(_rates(tokens, times[name], fpt, peak))
-            v["final_loss_scale"] = (float(tr.scaler.get_scale()) if tr.scaler.is_enabled()
-                                     else None)
-            v["last_loss"] = float(tr.last_loss) if tr.last_loss is not None else None
-    res["timing"] = {"repeats": repeats, "repeats_planned": size["repeats"],
-                     "steps": size["steps"], "warmup": size["warmup"]}
+    time_variants(res, trainers, size, "warm_step_s", 0, hard_deadline)
+    for name, tr in trainers.items():
+        res["variants"][name].update(
+            final_loss_scale=float(tr.scaler.get_scale()) if tr.scaler.is_enabled() else None,
+            last_loss=float(tr.last_loss) if tr.last_loss is not None else None)
     res["complete"] = True
     _write(out, res)
     return res
@@ -541,13 +534,7 @@ def log(msg: str) -> None:
 
 def parent_metadata(jax_res: dict, torch_res: dict, dry: bool, started: float) -> dict:
     """The run's metadata; machine and versions as the JAX process saw them."""
-    import datetime
-    import shlex
-
-    meta = dict(jax_res.get("metadata") or {})
-    meta.update(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                command=shlex.join(["python", *sys.argv]), mode="gpu-dry-run" if dry else "gpu",
-                wall_s=round(time.perf_counter() - started, 1))
+    meta = (jax_res.get("metadata") or {}) | run_info("gpu-dry-run" if dry else "gpu", started)
     meta.setdefault("versions", {})["torch"] = torch_res.get("torch_version")
     return meta
 
@@ -659,6 +646,6 @@ def print_gpu_table(res: dict) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
     for key, t in (res.get("targets") or {}).items():
         if isinstance(t, dict):  # {"error": ...} where the targets could not be judged
-                print(f"target {key}: {t['what']} {t['target']}: "
+            print(f"target {key}: {t['what']} {t['target']}: "
                   f"{'n/a' if t['value'] is None else format(t['value'], '.3f')} -> "
                   f"{t['status']}")

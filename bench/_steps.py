@@ -50,10 +50,9 @@ def make_tx() -> optax.GradientTransformation:
     return optax.adamw(1e-3)
 
 
-def make_baseline_step(model, tx, policy: str, loss: Callable = lm_loss):
-    """Same autocast forward/backward as the AMP step; no loss scale, finite check or clip.
-    ``loss(apply_fn, params, batch)``: ``make_train_step``'s loss_fn."""
-    loss_fn = jaxamp.autocast(lambda params, batch: loss(model.apply, params, batch), policy)
+def make_baseline_step(model, tx, policy: str):
+    """Same autocast forward/backward as the AMP step; no loss scale, finite check or clip."""
+    loss_fn = jaxamp.autocast(lambda params, batch: lm_loss(model.apply, params, batch), policy)
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -63,23 +62,18 @@ def make_baseline_step(model, tx, policy: str, loss: Callable = lm_loss):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_amp_step(model, tx, policy: str, *, clip_norm: float | None = 1.0, op_rules=None,
-                  loss: Callable = lm_loss):
-    kw = {} if op_rules is None else {"op_rules": op_rules}
-    return jaxamp.make_train_step(model, loss, tx, policy=policy, clip_norm=clip_norm, **kw)
-
-
 def copy_tree(tree):
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 class AmpRunner:
-    """Threads a (donated) ``TrainState`` through ``steps`` calls of a ``make_train_step``."""
+    """Threads a (donated) ``TrainState`` through ``steps`` calls of ``jaxamp.make_train_step``
+    (``lm_loss``, clip 1.0; ``op_rules``: the default where None)."""
 
-    def __init__(self, model, params, tx, batch, policy, loss_scale, clip_norm=1.0,
-                 op_rules=None, loss: Callable = lm_loss):
-        self.step = make_amp_step(model, tx, policy, clip_norm=clip_norm, op_rules=op_rules,
-                                  loss=loss)
+    def __init__(self, model, params, tx, batch, policy, loss_scale, op_rules=None):
+        kw = {} if op_rules is None else {"op_rules": op_rules}
+        self.step = jaxamp.make_train_step(model, lm_loss, tx, policy=policy, clip_norm=1.0,
+                                           **kw)
         self.state = jaxamp.TrainState.create(model, copy_tree(params), tx, policy=policy,
                                               loss_scale=loss_scale)
         self.batch = batch
@@ -93,13 +87,6 @@ class AmpRunner:
 
     def skipped(self) -> int:
         return int(self.state.skipped_steps)
-
-
-def make_hand_step(cfg: GPTConfig, tx, compute: str, *, clip_norm: float = 1.0):
-    """The hand-written mixed-precision step a careful Flax user writes without jaxamp: the
-    ``dtype=`` twin (``gpt_handcast.HandCastGPT``) in :func:`hand_train_step`."""
-    return hand_train_step(handcast_loss(HandCastGPT(cfg, jnp.dtype(compute))), tx, compute,
-                           clip_norm=clip_norm)
 
 
 def hand_train_step(loss_fn: Callable, tx, compute: str, *, clip_norm: float = 1.0,
@@ -132,35 +119,38 @@ def hand_train_step(loss_fn: Callable, tx, compute: str, *, clip_norm: float = 1
     return jax.jit(step, donate_argnums=(0, 1, 2, 3))
 
 
-def hand_scale_state(compute: str) -> tuple:
-    if compute == "float16":
-        return (jnp.float32(2.0**16), jnp.zeros((), jnp.int32))
-    return ()
+def hand_carry(params, opt_state, compute: str) -> tuple:
+    """:func:`hand_train_step`'s state before its first step: ``(params, opt_state,
+    scale_state, skipped)``, jaxamp's initial float16 loss scale (2**16)."""
+    dynamic = compute == "float16"
+    scale_state = (jnp.float32(2.0**16), jnp.zeros((), jnp.int32)) if dynamic else ()
+    return params, opt_state, scale_state, jnp.zeros((), jnp.int32)
 
 
 class HandRunner:
-    """Threads the hand-written step's (donated) state through ``steps`` calls."""
+    """The hand-written mixed-precision step a careful Flax user writes without jaxamp (the
+    ``dtype=`` twin ``gpt_handcast.HandCastGPT`` in :func:`hand_train_step`); threads its
+    (donated) state through ``steps`` calls."""
 
     def __init__(self, cfg: GPTConfig, params, tx, batch, compute: str):
-        self.step = make_hand_step(cfg, tx, compute)
-        self.params = copy_tree(params)
-        self.opt_state = tx.init(self.params)
-        self.scale_state = hand_scale_state(compute)
-        self.skipped_count = jnp.zeros((), jnp.int32)
+        self.step = hand_train_step(handcast_loss(HandCastGPT(cfg, jnp.dtype(compute))), tx,
+                                    compute)
+        params = copy_tree(params)
+        self.carry = hand_carry(params, tx.init(params), compute)
         self.batch = batch
 
     def args(self) -> tuple:
-        return self.params, self.opt_state, self.scale_state, self.skipped_count, self.batch
+        return *self.carry, self.batch
 
     def __call__(self, steps: int) -> None:
-        p, o, ls, sk = self.params, self.opt_state, self.scale_state, self.skipped_count
+        carry = self.carry
         for _ in range(steps):
-            p, o, ls, sk, _ = self.step(p, o, ls, sk, self.batch)
-        jax.block_until_ready((p, o))
-        self.params, self.opt_state, self.scale_state, self.skipped_count = p, o, ls, sk
+            carry = self.step(*carry, self.batch)[:4]
+        jax.block_until_ready(carry[:2])
+        self.carry = carry
 
     def skipped(self) -> int:
-        return int(self.skipped_count)
+        return int(self.carry[3])
 
 
 _SETUP: dict = {}

@@ -41,8 +41,7 @@ def _fsdp(state, mesh):
         spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
         if "model" in spec or mesh.shape["data"] == 1:
             return x
-        dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
-        for d in dims:
+        for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
             if x.shape[d] % mesh.shape["data"] == 0 and spec[d] is None:
                 spec[d] = "data"
                 return jax.device_put(x, NamedSharding(mesh, P(*spec)))

@@ -58,19 +58,16 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         hd = d // self.heads
         qkv = nn.Dense(3 * d, kernel_init=INIT, name="qkv")(x)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q = q.reshape(b, t, self.heads, hd)
-        k = k.reshape(b, t, self.heads, hd)
-        v = v.reshape(b, t, self.heads, hd)
+        q, k, v = (z.reshape(b, t, self.heads, hd) for z in jnp.split(qkv, 3, axis=-1))
         if self.fused:  # looked up at call time, so autocast can re-dispatch it
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
-            return nn.Dense(d, kernel_init=INIT, name="proj")(out)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-        return nn.Dense(d, kernel_init=INIT, name="proj")(out)
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+            mask = jnp.tril(jnp.ones((t, t), bool))
+            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+            weights = jax.nn.softmax(scores, axis=-1)
+            out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return nn.Dense(d, kernel_init=INIT, name="proj")(out.reshape(b, t, d))
 
 
 class MLP(nn.Module):

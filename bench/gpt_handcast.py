@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from gpt import INIT, GPTConfig, lm_loss
 
-__all__ = ["HandCastGPT", "handcast_loss"]
+__all__ = ["HandCastGPT", "causal_attention", "handcast_loss"]
 
 F32 = jnp.float32
 
@@ -32,6 +32,26 @@ def attention_implementation() -> str | None:
     return "cudnn" if platform in ("gpu", "cuda") else None
 
 
+def causal_attention(qkv, heads: int, dtype, fused: bool = False):
+    """Causal attention from the fused projection ``[b, t, 3d]`` to ``[b, t, d]`` with the
+    casts: scores in ``dtype`` from the matmul, then mask and softmax in float32, ``weights @
+    V`` in ``dtype`` (``lm_handcast.py``'s too); ``fused``: ``jax.nn.dot_product_attention``
+    in ``dtype`` (cuDNN computes the softmax in float32 inside the kernel)."""
+    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    hd = d // heads
+    q, k, v = (z.reshape(b, t, heads, hd) for z in jnp.split(qkv, 3, axis=-1))
+    if fused:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=attention_implementation())
+        return out.reshape(b, t, d)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(hd), dtype)
+    scores = scores.astype(F32)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(mask, scores, jnp.finfo(F32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+
+
 class CausalSelfAttention(nn.Module):
     heads: int
     dtype: Any
@@ -39,24 +59,9 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        b, t, d = x.shape
-        hd = d // self.heads
+        d = x.shape[-1]
         qkv = nn.Dense(3 * d, kernel_init=INIT, dtype=self.dtype, name="qkv")(x)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q = q.reshape(b, t, self.heads, hd)
-        k = k.reshape(b, t, self.heads, hd)
-        v = v.reshape(b, t, self.heads, hd)
-        if self.fused:  # cuDNN computes the softmax in float32 inside the kernel
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation=attention_implementation())
-            return nn.Dense(d, kernel_init=INIT, dtype=self.dtype, name="proj")(
-                out.reshape(b, t, d))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(hd), self.dtype)
-        scores = scores.astype(F32)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(F32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        out = causal_attention(qkv, self.heads, self.dtype, self.fused)
         return nn.Dense(d, kernel_init=INIT, dtype=self.dtype, name="proj")(out)
 
 

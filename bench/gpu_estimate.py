@@ -120,11 +120,9 @@ def _bench_gpt(name: str, sds, device):
 def _hand(loss, tx, dt: str, sds, params, batch, **kw):
     """(lower thunk) of a hand-cast twin's plain jit step (``_steps.hand_train_step``)."""
     import jax
-    import jax.numpy as jnp
-    from _steps import hand_scale_state, hand_train_step
+    from _steps import hand_carry, hand_train_step
 
-    state = (params, jax.eval_shape(tx.init, params), hand_scale_state(dt),
-             jnp.zeros((), jnp.int32), batch)
+    state = (*hand_carry(params, jax.eval_shape(tx.init, params), dt), batch)
     return lambda: hand_train_step(loss, tx, dt, **kw).lower(*sds(state))
 
 

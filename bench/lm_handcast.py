@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 _EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 if _EXAMPLES not in sys.path:
     sys.path.insert(0, _EXAMPLES)
 
+from gpt_handcast import causal_attention  # noqa: E402 (the bench GPT twin's, same casts)
 from lm_model import GPTConfig  # noqa: E402
 
 __all__ = ["HandCastGPT", "causal_attention"]
@@ -39,20 +39,6 @@ INIT = nn.initializers.normal(stddev=0.02)
 def _proj_init(n_layer: int):
     """GPT-2's residual projections: std 0.02 / sqrt(2 * n_layer)."""
     return nn.initializers.normal(stddev=0.02 / math.sqrt(2 * n_layer))
-
-
-def causal_attention(qkv, n_head: int, dtype):
-    """``lm_model.causal_attention`` with the casts: scores in ``dtype`` from the matmul, then
-    mask and softmax in float32, ``weights @ V`` in ``dtype``."""
-    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    hd = d // n_head
-    q, k, v = (z.reshape(b, t, n_head, hd) for z in jnp.split(qkv, 3, axis=-1))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(hd), dtype)
-    scores = scores.astype(F32)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(F32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
 
 
 class CausalSelfAttention(nn.Module):

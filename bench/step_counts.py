@@ -17,7 +17,7 @@ import re
 import sys
 from collections import Counter
 
-from _steps import F16_POLICY, AmpRunner, make_amp_step, make_baseline_step, make_tx, setup
+from _steps import F16_POLICY, AmpRunner, make_baseline_step, make_tx, setup
 from gpt import GPTConfig
 
 import jaxamp
@@ -114,7 +114,7 @@ def counts(layers: int, *, d_model: int = 128, heads: int = 4, seq: int = 128,
     model, params, data = setup(cfg, batch)
     tx = make_tx()
     amp = AmpRunner(model, params, tx, data, F16_POLICY, jaxamp.DynamicLossScale())
-    lo_a = make_amp_step(model, tx, F16_POLICY).lower(amp.state, data)
+    lo_a = amp.step.lower(amp.state, data)
     lo_b = make_baseline_step(model, tx, F16_POLICY).lower(params, tx.init(params), data)
     return {"layers": layers, **counts_row((lo_a, lo_a.compile()), (lo_b, lo_b.compile()))}
 

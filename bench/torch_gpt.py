@@ -50,10 +50,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         hd = d // self.heads
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q = q.view(b, t, self.heads, hd).transpose(1, 2)  # [b, h, t, hd]
-        k = k.view(b, t, self.heads, hd).transpose(1, 2)
-        v = v.view(b, t, self.heads, hd).transpose(1, 2)
+        q, k, v = (z.view(b, t, self.heads, hd).transpose(1, 2)  # [b, h, t, hd]
+                   for z in self.qkv(x).split(d, dim=-1))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
         scores = scores.masked_fill(~self.mask[:t, :t], torch.finfo(scores.dtype).min)
         weights = scores.softmax(dim=-1)
@@ -193,10 +191,6 @@ class TorchTrainer:
         self.scaler.update()
         return loss.detach()
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def first(self) -> float:
         """The first step (``torch.compile``'s compile happens here); eager fallback."""
         t0 = time.perf_counter()
@@ -214,7 +208,8 @@ class TorchTrainer:
         loss = None
         for _ in range(steps):
             loss = self.step()
-        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.last_loss = loss
 
     @torch.no_grad()

@@ -37,20 +37,20 @@ import jaxamp
 F16_POLICY = "params=float32,compute=float16,output=float32"
 
 
-def specs(cfg: GPTConfig, batch: int):
+def pair(loss) -> dict:
+    """The plain and the autocast (float16) ``value_and_grad`` of ``loss(params, x)``."""
+    return {"plain": jax.value_and_grad(loss),
+            "autocast": jax.value_and_grad(jaxamp.autocast(loss, F16_POLICY))}
+
+
+def gpt_fns(cfg: GPTConfig, batch: int):
+    """:func:`pair` of the bench GPT's loss, abstract params and batch."""
     model = GPT(cfg)
     ids = jax.ShapeDtypeStruct((1, cfg.seq), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
     toks = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32)
-    return model, params, {"inputs": toks, "targets": toks}
-
-
-def builders(model, policy=F16_POLICY):
-    def plain(p, b):
-        return lm_loss(model.apply, p, b)
-
-    amp = jaxamp.autocast(plain, policy)
-    return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}
+    return pair(lambda p, b: lm_loss(model.apply, p, b)), params, {"inputs": toks,
+                                                                   "targets": toks}
 
 
 def nested_loss(depth: int):
@@ -70,12 +70,9 @@ def nested_loss(depth: int):
 
 
 def nested(depth: int, width: int = 256):
-    """The plain and autocast ``value_and_grad`` of :func:`nested_loss` and abstract inputs."""
-    plain = nested_loss(depth)
-    amp = jaxamp.autocast(plain, F16_POLICY)
+    """:func:`pair` of :func:`nested_loss`, abstract params and input."""
     params = {"w": jax.ShapeDtypeStruct((width, width), jnp.float32)}
-    x = jax.ShapeDtypeStruct((8, width), jnp.float32)
-    return {"plain": jax.value_and_grad(plain), "autocast": jax.value_and_grad(amp)}, params, x
+    return pair(nested_loss(depth)), params, jax.ShapeDtypeStruct((8, width), jnp.float32)
 
 
 def evaluations(fn, *args) -> int:
@@ -111,39 +108,28 @@ def call_count(fn, params, batch) -> int:
     return pstats.Stats(prof).total_calls
 
 
-def measure(cfg: GPTConfig, batch: int, repeats: int) -> dict:
-    model, params, b = specs(cfg, batch)
-    return {"layers": cfg.layers, **compare(builders(model), params, b, repeats)}
-
-
 def compare(fns: dict, params, b, repeats: int) -> dict:
-    names = list(fns)
-    samples = {k: {"trace": [], "lower": [], "cpu": []} for k in names}
+    """Medians of :func:`time_once` (``{plain,autocast}_{trace,lower,cpu}_s``, ``_s``: trace +
+    lower), per-repeat ratios, and :func:`call_count` of each."""
+    names, parts = list(fns), ("trace", "lower", "cpu")
+    samples = {k: {m: [] for m in parts} for k in names}
     for name in names:  # warm-up: imports, first-use caches
         time_once(fns[name], params, b)
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
-            tr, lo, cpu = time_once(fns[name], params, b)
-            samples[name]["trace"].append(tr)
-            samples[name]["lower"].append(lo)
-            samples[name]["cpu"].append(cpu)
+            for m, t in zip(parts, time_once(fns[name], params, b)):
+                samples[name][m].append(t)
     med = statistics.median
-    tot = {k: [a + c for a, c in zip(v["trace"], v["lower"])] for k, v in samples.items()}
-    calls = {name: call_count(fns[name], params, b) for name in names}
-    return {
-        "plain_calls": calls["plain"], "autocast_calls": calls["autocast"],
-        "calls_ratio": calls["autocast"] / calls["plain"],
-        "plain_s": med(tot["plain"]), "autocast_s": med(tot["autocast"]),
-        "plain_trace_s": med(samples["plain"]["trace"]),
-        "plain_lower_s": med(samples["plain"]["lower"]),
-        "autocast_trace_s": med(samples["autocast"]["trace"]),
-        "autocast_lower_s": med(samples["autocast"]["lower"]),
-        "ratio": med([a / p for a, p in zip(tot["autocast"], tot["plain"])]),
-        "plain_cpu_s": med(samples["plain"]["cpu"]),
-        "autocast_cpu_s": med(samples["autocast"]["cpu"]),
-        "cpu_ratio": med([a / p for a, p in zip(samples["autocast"]["cpu"],
-                                                samples["plain"]["cpu"])]),
-    }
+    for v in samples.values():
+        v["total"] = [a + c for a, c in zip(v["trace"], v["lower"])]
+    out = {}
+    for k in names:
+        out |= {f"{k}_calls": call_count(fns[k], params, b), f"{k}_s": med(samples[k]["total"]),
+                **{f"{k}_{m}_s": med(samples[k][m]) for m in parts}}
+    amp, plain = samples["autocast"], samples["plain"]
+    return out | {"calls_ratio": out["autocast_calls"] / out["plain_calls"],
+                  "ratio": med([a / p for a, p in zip(amp["total"], plain["total"])]),
+                  "cpu_ratio": med([a / p for a, p in zip(amp["cpu"], plain["cpu"])])}
 
 
 def main() -> None:
@@ -158,38 +144,29 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--batch", type=int, default=8)
     a = ap.parse_args()
-    if a.model == "nested":
-        return main_nested(a)
+    deep = a.model == "nested"
+    print("| depth | evaluations of the busiest jaxpr | plain s | autocast s |" if deep else
+          "| layers | plain s (trace+lower) | autocast s (trace+lower) |",
+          "ratio | CPU-time ratio | calls ratio |")
+    print("|---" * (7 if deep else 6) + "|")
     rows = []
-    print("| layers | plain s (trace+lower) | autocast s (trace+lower) | ratio | CPU-time ratio | "
-          "calls ratio |")
-    print("|---|---|---|---|---|---|")
-    for n in a.layers:
-        cfg = GPTConfig(layers=n, d_model=a.d_model, heads=a.heads, seq=a.seq, vocab=a.vocab)
-        row = measure(cfg, a.batch, a.repeats)
+    for n in a.depth if deep else a.layers:
+        if deep:
+            fns, params, x = nested(n)
+            row = {"depth": n, "evaluations": evaluations(fns["autocast"], params, x),
+                   **compare(fns, params, x, a.repeats)}
+            cells = (f"| {n} | {row['evaluations']} | {row['plain_s']:.3f} | "
+                     f"{row['autocast_s']:.3f}")
+        else:
+            cfg = GPTConfig(layers=n, d_model=a.d_model, heads=a.heads, seq=a.seq, vocab=a.vocab)
+            row = {"layers": n, **compare(*gpt_fns(cfg, a.batch), a.repeats)}
+            cells = (f"| {n} | {row['plain_s']:.2f} ({row['plain_trace_s']:.2f}+"
+                     f"{row['plain_lower_s']:.2f}) | {row['autocast_s']:.2f} "
+                     f"({row['autocast_trace_s']:.2f}+{row['autocast_lower_s']:.2f})")
         rows.append(row)
-        print(f"| {n} | {row['plain_s']:.2f} ({row['plain_trace_s']:.2f}+"
-              f"{row['plain_lower_s']:.2f}) | {row['autocast_s']:.2f} "
-              f"({row['autocast_trace_s']:.2f}+{row['autocast_lower_s']:.2f}) | "
-              f"{row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | {row['calls_ratio']:.3f}x |",
-              flush=True)
-    print(json.dumps({"jax": jax.__version__, "model": a.model, "rows": rows}))
-
-
-def main_nested(a) -> None:
-    rows = []
-    print("| depth | evaluations of the busiest jaxpr | plain s | autocast s | ratio | "
-          "CPU-time ratio | calls ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for depth in a.depth:
-        fns, params, x = nested(depth)
-        row = {"depth": depth, "evaluations": evaluations(fns["autocast"], params, x),
-               **compare(fns, params, x, a.repeats)}
-        rows.append(row)
-        print(f"| {depth} | {row['evaluations']} | {row['plain_s']:.3f} | "
-              f"{row['autocast_s']:.3f} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
+        print(f"{cells} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
               f"{row['calls_ratio']:.3f}x |", flush=True)
-    print(json.dumps({"jax": jax.__version__, "model": "nested", "rows": rows}))
+    print(json.dumps({"jax": jax.__version__, "model": a.model, "rows": rows}))
 
 
 if __name__ == "__main__":
