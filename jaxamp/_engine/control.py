@@ -114,7 +114,7 @@ def _scan(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     nc, nk = p.num_consts, p.num_carry
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     live = [v.live() for v in init]
-    if ctx.layers_in_place and p.length <= LAYERS_AT_MOST and param_matmuls(
+    if ctx.layers_in_place and 0 < p.length <= LAYERS_AT_MOST and param_matmuls(
             p.jaxpr, DOT, PARAM_READS, range(nc + nk, nc + nk + len(xs))):
         return _layer_by_layer(ctx, p, consts, live, xs, site)
     x_specs = [jax.ShapeDtypeStruct(np.shape(v.val)[1:], v.dtype) for v in xs]
