@@ -21,8 +21,8 @@ import pytest
 import jaxamp
 from jaxamp._engine.compat import name_scopes
 from jaxamp._engine.context import MARKS
-from jaxamp._engine.jaxpr import iter_eqns
-from jaxamp.fp8 import DelayedScaling, FP8Matmuls, fp8_delayed_dot_general
+from jaxamp._engine.jaxpr import duplicate_casts, iter_eqns, lossy_round_trips
+from jaxamp.fp8 import DelayedScaling, FP8Matmuls, delayed_scope, fp8_delayed_dot_general
 from jaxamp.policy import fp8_recipe, get_policy, policy_to_str
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -398,6 +398,34 @@ def test_nnx_scanned_layers_keep_a_history_each():
     new, metrics = step(state, batch)
     assert not bool(metrics["skipped"])
     assert all(float(new.opt_state.fp8[k][0, 1]) > 0 for k in layers)  # pushed per layer
+
+
+def test_the_example_gpt_evaluated_layer_by_layer_casts_each_value_once():
+    """The cast checks on a model with ``nn.scan`` blocks and attention (the example's GPT,
+    ``test`` preset) evaluated layer by layer under delayed scaling: no value cast twice, no
+    float32 -> low -> float32 round trip, no cast between two low dtypes."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    import lm_model
+
+    model, params = lm_model.init_params(lm_model.PRESETS["test"])
+    ids = jax.random.randint(jax.random.key(0), (2, 33), 0, 256)
+    batch = {"x": ids[:, :-1], "y": ids[:, 1:]}
+
+    def loss(apply_fn, params, b):
+        return jaxamp.softmax_cross_entropy(apply_fn({"params": params}, b["x"]), b["y"])
+
+    step = jaxamp.make_train_step(model, loss, op_rules=_rules(), donate=False)
+    state = step.calibrate(jaxamp.TrainState.create(model, params, optax.sgd(0.1),
+                                                    policy=DELAYED), batch)
+    assert len(state.opt_state.fp8) == 9  # 4 projections x 2 layers, and the head
+    amp = jaxamp.autocast(model.apply, DELAYED, op_rules=_rules())
+    with delayed_scope(state.opt_state.fp8):
+        jaxpr = jax.make_jaxpr(lambda p, x: amp({"params": p}, x))(params, batch["x"])
+    assert duplicate_casts(jaxpr) == [] and lossy_round_trips(jaxpr) == []
+    low = {"bfloat16", "float16"}
+    assert not [e for e in iter_eqns(jaxpr) if e.primitive.name == "convert_element_type"
+                and {str(e.invars[0].aval.dtype), str(e.params["new_dtype"])} <= low
+                and e.invars[0].aval.dtype != e.params["new_dtype"]]
 
 
 def test_a_matmul_in_a_loop_over_shared_weights_falls_back_to_current_and_says_so():
