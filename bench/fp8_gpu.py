@@ -8,7 +8,12 @@ calls compiled) and ``f16_fallback``, the f16 GEMMs that the bf16 step does not 
 silent ``TurnF8DotIntoF16Dot``); ``tokens_per_s`` of both steps (interleaved, medians).
 A claim only once run on a GPU (``bash bench/gpu.sh OUTDIR``, stage ``fp8``).
 
-Usage: ``python bench/fp8_gpu.py --json OUT.json [--cpu-dry-run]`` (toy sizes on CPU)
+``--llama-layers N`` (key ``llama_recipes``): ``bench/gpu_estimate.py --model llama-fp8-fused
+--d-model 2048``'s model (tunix's Llama3, fused attention, batch 4 x 2048) cut to N layers, its
+bf16 step and each ``fp8=`` recipe (default eligibility) timed side by side, each beside the
+estimate of the program it ran and its planned/formed FP8 GEMMs. ``--cpu-dry-run``: both parts
+at toy size. Usage: ``python bench/fp8_gpu.py --json OUT.json [--cpu-dry-run] [--shapes S]``
+``[--llama-layers N]`` (``--shapes ''``: the Llama3 alone).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from _steps import interleaved_runtime, med  # noqa: E402
 from gpt import GPT, GPTConfig, init, lm_loss, make_batch  # noqa: E402
+from gpu_estimate import LLAMA, LLAMA_SHAPES, _llama  # noqa: E402
 
 import jaxamp  # noqa: E402
 from jaxamp.diagnostics._hlo import find_gemms  # noqa: E402
+from jaxamp.diagnostics.gpu import GpuProgram  # noqa: E402
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 FP8 = BF16 + ",matmul=float8"
@@ -38,62 +45,77 @@ SHAPES = {  # name -> (config, batch)
 }
 DRY_SHAPES = {"gpt2-small": (GPTConfig(layers=2, d_model=64, heads=2, seq=32), 2),
               "d2048": (GPTConfig(layers=1, d_model=128, heads=2, seq=32), 2)}
+RECIPES = tuple(f"jaxamp{s}/bfloat16" for s in ("", "-fp8", "-fp8dl", "-fp8rw"))
+LLAMA_SHAPES[64] = (dict(LLAMA, vocab_size=256, embed_dim=64, hidden_dim=128, head_dim=16), 2, 32)
 
 
-def _f16(gemms) -> int:
-    return sum(1 for g in gemms if "f16" in g.operand_dtypes)
+def _timed(variants: dict, steps: int, repeats: int) -> tuple[dict, dict]:
+    """``{label: (step, state, batch)}``, each compiled once, timed side by side (interleaved,
+    medians) beside the roofline estimate of the program that ran (``GpuProgram.read`` with the
+    device's rates; on CPU an H200's, meaningless) and its planned/formed FP8 GEMMs (formed: on
+    a GPU), as :func:`jaxamp.fp8_gemms` counts them -> (figures, ``{label: GpuProgram}``)."""
+    gpu, out, progs, runs = jax.default_backend() == "gpu", {}, {}, {}
+    for label, (step, state, batch) in variants.items():
+        t0 = time.perf_counter()
+        compiled = (lowered := step.lower(state, batch)).compile()
+        prog = progs[label] = GpuProgram.read(compiled, jax.devices()[0] if gpu else "h200",
+                                              lowered=lowered)
+        out[label] = {"compile_s": time.perf_counter() - t0, "fp8_planned": prog.fp8_planned,
+                      "fp8_formed": prog.fp8_formed if gpu else None, "fp8_formed_flops_share":
+                      prog.fp8_formed_flops / max(prog.fp8_planned_flops, 1) if gpu else None}
+        box = [state]  # run(n) threads the (donated) state through n calls
+        def run(n, box=box, compiled=compiled, batch=batch):
+            for _ in range(n):
+                box[0], m = compiled(box[0], batch)
+            jax.block_until_ready(m["loss"])
+        runs[label] = run
+    wall = interleaved_runtime(runs, repeats=repeats, steps=steps, warmup=1)
+    for label, r in out.items():
+        ms, est = 1e3 * med(wall[label]), 1e3 * progs[label].estimated_seconds
+        r |= {"step_ms": ms, "estimated_ms": est, "measured_over_estimated": ms / est,
+              "tokens_per_s": variants[label][2]["inputs"].size / ms * 1e3}
+    return out, progs
 
 
-def measure(name: str, cfg: GPTConfig, batch_size: int, *, dry: bool, steps: int,
-            repeats: int) -> dict:
-    model = GPT(cfg)
-    params = init(model, cfg)
-    batch = make_batch(cfg, batch_size)
-    tx = optax.adamw(1e-4)
-    rules = jaxamp.DEFAULT_OP_RULES
+def llama_recipes(dry: bool, layers: int, steps: int, repeats: int) -> dict:
+    """:data:`RECIPES` (gpu_estimate.py's bf16, current, delayed, rowwise) on its fused-attention
+    Llama3 at d 2048 (``dry``: d 64, every aligned matmul FP8 but the first and the head)."""
+    d = 64 if dry else 2048
+    out, progs = _timed({name: _llama(name.replace("/", "all/") if dry and "fp8" in name
+                                      else name, None, None, d, layers, "fused", run=True)
+                         for name in RECIPES}, steps, repeats)
+    for r in out.values():
+        r["over_bf16"] = r["tokens_per_s"] / out[RECIPES[0]]["tokens_per_s"]
+    return {"config": dict(LLAMA_SHAPES[d][0], num_layers=layers, attention="fused"), "variants":
+            out, "batch": LLAMA_SHAPES[d][1:], "estimate_target": progs[RECIPES[0]].target.source}
+
+
+def measure(cfg: GPTConfig, batch_size: int, *, dry: bool, steps: int, repeats: int) -> dict:
+    model, tx, rules = GPT(cfg), optax.adamw(1e-4), jaxamp.DEFAULT_OP_RULES
+    params, batch = init(model, cfg), make_batch(cfg, batch_size)
     if dry:  # toy sizes are below the size threshold: let every aligned matmul be FP8
         rules = rules.extend(handlers={"dot_general": jaxamp.FP8Matmuls(small=(0, 0), min_size=0)})
-    out: dict = {"config": vars(cfg) | {"batch": batch_size}}
-    states, steps_fn, gemms = {}, {}, {}
-    for label, policy in (("bf16", BF16), ("fp8", FP8)):
-        state = jaxamp.TrainState.create(model, params, tx, policy=policy)
-        step = jaxamp.make_train_step(model, lm_loss, tx, policy=policy, op_rules=rules,
-                                      donate=False)
-        t0 = time.perf_counter()
-        compiled = step.lower(state, batch).compile()
-        out[f"{label}_compile_s"] = time.perf_counter() - t0
-        gemms[label] = find_gemms(compiled.as_text())
-        states[label], steps_fn[label] = state, step
-        if label == "fp8":
-            with_warning = jaxamp.fp8_gemms(step, state, batch)
-            out["hlo"] = with_warning | {
-                "fp8_gemm_calls_by_library": sorted(
-                    {(g.library, g.target) for g in gemms[label]
-                     if any(d and d.startswith("f8") for d in g.operand_dtypes)}),
-                "f16_fallback": _f16(gemms["fp8"]) - _f16(gemms["bf16"]),
-                "ok": (with_warning["fused"] == with_warning["planned"]
-                       and _f16(gemms["fp8"]) == _f16(gemms["bf16"]))
-                if with_warning["checked"] else None,
-            }
+    variants = {label: (jaxamp.make_train_step(model, lm_loss, tx, policy=policy, op_rules=rules,
+                                               donate=False),
+                        jaxamp.TrainState.create(model, params, tx, policy=policy), batch)
+                for label, policy in (("bf16", BF16), ("fp8", FP8))}
+    w = jaxamp.fp8_gemms(*variants["fp8"])  # warns where a planned FP8 dot formed no FP8 GEMM
+    timed, progs = _timed(variants, steps, repeats)
+    gemms = {label: find_gemms(prog.hlo) for label, prog in progs.items()}
+    f16 = sum("f16" in g.operand_dtypes for g in gemms["fp8"]) - sum(
+        "f16" in g.operand_dtypes for g in gemms["bf16"])  # XLA's silent TurnF8DotIntoF16Dot
+    out: dict = {"config": vars(cfg) | {"batch": batch_size}, "hlo": w | {
+        "fp8_gemm_calls_by_library": sorted({(g.library, g.target) for g in gemms["fp8"]
+                                             if any(d and d.startswith("f8")
+                                                    for d in g.operand_dtypes)}),
+        "f16_fallback": f16, "ok": w["fused"] == w["planned"] and not f16 if w["checked"]
+        else None}} | {f"{k}_{x}": r[x] for k, r in timed.items() for x in ("compile_s",
+                                                                             "tokens_per_s")}
     report = jaxamp.audit(lambda p, b: lm_loss(model.apply, p, b), params, batch, policy=FP8,
                           op_rules=rules)
     out["matmuls"] = {"fp8": sum(m["fp8"] == "yes" for m in report.matmuls),
                       "all": len(report.matmuls),
                       "why_not": sorted({m["reason"] for m in report.matmuls} - {""})}
-
-    def runner(label):
-        def run(n):
-            s = states[label]
-            for _ in range(n):
-                s, m = steps_fn[label](s, batch)
-            jax.block_until_ready(m["loss"])
-        return run
-
-    wall = interleaved_runtime({k: runner(k) for k in ("bf16", "fp8")}, repeats=repeats,
-                                  steps=steps, warmup=1)
-    tokens = batch_size * cfg.seq
-    for label in ("bf16", "fp8"):
-        out[f"{label}_tokens_per_s"] = tokens / med(wall[label])
     out["fp8_over_bf16_tokens_per_s"] = out["fp8_tokens_per_s"] / out["bf16_tokens_per_s"]
     return out
 
@@ -102,25 +124,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="where the results go")
     ap.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on CPU")
-    ap.add_argument("--shapes", default="gpt2-small,d2048")
+    ap.add_argument("--shapes", default="gpt2-small,d2048", help="bench GPT shapes ('': none)")
+    ap.add_argument("--llama-layers", type=int, default=0,
+                    help="time the FP8 recipes on the Llama3 of N layers (0: not; dry run: 2)")
     args = ap.parse_args(argv)
-    dry = args.cpu_dry_run
-    table = DRY_SHAPES if dry else SHAPES
+    table = DRY_SHAPES if (dry := args.cpu_dry_run) else SHAPES
+    steps, repeats = (2, 2) if dry else (10, 5)
     results = {"backend": jax.default_backend(), "dry_run": dry,
-               "device": str(jax.devices()[0].device_kind), "shapes": {},
-               "command": "python bench/fp8_gpu.py --json OUT.json" + (" --cpu-dry-run"
-                                                                      if dry else "")}
-    for name in args.shapes.split(","):
-        cfg, b = table[name]
-        results["shapes"][name] = measure(name, cfg, b, dry=dry, steps=2 if dry else 10,
-                                          repeats=2 if dry else 5)
+               "device": str(jax.devices()[0].device_kind), "shapes": {}, "command": " ".join(
+                   ["python bench/fp8_gpu.py", *(sys.argv[1:] if argv is None else argv)])}
+    for name in filter(None, args.shapes.split(",")):
+        results["shapes"][name] = measure(*table[name], dry=dry, steps=steps, repeats=repeats)
         print(json.dumps({name: results["shapes"][name]}, default=str), flush=True)
+    if args.llama_layers or dry:
+        results["llama_recipes"] = llama_recipes(dry, args.llama_layers or 2, steps, repeats)
     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     for name, r in results["shapes"].items():
         print(f"{name}: FP8 GEMMs planned {r['hlo']['planned']}, fused {r['hlo']['fused']}, "
               f"f16 fallback {r['hlo']['f16_fallback']}; tokens/s bf16 "
               f"{r['bf16_tokens_per_s']:.0f} fp8 {r['fp8_tokens_per_s']:.0f} "
               f"(x{r['fp8_over_bf16_tokens_per_s']:.2f})")
+    for name, r in results.get("llama_recipes", {}).get("variants", {}).items():
+        print(f"llama {name}: {r['tokens_per_s']:.0f} tokens/s (x{r['over_bf16']:.3f}), "
+              f"{r['step_ms']:.2f} ms, est. {r['estimated_ms']:.2f}; FP8 GEMMs planned "
+              f"{r['fp8_planned']}, formed {r['fp8_formed']}")
     return 0
 
 

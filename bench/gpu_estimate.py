@@ -20,17 +20,16 @@ the same with ``fp8=rowwise``, ``fp8=delayed``; a delayed step is lowered on the
 first call makes, ``step.calibrate``), ``--d-model 2048`` for Llama 3.2 1B (16 layers, MLP 8192,
 32/8 heads, vocabulary 128256, tied head) at batch 4 x 2048, ``--d-model 4096`` for Llama 3.1
 8B's layers (MLP 14336, head 128, untied head; ``--layers 16`` fits AdamW on one H200),
-``--layers`` to cut layers;
-``llama-fp8-fused``: the same with the attention as ``jax.nn.dot_product_attention`` (cuDNN's
-fused attention; tunix writes it out with float32 scores). A
-``hand/...`` variant is the twin's plain ``jax.jit`` step (``bench/_steps.py``'s
-``hand_train_step``). Ratios are to ``hand/bfloat16``, else ``jaxamp-norecompute/bfloat16``,
-else ``jaxamp/bfloat16``. GEMMs as cuBLAS calls (no autotuner without a GPU; ``--triton-gemm``
-for XLA's untuned Triton tiles). ``mfu``: ``model_flops`` (the model file's
-``flops_per_token``, ``6 N + 12 L d T``, times the step's tokens; None for the Llamas) over the
-estimated time and the target's dense bf16 peak; the estimate reads 0.63-0.74x of measured step
-times, so it is 1.35-1.6x a measured MFU. ``attention_kernels``: cuDNN fused-attention calls per
-step by target and dtypes; ``ms_by_part``: :func:`breakdown`.
+``--layers`` to cut layers; ``llama-fp8-fused``: the same with the attention as
+``jax.nn.dot_product_attention`` (cuDNN's fused attention; tunix writes it out with float32 scores;
+``bench/fp8_gpu.py --llama-layers N`` times its recipes on a GPU). A ``hand/...`` variant is the
+twin's plain ``jax.jit`` step (``bench/_steps.py``'s ``hand_train_step``). Ratios are to
+``hand/bfloat16``, else ``jaxamp-norecompute/bfloat16``, else ``jaxamp/bfloat16``. GEMMs as cuBLAS
+calls (no autotuner without a GPU; ``--triton-gemm`` for XLA's untuned Triton tiles). ``mfu``:
+``model_flops`` (the model file's ``flops_per_token``, ``6 N + 12 L d T``, times the step's tokens;
+None for the Llamas) over the estimated time and the target's dense bf16 peak; the estimate reads
+0.63-0.74x of measured step times, so it is 1.35-1.6x a measured MFU. ``attention_kernels``: cuDNN
+fused-attention calls per step by target and dtypes; ``ms_by_part``: :func:`breakdown`.
 """
 
 from __future__ import annotations
@@ -183,10 +182,11 @@ def _fused_block(self, x, segment_pos, cache, attn_mask):
 
 
 def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None,
-           attention: str = "manual"):
+           attention: str = "manual", run: bool = False):
     """tunix's Llama3 (NNX) at ``LLAMA_SHAPES[d_model]`` under jaxamp's step, as its users run
     it (``jaxamp-fp8*``: with ``matmul=float8``); or its hand-cast twin in a plain jit step
-    (``hand/...``)."""
+    (``hand/...``). ``run``: the jaxamp step's ``(step, state, batch)`` of real arrays, to be
+    timed (``bench/fp8_gpu.py``), instead of the lower thunk of their shapes."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -204,14 +204,19 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
     side, dt = name.split("/")
     shape, batch_size, seq = LLAMA_SHAPES[d_model]
     config = m.ModelConfig(**dict(shape, num_layers=layers or shape["num_layers"]))
-    ids = jax.ShapeDtypeStruct((batch_size, seq), jnp.int32)  # shapes only: lowered, not run
+    build = (lambda f, *a: f(*a)) if run else jax.eval_shape  # shapes only: lowered, not run
 
     def loss(model, batch):
         logits, _ = model(batch["inputs"], batch["positions"], None, batch["mask"])
         return jaxamp.softmax_cross_entropy(logits, batch["targets"])
 
-    batch = {"inputs": ids, "targets": ids, "positions": ids,
-             "mask": jax.ShapeDtypeStruct((batch_size, seq, seq), bool)}
+    def make_batch():
+        ids = jax.random.randint(jax.random.key(0), (batch_size, seq), 0, config.vocab_size)
+        return {"inputs": ids, "targets": jnp.roll(ids, -1, 1),
+                "positions": jnp.broadcast_to(jnp.arange(seq), ids.shape),
+                "mask": jnp.broadcast_to(jnp.tri(seq, dtype=bool), (batch_size, seq, seq))}
+
+    batch = build(make_batch)
     if side == "hand":  # the dtype= twin in a plain jit step: same loss, AdamW, clip
         from llama_handcast import HandCastLlama3
 
@@ -221,12 +226,12 @@ def _llama(name: str, sds, device, d_model: int = 768, layers: int | None = None
                      params, batch, clip_norm=1.0)
     policy = POLICY[dt] + (FP8 if side.startswith("jaxamp-fp8") else "") + RECIPES.get(
         side.removesuffix("all").removesuffix("every"), "")
-    state = jax.eval_shape(lambda: jaxamp.TrainState.create(
+    state = build(lambda: jaxamp.TrainState.create(
         m.Llama3(config, rngs=nnx.Rngs(0)), tx=optax.adamw(1e-3), policy=policy))
     step = jaxamp.make_train_step(loss_fn=loss, clip_norm=1.0, op_rules=_rules(side))
     if side.startswith("jaxamp-fp8dl"):  # with the amax histories the first call makes
-        state = jax.eval_shape(step.calibrate, state, batch)
-    return lambda: step.lower(sds(state), sds(batch))
+        state = build(step.calibrate, state, batch)
+    return (step, state, batch) if run else lambda: step.lower(sds(state), sds(batch))
 
 
 BUILDERS = {"bench-gpt": _bench_gpt, "example": _example, "llama": _llama, "llama-fp8": _llama,
@@ -253,8 +258,7 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str], **shape) -
             lower = BUILDERS[model](name, sds, device, **shape)
             with jax.default_device(device):
                 lowered = lower()
-            compiled = lowered.compile(
-                compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
+            compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
         except Exception as e:  # a variant this code cannot build
             base.with_suffix(".json").write_text(
                 json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))
@@ -267,8 +271,7 @@ def child(out: Path, triton_gemm: bool, model: str, names: list[str], **shape) -
             "temp": ma.temp_size_in_bytes, "argument": ma.argument_size_in_bytes,
             "output": ma.output_size_in_bytes, "alias": ma.alias_size_in_bytes,
             "compile_s": round(time.perf_counter() - t0, 1)}))
-        print(f"[estimate] {name}: compiled in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        print(f"[estimate] {name}: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
 def compile_tree(tree: Path, out: Path, model: str, names: list[str], args: list[str]) -> None:

@@ -67,6 +67,16 @@ def test_files(dry_run):
     for r in fp8["shapes"].values():  # planned FP8 GEMMs counted; the check needs a GPU
         assert r["hlo"]["planned"] > 0 and r["hlo"]["checked"] is False
         assert r["fp8_tokens_per_s"] > 0 and r["bf16_tokens_per_s"] > 0
+    # the FP8 recipes on gpu_estimate.py's fused-attention Llama3 (toy size here), each beside
+    # the estimate of the program it ran; formed FP8 GEMMs (planned == formed) need a GPU
+    llama = fp8["llama_recipes"]
+    assert list(llama["variants"]) == ["jaxamp/bfloat16", "jaxamp-fp8/bfloat16",
+                                       "jaxamp-fp8dl/bfloat16", "jaxamp-fp8rw/bfloat16"]
+    assert llama["config"]["attention"] == "fused" and llama["config"]["num_layers"] == 2
+    for name, r in llama["variants"].items():
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["estimated_ms"] > 0, name
+        assert r["fp8_formed"] is None and r["measured_over_estimated"] > 0, name
+        assert (r["fp8_planned"] > 0) == ("fp8" in name), name
 
 
 def test_stages_and_env(dry_run):
