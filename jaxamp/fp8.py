@@ -236,8 +236,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *, comput
     E4M3 operands with per-tensor current scales forward (DEFAULT precision), the output
     gradient in E5M2 for dgrad and wgrad (HIGHEST); the result in ``compute_dtype``, each
     operand's gradient in its own dtype. ``recipe="rowwise"`` scales each row instead, with an
-    E4M3 output gradient (see the module's docstring; no batch dimensions; ``shards`` is then moot: a row's scale needs no
-    other device's rows).
+    E4M3 output gradient (see the module's docstring; no batch dimensions; ``shards`` is then
+    moot: a row's scale needs no other device's rows).
 
     Args:
       lhs, rhs: float operands (any float dtype; quantised from it).
