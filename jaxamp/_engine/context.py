@@ -1,7 +1,7 @@
-"""What a rule or a planner sees of one autocast evaluation (:class:`Context`), the shared
-types of the rules (:class:`Site`, :data:`Rule`) and sub-programs (:class:`Body`), and the
-marks a call leaves in the name stack (:class:`Marks`). A rule never sees the interpreter.
-This module imports only leaves; the rule modules and planners import it.
+"""What a rule sees of one autocast evaluation (:class:`Context`), the shared types of the
+rules (:class:`Site`, :data:`Rule`) and sub-programs (:class:`Body`), and the marks a call
+leaves in the name stack (:class:`Marks`). A rule never sees the interpreter, a planner only
+what it reads. This module imports only leaves; the rule modules and ``recompute`` import it.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Body:
 
 
 class Context:
-    """What rules and planners see of one autocast evaluation.
+    """What rules see of one autocast evaluation (planners: :class:`sharing.Facts` of it).
 
     Args:
       policies: region id -> its policy (None: a module call without a rule).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.extend.core as jcore
@@ -43,6 +43,14 @@ def _computes_f32(eqn, op_rules: OpRules, wants: set) -> bool:
     return False
 
 
+def _cached(cache: dict, key, jaxpr, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in ``cache`` under ``key`` (which names ``jaxpr`` by id) for ``jaxpr``."""
+    known = cache.get(key)
+    if known is None or known[0] is not jaxpr:
+        known = cache[key] = (jaxpr, make())
+    return known[1]
+
+
 def wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) -> set:
     """Vars whose every consumer computes in float32 (so they are best computed in float32)."""
     return all_consumers_accept(jaxpr, lambda eqn, wants: _computes_f32(eqn, op_rules, wants),
@@ -52,7 +60,8 @@ def wants_f32(jaxpr: jcore.Jaxpr, op_rules: OpRules, out_wants: Sequence[bool]) 
 class Evaluator:
     """Re-evaluates a traced jaxpr with each equation in its autocast dtype: the interpreter.
     It owns the rule table (primitive name -> rule; else the op class's rule) and the caches
-    (bodies, sharing and recompute plans); rules and planners see only its :attr:`ctx`."""
+    (bodies, program keys, sharing and recompute plans); rules see only its :attr:`ctx`, the
+    planners (pure functions) only what they read of it (:attr:`facts`)."""
 
     def __init__(self, policies: Sequence[jmp.Policy | None], op_rules: OpRules,
                  marks: Marks | None = None, attention: Mapping[str, Any] | None = None,
@@ -66,10 +75,13 @@ class Evaluator:
         self.rules = rule_table(op_rules) if rules is None else rules
         self.bodies: dict[Any, Body] = {}  # Body cache (see body() and cached_body())
         self.evaluations: collections.Counter = collections.Counter()  # id(jaxpr) -> count
-        self.sharing = sharing.Sharing(self.ctx)
+        marks = self.ctx.marks
+        self.facts = sharing.Facts(marks.regions, marks.scope_of, marks.by_scope, policies,
+                                   self.ctx.attention, self.ctx.matmul_ends)
         self.share = share  # evaluate repeated module calls once (see jaxamp._engine.sharing)
+        self.program_keys: dict = {}  # id(jaxpr) -> (it, sharing.program_key's)
         self.recompute_memo: dict = {}  # id(sub-program) -> (it, recomputable)
-        self.segment_plans: dict = {}  # id(jaxpr) -> (jaxpr, taken starts, segments)
+        self.plans: dict = {}  # (planner, id(jaxpr), ...) -> (jaxpr, its plan): _cached
 
     def computes_f32(self, eqn, raw: Sequence[Value], region, wants: set) -> bool:
         """Whether ``eqn`` computes in float32 whatever the region crossings of its operands
@@ -110,7 +122,8 @@ class Evaluator:
         runs, segments = None, self.ctx.segments_on()
         nodes: dict = {}
         if (self.share or segments) and not isinstance(jaxpr, Program):
-            nodes = self.sharing.plan(jaxpr, wants, out_wants)
+            nodes = _cached(self.plans, ("share", id(jaxpr), tuple(out_wants)), jaxpr,
+                            lambda: sharing.plan(jaxpr, wants, self.facts, self.program_keys))
         if self.share and nodes:
             runs = {start: Run(node.end, node.inputs, node.outputs, functools.partial(
                         self.run_node, equations(jaxpr), node, base, wants))
@@ -119,19 +132,14 @@ class Evaluator:
             # segments end where shared calls begin and end, shared or not (the same program)
             runs = dict(runs or {})
             eqns = equations(jaxpr)
-            for start, seg in self.segment_plan(jaxpr, runs, nodes).items():
+            cuts = {n.start for n in nodes.values()} | {n.end for n in nodes.values()}
+            plan = _cached(self.plans, ("segments", id(jaxpr), tuple(sorted(runs))), jaxpr,
+                           lambda: recompute.plan(self.op_rules, jaxpr, runs, cuts,
+                                                  self.recompute_memo))
+            for start, seg in plan.items():
                 runs[start] = Run(seg.end, seg.run_ins, seg.run_outs, functools.partial(
                     recompute.run_range, self.ctx, eqns, seg, base, wants, drop))
         return evaluate(jaxpr, consts, args, run_eqn, literal, runs)
-
-    def segment_plan(self, jaxpr, taken: dict, nodes: dict) -> dict:
-        key = (id(jaxpr), tuple(sorted(taken)))
-        known = self.segment_plans.get(key)
-        if known is None or known[0] is not jaxpr:
-            cuts = {n.start for n in nodes.values()} | {n.end for n in nodes.values()}
-            known = self.segment_plans[key] = (jaxpr, recompute.plan(
-                self.op_rules, jaxpr, taken, cuts, self.recompute_memo))
-        return known[1]
 
     def run_node(self, eqns, node: Node, base, wants: set, ins: list[Value]) -> list[Value]:
         """A module call whose structure repeats: one :class:`Body` per (structure, what is
@@ -196,7 +204,7 @@ class Evaluator:
         instead of theirs, where given), in ``region``: one per program, inputs and region."""
         if dtypes is None:
             dtypes = [m.dtype for m in metas]
-        key = (self.sharing.program_key(closed),
+        key = (sharing.program_key(closed, self.facts, self.program_keys),
                tuple((m.stored, m.const, m.region, m.splat, d) for m, d in zip(metas, dtypes)),
                region, None if out_wants is None else tuple(out_wants), self.ctx.scopes())
         body = self.bodies.get(key)
