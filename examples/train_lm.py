@@ -143,11 +143,10 @@ def train(s: Setup, run: lm_stop.Run) -> int:
     tx = make_optimizer(args)
     start_step, meta, corrupted, kept = 0, None, [], []
     run.phase = "reading the checkpoint" if args.resume else "initialising"
-    step_fn = make_step(model, tx, s, mesh)
-    if args.resume:  # fp8=delayed: the target holds the amax histories the checkpoint has
-        abstract = lm_mesh.place(jax.eval_shape(step_fn.calibrate, create_state(
-            model, tx, s, abstract=True), batch_at(0)), mesh)
-        state, meta, corrupted = lm_checkpoint.resume(s, abstract)  # onto the mesh, if any
+    step_fn = make_step(model, tx, s, mesh)  # .calibrate: fp8=delayed's amax histories
+    if args.resume:  # onto the mesh, if any; the target has fp8=delayed's amax histories
+        state, meta, corrupted = lm_checkpoint.resume(s, lm_mesh.place(jax.eval_shape(
+            step_fn.calibrate, create_state(model, tx, s, abstract=True), batch_at(0)), mesh))
         start_step = int(meta["step"])
         kept = lm_checkpoint.metrics_before(metrics_path, start_step)
     else:
@@ -158,10 +157,9 @@ def train(s: Setup, run: lm_stop.Run) -> int:
                                      corrupted=corrupted, start_step=start_step):
             console.print(lm_report.esc(note))
     lm_report.header(console, s, state.params, start_step, meta)
-    state = lm_mesh.shard_state(state, mesh) if mesh else state
 
     # ---- step: compiled once; its memory read from the compiled program ----
-    state = step_fn.calibrate(state, batch_at(0))  # fp8=delayed's histories (else as it is)
+    state = step_fn.calibrate(lm_mesh.shard_state(state, mesh) if mesh else state, batch_at(0))
     eval_fn = jaxamp.make_eval_step(model, loss_fn, policy=s.policy, op_rules=s.op_rules)
 
     def evaluate(params) -> float:

@@ -619,30 +619,33 @@ def test_real_process_exit_status_and_stderr(runs, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
 
 
-@pytest.mark.parametrize("recipe", ["", ",fp8=delayed"])
-def test_fp8_policy_trains_the_tiny_preset_close_to_bf16(tmp_path, recipe):
+def test_fp8_policy_trains_the_tiny_preset_close_to_bf16(tmp_path):
     """``--policy ...,matmul=float8`` with ``--fp8-small 0,0`` (the tiny preset's matmuls are
-    below torchao's threshold): its projections run in FP8 (read from the run's program in
-    precision.json) and the final validation loss is within 3% of the bf16 run's. Delayed:
-    the blocks' ``nn.scan`` keeps a history per layer, saved with the state."""
+    below torchao's threshold), with current and with delayed scaling: its projections run in
+    FP8 (read from the run's program in precision.json) and the final validation loss is
+    within 3% of the bf16 run's. Delayed: the blocks' ``nn.scan`` keeps a history per layer,
+    saved with the state."""
     common = ["--preset", "tiny", "--steps", "30", "--warmup", "5", "--batch-size", "8",
               "--eval-interval", "0", "--eval-batches", "2", "--checkpoint-interval", "0",
               "--no-compare-f32"]
     bf16 = "params=float32,compute=bfloat16,output=float32"
     assert train_lm.main([*common, "--policy", bf16, "--out", str(tmp_path / "bf16")]) == 0
-    assert train_lm.main([*common, "--policy", bf16 + ",matmul=float8" + recipe, "--fp8-small",
-                          "0,0", "--out", str(tmp_path / "fp8")]) == 0
-    fp8, ref = summary(tmp_path / "fp8"), summary(tmp_path / "bf16")
-    assert fp8["policy"] == bf16 + ",matmul=float8" + recipe
-    tree = (tmp_path / "fp8" / "checkpoints" / "30" / "state" / "_METADATA").read_text()
+    ref = summary(tmp_path / "bf16")
     sites = {f"blocks/{m}#{i}" for m in ("attn/qkv", "attn/proj", "mlp/fc", "mlp/proj")
              for i in range(2)}
-    assert {s for s in sites if s in tree} == (sites if recipe else set())
-    rows = json.loads((tmp_path / "fp8" / "precision.json").read_text())
-    fp8_modules = sorted(r["module"] for r in rows
-                         if r["op"] == "matmul" and "float8_e4m3fn" in r["forward"])
-    assert len(fp8_modules) >= 4 and all("blocks" in m or "h_" in m or "layers" in m
-                                         for m in fp8_modules), fp8_modules
-    assert fp8["final_val_loss"] < fp8["initial_val_loss"] - 1.0
-    assert abs(fp8["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"] < 0.03
-    assert fp8["skipped_steps"] == 0
+    for recipe in ("", ",fp8=delayed"):
+        out = tmp_path / f"fp8{recipe}"
+        assert train_lm.main([*common, "--policy", bf16 + ",matmul=float8" + recipe,
+                              "--fp8-small", "0,0", "--out", str(out)]) == 0
+        fp8 = summary(out)
+        assert fp8["policy"] == bf16 + ",matmul=float8" + recipe
+        tree = (out / "checkpoints" / "30" / "state" / "_METADATA").read_text()
+        assert {s for s in sites if s in tree} == (sites if recipe else set())
+        rows = json.loads((out / "precision.json").read_text())
+        fp8_modules = sorted(r["module"] for r in rows
+                             if r["op"] == "matmul" and "float8_e4m3fn" in r["forward"])
+        assert len(fp8_modules) >= 4 and all("blocks" in m or "h_" in m or "layers" in m
+                                             for m in fp8_modules), fp8_modules
+        assert fp8["final_val_loss"] < fp8["initial_val_loss"] - 1.0
+        assert abs(fp8["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"] < 0.03
+        assert fp8["skipped_steps"] == 0

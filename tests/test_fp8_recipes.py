@@ -190,7 +190,7 @@ def test_tunix_llama3_in_fp8_stays_close_to_float32_for_every_recipe(monkeypatch
 @pytest.mark.skipif(not tp.installed("tunix"), reason="tunix is not installed (.ci/run has it)")
 def test_tunix_llama3_at_llama_1b_widths_under_the_default_policy_stays_close_to_float32():
     """The issue's tunix Llama at the widths FP8 is for: Llama 3.2 1B's layers (d 2048, MLP
-    8192, 32/8 heads; 2 of them, vocabulary 512), tunix's own dummy weights (std 0.02), under
+    8192, 32/8 heads; 1 of them, vocabulary 512), tunix's own dummy weights (std 0.02), under
     plain ``matmul=float8``, so the default eligibility decides: q, o, gate, up and down in
     FP8 (k/v, N = 512, and the first matmul stay bf16). Loss within 2% and gradient cosine
     >= 0.99 of float32 for each recipe, overall and for every parameter (each projection's
@@ -201,7 +201,7 @@ def test_tunix_llama3_at_llama_1b_widths_under_the_default_policy_stays_close_to
 
     m = tp.import_bare("tunix.models.llama3.model")
     creator = tp.import_bare("tunix.models.dummy_model_creator")
-    config = m.ModelConfig(num_layers=2, vocab_size=512, embed_dim=2048, hidden_dim=8192,
+    config = m.ModelConfig(num_layers=1, vocab_size=512, embed_dim=2048, hidden_dim=8192,
                            num_heads=32, head_dim=64, num_kv_heads=8, rope_theta=500_000,
                            norm_eps=1e-5, weight_tying=True)
     model = creator.create_dummy_model(m.Llama3, config, random_seed=1)
@@ -221,8 +221,8 @@ def test_tunix_llama3_at_llama_1b_widths_under_the_default_policy_stays_close_to
     for recipe in ("current", "rowwise"):
         amp = jaxamp.autocast(f, f"{BF16},matmul=float8,fp8={recipe}")
         lowered = jax.jit(jax.value_and_grad(amp)).lower(params, batch)
-        # 9 projections (5 a layer, less the first) x forward, dgrad, wgrad
-        assert len(planned_fp8_dots(lowered.as_text())) == 27, recipe
+        # 4 projections (5, less the first) x forward, dgrad, wgrad
+        assert len(planned_fp8_dots(lowered.as_text())) == 12, recipe
         loss, grads = lowered.compile()(params, batch)
         assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 0.02, recipe
         got = [np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)]
