@@ -518,8 +518,12 @@ def test_a_checkpoint_resumes_bit_identically(tmp_path):
 # ---- 8 virtual devices ------------------------------------------------------------------------
 
 
-def _mesh_run(mesh=None) -> dict:
-    model, params, batch = _net(rows=32)
+def _mesh_run(mesh=None, model=None) -> dict:
+    net, params, batch = _net(rows=32)
+    if model is None:
+        model = net
+    else:  # stacked layers (Scanned), a history each
+        params = model.init(jax.random.key(1), batch["x"])["params"]
     tx = optax.sgd(0.5)
     state = jaxamp.TrainState.create(model, params, tx, policy=DELAYED)
     kw = {}
@@ -538,7 +542,9 @@ def script() -> dict:
     from jax.sharding import Mesh
 
     assert jax.device_count() == 8
-    return {"one": _mesh_run(), "mesh": _mesh_run(Mesh(np.array(jax.devices()), ("data",)))}
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    return {"one": _mesh_run(), "mesh": _mesh_run(mesh),
+            "scanned_one": _mesh_run(model=Scanned()), "scanned_mesh": _mesh_run(mesh, Scanned())}
 
 
 def test_on_a_mesh_each_tensor_keeps_one_history_of_the_global_max():
@@ -557,3 +563,11 @@ def test_on_a_mesh_each_tensor_keeps_one_history_of_the_global_max():
         assert (a[:, :3] > 0).all()
     # the input's amax is the whole batch's (one device sees 4 of its 32 rows)
     assert one["Net/fc#0"][0][0] == float(jnp.max(jnp.abs(_net(rows=32)[2]["x"])))
+    # scanned layers on the mesh: a history per layer, each the global max too
+    one, mesh = out["scanned_one"], out["scanned_mesh"]
+    assert sorted(mesh) == sorted(one) == ["Scanned/head#0", "Scanned/inp#0", "layers/d#0",
+                                           "layers/d#1", "layers/d#2"]
+    for site in one:
+        a, b = np.asarray(one[site]), np.asarray(mesh[site])
+        np.testing.assert_array_equal(b[:2], a[:2])
+        np.testing.assert_allclose(b[2], a[2], rtol=2e-2)
