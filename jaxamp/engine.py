@@ -36,7 +36,7 @@ from jaxamp._engine.context import Marks
 from jaxamp._engine.control import rule_table
 from jaxamp._engine.evaluator import COUNTERS, Evaluator
 from jaxamp._engine.jaxpr import param_matmuls
-from jaxamp._engine.primitives import PARAM_READS
+from jaxamp._engine.primitives import FP8_MATMUL, PARAM_READS
 from jaxamp._engine.values import F64, Value, cast, dtype_of
 from jaxamp.fp8 import delayed_active
 from jaxamp.policy_spec import DEFAULT_POLICY
@@ -287,7 +287,7 @@ def _matmul_ends(jaxpr) -> dict[int, str]:
     """id(eqn) -> ``"first"``/``"last"``: the first and the last ``dot_general`` of the program
     that reads a param (an input, through reshapes/transposes/casts), unless it sits in a loop
     body (it runs once per iteration: every layer of a scanned stack)."""
-    dots = param_matmuls(jaxpr, frozenset({"dot_general"}), PARAM_READS)
+    dots = param_matmuls(jaxpr, FP8_MATMUL, PARAM_READS)
     ends: dict[int, str] = {}
     if dots and not dots[0][1]:
         ends[id(dots[0][0])] = "first"

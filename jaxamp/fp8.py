@@ -145,22 +145,32 @@ def _fp8_dot(lhs, rhs, dims, out_dtype, margin):
     return _fp8_fwd(lhs, rhs, dims, out_dtype, margin)[0]
 
 
-def _fp8_fwd(lhs, rhs, dims, out_dtype, margin):
-    lq, ls = quantize(lhs, E4M3, margin)
-    rq, rs = quantize(rhs, E4M3, margin)
+def _scaled_dot(lhs, rhs, lq, rq, ls, rs, dims, out_dtype):
+    """The FP8 dot of operands quantised with scales ``ls``, ``rs``, dequantised; and the
+    residuals :func:`_scaled_grads` reads (the operands' dtypes carried as zeros)."""
     y = lax.dot_general(lq, rq, dims, precision=lax.Precision.DEFAULT,
                         preferred_element_type=out_dtype)
-    zeros = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))  # carry the operand dtypes
+    zeros = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
     return _dequant(y, ls * rs, out_dtype), (lq, rq, ls, rs, zeros)
 
 
-def _fp8_bwd(dims, out_dtype, margin, res, g):
+def _scaled_grads(res, dims, gq, gs):
+    """dgrad and wgrad of :func:`_scaled_dot` from the output gradient ``gq`` (scale ``gs``),
+    each in its operand's dtype."""
     lq, rq, ls, rs, (lz, rz) = res
-    gq, gs = quantize(g, E5M2, margin)
     dl = _transpose_lhs(gq, lq.ndim, rq, dims, lz.dtype, gs * rs)
     (lc, rc), (lb, rb) = dims
     dr = _transpose_lhs(gq, rq.ndim, lq, ((rc, lc), (rb, lb)), rz.dtype, gs * ls, swap=True)
     return dl, dr
+
+
+def _fp8_fwd(lhs, rhs, dims, out_dtype, margin):
+    (lq, ls), (rq, rs) = quantize(lhs, E4M3, margin), quantize(rhs, E4M3, margin)
+    return _scaled_dot(lhs, rhs, lq, rq, ls, rs, dims, out_dtype)
+
+
+def _fp8_bwd(dims, out_dtype, margin, res, g):
+    return _scaled_grads(res, dims, *quantize(g, E5M2, margin))
 
 
 _fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
@@ -350,23 +360,17 @@ def _delayed_fwd(lhs, rhs, history, dims, out_dtype, margin, reduction):
         amax = history_amax(history, reduction)
     ls, rs = _scale_of(amax[0], E4M3, margin), _scale_of(amax[1], E4M3, margin)
     gs = _scale_of(amax[2], E5M2, margin)
-    lq, rq = _quantize_with(lhs, ls, E4M3), _quantize_with(rhs, rs, E4M3)
-    y = lax.dot_general(lq, rq, dims, precision=lax.Precision.DEFAULT,
-                        preferred_element_type=out_dtype)
-    zeros = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))  # carry the operand dtypes
-    return _dequant(y, ls * rs, out_dtype), (lq, rq, ls, rs, gs, ax, aw, zeros,
-                                             jnp.zeros_like(history))
+    y, res = _scaled_dot(lhs, rhs, _quantize_with(lhs, ls, E4M3), _quantize_with(rhs, rs, E4M3),
+                         ls, rs, dims, out_dtype)
+    return y, (res, gs, ax, aw, jnp.zeros_like(history))
 
 
 def _delayed_bwd(dims, out_dtype, margin, reduction, res, g):
-    lq, rq, ls, rs, gs, ax, aw, (lz, rz), h0 = res
+    res, gs, ax, aw, h0 = res
     ag = _amax(g)
     if reduction == _CALIBRATE:
         gs = _scale_of(ag, E5M2, margin)
-    gq = _quantize_with(g, gs, E5M2)
-    dl = _transpose_lhs(gq, lq.ndim, rq, dims, lz.dtype, gs * rs)
-    (lc, rc), (lb, rb) = dims
-    dr = _transpose_lhs(gq, rq.ndim, lq, ((rc, lc), (rb, lb)), rz.dtype, gs * ls, swap=True)
+    dl, dr = _scaled_grads(res, dims, _quantize_with(g, gs, E5M2), gs)
     # the history's "gradient": this call's amaxes in column 0 (the step rolls them in)
     return dl, dr, h0.at[:, 0].set(jnp.stack([ax, aw, ag]))
 

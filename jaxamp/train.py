@@ -410,9 +410,7 @@ class TrainStep:
         (``opt_state.fp8``), made from one pass over ``batch`` with current scaling, when the
         policy asks for them and the state has none; else ``state`` as it is. The first call
         does it; ``jax.eval_shape(step.calibrate, state, batch)`` gives a checkpoint's target."""
-        if self._calibrate is None or not isinstance(state, TrainState) \
-                or not isinstance(state.opt_state, AmpState) or state.opt_state.fp8 \
-                or not self._asks_delayed(state):
+        if not self._lacks_histories(state):
             return state
         self._check(state)
         if self._mesh is not None:
@@ -424,6 +422,13 @@ class TrainStep:
             return state
         return state.replace(opt_state=state.opt_state._replace(fp8=fp8))
 
+    def _lacks_histories(self, state) -> bool:
+        """Whether ``state`` is a train state without amax histories whose policy asks for
+        ``fp8=delayed`` (it may still have no delayed matmul at the step's top level)."""
+        return self._calibrate is not None and isinstance(state, TrainState) \
+            and isinstance(state.opt_state, AmpState) and not state.opt_state.fp8 \
+            and self._asks_delayed(state)
+
     def _asks_delayed(self, state) -> bool:
         """Whether the policy (or an override) asks for ``fp8=delayed``, read once per policy."""
         if state.policy not in self._delayed:
@@ -434,9 +439,7 @@ class TrainStep:
         """The step lowered for ``state``'s shapes, which must already hold any amax
         histories the policy needs: a program lowered without them would run every
         ``fp8=delayed`` matmul with current scaling, silently."""
-        if self._calibrate is not None and isinstance(state, TrainState) \
-                and isinstance(state.opt_state, AmpState) and not state.opt_state.fp8 \
-                and self._asks_delayed(state) \
+        if self._lacks_histories(state) \
                 and jax.eval_shape(self.calibrate, state, batch).opt_state.fp8:
             raise ValueError(
                 f"step.lower: the policy {state.policy!r} asks for fp8=delayed, and the state "

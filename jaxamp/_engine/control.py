@@ -31,7 +31,7 @@ from jaxamp._engine.compat import (
 from jaxamp._engine.context import Context, Rule, Site
 from jaxamp._engine.jaxpr import param_matmuls
 from jaxamp._engine.op_rules import RuleCall, as_traced, first_order
-from jaxamp._engine.primitives import CALLS, PARAM_READS, REMAT
+from jaxamp._engine.primitives import CALLS, FP8_MATMUL, PARAM_READS, REMAT
 from jaxamp._engine.values import Value, cast, dtype_of, is_float, spec, widest
 
 __all__ = ["HIGHER_ORDER", "INLINE", "rule_table"]
@@ -41,7 +41,6 @@ INLINE = CALLS
 #: The longest scan ``Context.layers_in_place`` takes for a stack of layers (a longer one is a
 #: loop over data, an RNN's time steps: it stays a loop).
 LAYERS_AT_MOST = 256
-DOT = frozenset({"dot_general"})
 
 
 def inline(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
@@ -115,7 +114,7 @@ def _scan(ctx: Context, eqn, ins: list[Value], site: Site) -> list[Value]:
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     live = [v.live() for v in init]
     if ctx.layers_in_place and 0 < p.length <= LAYERS_AT_MOST and param_matmuls(
-            p.jaxpr, DOT, PARAM_READS, range(nc + nk, nc + nk + len(xs))):
+            p.jaxpr, FP8_MATMUL, PARAM_READS, range(nc + nk, nc + nk + len(xs))):
         return _layer_by_layer(ctx, p, consts, live, xs, site)
     x_specs = [jax.ShapeDtypeStruct(np.shape(v.val)[1:], v.dtype) for v in xs]
 

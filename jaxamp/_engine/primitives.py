@@ -6,10 +6,10 @@ versions only are in :data:`VERSIONED`. This module imports nothing.
 
 from __future__ import annotations
 
-__all__ = ["AS_TRACED", "CALLS", "CONTAINERS", "FP32", "IDENTITY", "IN_LINE", "LEADING_SUMS",
-           "LOOPS", "MATMUL", "NEVER_RECOMPUTED", "NOT_ELEMENTWISE", "PARAM_READS", "PROMOTE",
-           "REMAT", "SELF_DERIVED", "SOFTMAX", "STATISTICS", "STRUCTURAL", "SUM", "TRANSPARENT",
-           "VERSIONED", "all_names"]
+__all__ = ["AS_TRACED", "CALLS", "CONTAINERS", "FP32", "FP8_MATMUL", "IDENTITY", "IN_LINE",
+           "LEADING_SUMS", "LOOPS", "MATMUL", "NEVER_RECOMPUTED", "NOT_ELEMENTWISE", "PARAM_READS",
+           "PROMOTE", "REMAT", "SELF_DERIVED", "SOFTMAX", "STATISTICS", "STRUCTURAL", "SUM",
+           "TRANSPARENT", "VERSIONED", "all_names"]
 
 # ---- op classes: the defaults of jaxamp.rules.OpRules ----------------------------------------
 
@@ -137,6 +137,9 @@ SELF_DERIVED = frozenset({"tanh"})
 #: What a param goes through between its read and a matmul (still "the param").
 PARAM_READS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim",
                          "squeeze", "copy", "slice"})
+#: The matmul the FP8 rule runs: the first and last of a program, and the scans over stacked
+#: layers ``Context.layers_in_place`` evaluates layer by layer, are found among these.
+FP8_MATMUL = frozenset({"dot_general"})
 
 # ---- versions ---------------------------------------------------------------------------------
 
