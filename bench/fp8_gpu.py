@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from _steps import interleaved_runtime, med  # noqa: E402
 from gpt import GPT, GPTConfig, init, lm_loss, make_batch  # noqa: E402
-from gpu_estimate import LLAMA, LLAMA_SHAPES, _llama  # noqa: E402
+from gpu_estimate import LLAMA_SHAPES, _llama  # noqa: E402
 
 import jaxamp  # noqa: E402
 from jaxamp.diagnostics._hlo import find_gemms  # noqa: E402
@@ -45,8 +45,7 @@ SHAPES = {  # name -> (config, batch)
 }
 DRY_SHAPES = {"gpt2-small": (GPTConfig(layers=2, d_model=64, heads=2, seq=32), 2),
               "d2048": (GPTConfig(layers=1, d_model=128, heads=2, seq=32), 2)}
-RECIPES = tuple(f"jaxamp{s}/bfloat16" for s in ("", "-fp8", "-fp8dl", "-fp8rw"))
-LLAMA_SHAPES[64] = (dict(LLAMA, vocab_size=256, embed_dim=64, hidden_dim=128, head_dim=16), 2, 32)
+RUNS = tuple(f"jaxamp{s}/bfloat16" for s in ("", "-fp8", "-fp8dl", "-fp8rw"))
 
 
 def _timed(variants: dict, steps: int, repeats: int) -> tuple[dict, dict]:
@@ -78,16 +77,16 @@ def _timed(variants: dict, steps: int, repeats: int) -> tuple[dict, dict]:
 
 
 def llama_recipes(dry: bool, layers: int, steps: int, repeats: int) -> dict:
-    """:data:`RECIPES` (gpu_estimate.py's bf16, current, delayed, rowwise) on its fused-attention
+    """:data:`RUNS` (gpu_estimate.py's bf16, current, delayed, rowwise) on its fused-attention
     Llama3 at d 2048 (``dry``: d 64, every aligned matmul FP8 but the first and the head)."""
     d = 64 if dry else 2048
     out, progs = _timed({name: _llama(name.replace("/", "all/") if dry and "fp8" in name
                                       else name, None, None, d, layers, "fused", run=True)
-                         for name in RECIPES}, steps, repeats)
+                         for name in RUNS}, steps, repeats)
     for r in out.values():
-        r["over_bf16"] = r["tokens_per_s"] / out[RECIPES[0]]["tokens_per_s"]
+        r["over_bf16"] = r["tokens_per_s"] / out[RUNS[0]]["tokens_per_s"]
     return {"config": dict(LLAMA_SHAPES[d][0], num_layers=layers, attention="fused"), "variants":
-            out, "batch": LLAMA_SHAPES[d][1:], "estimate_target": progs[RECIPES[0]].target.source}
+            out, "batch": LLAMA_SHAPES[d][1:], "estimate_target": progs[RUNS[0]].target.source}
 
 
 def measure(cfg: GPTConfig, batch_size: int, *, dry: bool, steps: int, repeats: int) -> dict:
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on CPU")
     ap.add_argument("--shapes", default="gpt2-small,d2048", help="bench GPT shapes ('': none)")
     ap.add_argument("--llama-layers", type=int, default=0,
-                    help="time the FP8 recipes on the Llama3 of N layers (0: not; dry run: 2)")
+                    help="time the FP8 recipes on the Llama3 of N layers (0: not; dry run: 1)")
     args = ap.parse_args(argv)
     table = DRY_SHAPES if (dry := args.cpu_dry_run) else SHAPES
     steps, repeats = (2, 2) if dry else (10, 5)
@@ -137,7 +136,7 @@ def main(argv=None) -> int:
         results["shapes"][name] = measure(*table[name], dry=dry, steps=steps, repeats=repeats)
         print(json.dumps({name: results["shapes"][name]}, default=str), flush=True)
     if args.llama_layers or dry:
-        results["llama_recipes"] = llama_recipes(dry, args.llama_layers or 2, steps, repeats)
+        results["llama_recipes"] = llama_recipes(dry, args.llama_layers or 1, steps, repeats)
     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     for name, r in results["shapes"].items():
         print(f"{name}: FP8 GEMMs planned {r['hlo']['planned']}, fused {r['hlo']['fused']}, "

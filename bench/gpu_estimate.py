@@ -78,7 +78,8 @@ LLAMA_1B = dict(num_layers=16, vocab_size=128256, embed_dim=2048, hidden_dim=819
 LLAMA_8B = dict(LLAMA_1B, num_layers=32, embed_dim=4096, hidden_dim=14336, head_dim=128,
                 weight_tying=False)
 LLAMA_SHAPES = {768: (LLAMA, SMALL_BATCH, 1024), 2048: (LLAMA_1B, 4, 2048),
-                4096: (LLAMA_8B, 4, 2048)}
+                4096: (LLAMA_8B, 4, 2048),  # 64: a toy for fp8_gpu.py's CPU dry run
+                64: (dict(LLAMA, vocab_size=256, embed_dim=64, hidden_dim=128, head_dim=16), 2, 32)}
 FP8 = ",matmul=float8"  # "jaxamp-fp8": default eligibility; "jaxamp-fp8all": every matmul
 
 

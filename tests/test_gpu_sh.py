@@ -72,7 +72,7 @@ def test_files(dry_run):
     llama = fp8["llama_recipes"]
     assert list(llama["variants"]) == ["jaxamp/bfloat16", "jaxamp-fp8/bfloat16",
                                        "jaxamp-fp8dl/bfloat16", "jaxamp-fp8rw/bfloat16"]
-    assert llama["config"]["attention"] == "fused" and llama["config"]["num_layers"] == 2
+    assert llama["config"]["attention"] == "fused" and llama["config"]["num_layers"] == 1
     for name, r in llama["variants"].items():
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["estimated_ms"] > 0, name
         assert r["fp8_formed"] is None and r["measured_over_estimated"] > 0, name
