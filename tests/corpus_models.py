@@ -358,7 +358,9 @@ class MoE(nn.Module):
         y = jnp.einsum("ech,ehd->ecd", h, w_out)
         y = jnp.pad(y, ((0, 0), (0, 1), (0, 0)))                                # dropped slot
         out = y[expert.reshape(-1), slot] * (gates.reshape(-1) * keep)[:, None]  # gather
-        out = jnp.zeros_like(tokens).at[token].add(out)                          # combine
+        # combine; the gates are float32 (a softmax), so under Flax's dtype= the expert outputs
+        # meet a bfloat16 buffer: cast, where JAX warns (and will raise) on the implicit one
+        out = jnp.zeros_like(tokens).at[token].add(out.astype(tokens.dtype))
         # Switch Transformer load-balancing loss: fraction routed x mean router probability.
         frac = jnp.mean(onehot.reshape(n, self.top_k, -1).sum(1).astype(jnp.float32), axis=0)
         self.sow("intermediates", "aux_loss", self.experts * jnp.sum(frac * probs.mean(0)))
