@@ -15,6 +15,7 @@ exactly half the bytes (CORPUS.md, "Optimizer state in bfloat16", has GPT-2 too)
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corpus import (  # noqa: E402
     OPT_STATE_OPTIMIZERS,
     POLICIES,
+    flax_dtype_grad_cos,
     measure,
     measure_opt_state,
     opt_state_problems,
@@ -38,6 +40,17 @@ def test_corpus(name, dtype):
     row = measure(name, dtype)
     assert row["matmuls"] > 0 and row["sensitive"] > 0  # the program was read at all
     assert problems(row) == []
+
+
+@pytest.mark.parametrize("dtype", list(POLICIES))
+def test_the_moe_flax_dtype_baseline_makes_no_cast_jax_will_refuse(dtype):
+    """``python tests/corpus.py`` (CORPUS.md's tables) measures every row's Flax ``dtype=``
+    baseline; ``test_corpus`` only where autocast's cosine is below 0.999, never the MoE's.
+    Its float32-gated expert outputs meet a low-precision buffer in the combine's scatter: an
+    implicit cast there is a FutureWarning that says JAX will raise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert flax_dtype_grad_cos("moe", dtype) > 0.999
 
 
 @pytest.mark.parametrize("optimizer", list(OPT_STATE_OPTIMIZERS))
